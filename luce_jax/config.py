@@ -1,0 +1,110 @@
+"""ModelConfig (read from GGUF metadata) and the frozen, validated EngineConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("bfloat16", "float16", "float32")
+CACHE_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a dense decoder (llama / qwen2 / qwen3)."""
+
+    arch: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int  # H
+    n_kv_heads: int  # K
+    head_dim: int  # D
+    ffn_dim: int
+    rms_eps: float = 1e-6
+    rope_base: float = 10000.0
+    rope_dim: int = 0  # dimensions rotated; 0 = head_dim
+    rope_neox: bool = True  # rotate halves (qwen) rather than adjacent pairs (llama in GGUF)
+    rope_scaling: str = "none"  # none | linear
+    rope_scaling_factor: float = 1.0
+    qk_norm: bool = False
+    attn_bias: bool = False
+    tied_embeddings: bool = False
+    context_length: int = 4096
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+def default_compile_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return os.path.join(base, "luce_jax", "xla")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; field names are the CLI flags in snake_case."""
+
+    model: str | None = None
+    model_name: str | None = None
+    dtype: str = "bfloat16"
+    max_concurrency: int = 8
+    max_ctx: int = 4096
+    kv_pool_tokens: int = 0  # 0 = derive from free device memory
+    kv_block_size: int = 16
+    cache_type_k: str = "bf16"
+    cache_type_v: str = "bf16"
+    prefill_chunk: int = 512
+    prefill_token_budget: int = 512
+    max_concurrent_prefills: int = 4
+    admission_coalesce_ms: float = 0.0
+    max_queue: int = 256
+    chat_template_file: str | None = None
+    compile_cache_dir: str | None = field(default_factory=default_compile_cache_dir)
+    seed: int = 0
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {DTYPES}")
+        for name in ("cache_type_k", "cache_type_v"):
+            if getattr(self, name) not in CACHE_TYPES:
+                bad(name, f"must be one of {tuple(CACHE_TYPES)}")
+        for name in (
+            "max_concurrency",
+            "max_ctx",
+            "kv_block_size",
+            "prefill_chunk",
+            "prefill_token_budget",
+            "max_concurrent_prefills",
+            "max_queue",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(name, "must be a positive integer")
+        if self.kv_block_size & (self.kv_block_size - 1):
+            bad("kv_block_size", "must be a power of two")
+        if not isinstance(self.kv_pool_tokens, int) or self.kv_pool_tokens < 0:
+            bad("kv_pool_tokens", "must be an integer >= 0 (0 = auto)")
+        if self.admission_coalesce_ms < 0:
+            bad("admission_coalesce_ms", "must be >= 0")
+        if self.prefill_chunk > self.prefill_token_budget:
+            bad("prefill_chunk", f"must be <= prefill_token_budget ({self.prefill_token_budget})")
+        if self.model is not None and not Path(self.model).is_file():
+            bad("model", "no such file")
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_ctx // self.kv_block_size)

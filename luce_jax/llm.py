@@ -1,0 +1,164 @@
+"""LLM: the offline Python API (load a GGUF, warm up, generate through the engine loop)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from .config import CACHE_TYPES, EngineConfig
+from .request import Event
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Device memory kept free for compile workspace and step activations when sizing the pool.
+WORKSPACE_FRACTION = 0.08
+
+
+def load_engine(config: EngineConfig):
+    """Load the GGUF, size the KV pool, build the engine and compile every step bucket.
+
+    Returns:
+      (GGUFTokenizer, DenseEngine), ready to be driven by a Scheduler.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from .engine import DenseEngine
+    from .gguf import GGUFFile, load_params, model_config
+    from .runner import Runner, enable_compile_cache
+    from .tokenizer import GGUFTokenizer, GGUFVocab
+
+    enable_compile_cache(config.compile_cache_dir)
+    f = GGUFFile(config.model)
+    template = None
+    if config.chat_template_file:
+        with open(config.chat_template_file) as fh:
+            template = fh.read()
+    tokenizer = GGUFTokenizer(GGUFVocab.from_metadata(f.metadata), template)
+    mc, params = load_params(f, model_config(f.metadata), config.dtype)
+    kv_dtype = jnp.dtype(CACHE_TYPES[config.cache_type_k])
+    per_token = 2 * mc.n_layers * mc.kv_size * kv_dtype.itemsize
+    num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token)
+    log.info(
+        "KV pool: %d blocks of %d tokens (%.2f GiB)",
+        num_blocks - 1,
+        config.kv_block_size,
+        num_blocks * config.kv_block_size * per_token / 2**30,
+    )
+    runner = Runner(
+        mc,
+        params,
+        num_blocks,
+        config.kv_block_size,
+        config.max_concurrency,
+        config.max_blocks_per_seq,
+        kv_dtype,
+    )
+    engine = DenseEngine(config, runner, num_blocks)
+    runner.warmup(engine.bucket_pairs())
+    return tokenizer, engine
+
+
+def kv_pool_blocks(c: EngineConfig, device, bytes_per_token: int) -> int:
+    """Blocks in the pool, the sink included: kv_pool_tokens, or what free memory holds."""
+    P = c.kv_block_size
+    if c.kv_pool_tokens:
+        blocks = -(-c.kv_pool_tokens // P)
+    else:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] * (1 - WORKSPACE_FRACTION) - stats["bytes_in_use"]
+            blocks = int(free // (bytes_per_token * P))
+        else:  # no allocator statistics (CPU): room for every slot at full context
+            blocks = c.max_concurrency * c.max_blocks_per_seq
+    if blocks < c.max_blocks_per_seq:
+        raise ValueError(
+            f"kv_pool_tokens: the KV pool holds {blocks * P} tokens, less than one "
+            f"max_ctx={c.max_ctx} sequence; lower max_ctx or free device memory"
+        )
+    return blocks + 1
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    error: str | None = None
+
+
+class LLM:
+    """Load a model and generate with continuous batching.
+
+    >>> llm = LLM(model="model.gguf", max_concurrency=8)
+    >>> llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))[0].text
+
+    Keyword arguments are EngineConfig fields (the CLI flags in snake_case).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        from .loop import EngineLoop
+        from .scheduler import Scheduler
+
+        if model is None:
+            raise ValueError("model: a GGUF path is required")
+        self.config = config = EngineConfig(model=str(model), **kwargs)
+        self.tokenizer, self.engine = load_engine(config)
+        self.model_config = self.engine.runner.cfg
+        self.scheduler = Scheduler(
+            self.engine, self.tokenizer, config.max_queue, config.admission_coalesce_ms
+        )
+        self.loop = EngineLoop(self.scheduler).start()
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
+            raise ValueError("prompt: token ids must be integers in [0, vocab_size)")
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Generate for every prompt at once (continuous batching); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sampling = sampling or SamplingParams()
+        sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(sps) != len(prompts):
+            raise ValueError(f"sampling: {len(sps)} params for {len(prompts)} prompts")
+        ids = [self.encode_prompt(p) for p in prompts]
+        outs = [Completion("", [], None, prompt_token_ids=i) for i in ids]
+        done = threading.Semaphore(0)
+
+        def listener(out: Completion):
+            def on_event(ev: Event):
+                out.text += ev.text
+                out.token_ids.extend(ev.token_ids)
+                out.logprobs.extend(ev.logprobs)
+                if ev.final:
+                    out.finish_reason, out.error = ev.finish_reason, ev.error
+                    done.release()
+
+            return on_event
+
+        for i, sp, out in zip(ids, sps, outs, strict=True):
+            self.loop.submit(i, sp, listener(out))
+        for _ in outs:
+            done.acquire()
+        return outs
+
+    def close(self) -> None:
+        self.loop.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

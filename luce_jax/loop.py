@@ -1,0 +1,94 @@
+"""The engine loop: a background thread that owns the scheduler and the engine.
+
+Other threads talk to it only through `submit` and `cancel`, which enqueue commands; the loop
+applies them between steps, so the scheduler and engine are never touched concurrently.
+
+Each iteration:
+  1. Apply pending submits and cancels (a cancel retires the slot before the next plan).
+  2. If there is work, run one scheduler step (admit, plan, engine step, route, retire).
+  3. If idle, sleep until a command arrives (or the coalesce window ends).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from .request import Event, Request
+from .sampling import SamplingParams
+from .scheduler import QueueFull, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="luce-engine", daemon=True)
+        self.step_listeners: list = []  # callables(seconds) told each step's duration
+        self.error: BaseException | None = None
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout)
+
+    def submit(self, prompt: list[int], sampling: SamplingParams, on_event) -> Request:
+        """Queue a request; `on_event(Event)` is called on the engine thread. Thread-safe."""
+        req = Request(list(prompt), sampling, on_event)
+        self._commands.put(("submit", req))
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Thread-safe; the slot and its blocks are free before the next step."""
+        self._commands.put(("cancel", req))
+
+    def _apply(self, block: bool, timeout: float | None) -> None:
+        try:
+            cmd = self._commands.get(block=block, timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            kind, req = cmd
+            if kind == "submit":
+                try:
+                    self.scheduler.add(req)
+                except QueueFull as e:
+                    req.phase = "failed"
+                    req.emit(Event(finish_reason="error", error=str(e)))
+            elif kind == "cancel":
+                self.scheduler.cancel(req)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        sched = self.scheduler
+        while not self._stop.is_set():
+            self._apply(block=sched.idle, timeout=None if sched.idle else 0)
+            if self._stop.is_set():
+                break
+            t0 = time.perf_counter()
+            try:
+                worked = sched.step()
+            except Exception as e:  # a bug in the loop itself: fail what is in flight, go on
+                log.exception("engine loop iteration failed")
+                self.error = e
+                for req in list(sched.running.values()) + list(sched.queue):
+                    sched.cancel(req)
+                continue
+            if worked:
+                dt = time.perf_counter() - t0
+                for fn in self.step_listeners:
+                    fn(dt)
+            elif not sched.idle:
+                time.sleep(0.001)  # waiting out the admission coalesce window

@@ -1,0 +1,126 @@
+"""Dense decoder (llama / qwen2 / qwen3) as a pure function over a packed, paged token axis.
+
+Shapes: T packed tokens, S segments (sequence rows), R logits rows, H query heads, K kv
+heads, D head dim, P block size, NB KV blocks, MB blocks per sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+from .attention import paged_attention_xla
+
+KV = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), each [NB, P, K, D]
+
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_tables(positions, cfg: ModelConfig, freq_factors=None):
+    """cos/sin [T, rope_dim/2] for absolute positions."""
+    half = cfg.rope_dim // 2
+    inv_freq = 1.0 / (cfg.rope_base ** (jnp.arange(half, dtype=jnp.float32) * 2 / cfg.rope_dim))
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors
+    pos = positions.astype(jnp.float32)
+    if cfg.rope_scaling == "linear":
+        pos = pos / cfg.rope_scaling_factor
+    ang = pos[:, None] * inv_freq[None, :]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin, cfg: ModelConfig):
+    """Rotate the first rope_dim dims of x [T, N, D]; NEOX rotates halves, llama adjacent pairs."""
+    rd = cfg.rope_dim
+    xr, rest = x[..., :rd].astype(jnp.float32), x[..., rd:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if cfg.rope_neox:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2 :]
+        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    else:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = jnp.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).reshape(xr.shape)
+    return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
+
+
+def write_kv(cache, write_idx, new):
+    """Scatter new [T, K, D] rows into cache [NB, P, K, D] at flat slots write_idx [T]."""
+    nb, p, k, d = cache.shape
+    flat = cache.reshape(nb * p, k, d).at[write_idx].set(new.astype(cache.dtype))
+    return flat.reshape(nb, p, k, d)
+
+
+def _mm(x, w):
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=None):
+    """One model step over packed tokens; writes this step's K/V and returns requested logits.
+
+    Args:
+      params: pytree from gguf.load_params.
+      kv: per-layer (k, v) caches [NB, P, K, D]; block 0 is the sink padding rows write to.
+      batch: dict of fixed-width int32 arrays:
+        tokens [T], positions [T], seg_ids [T] (row into block_tables), write_idx [T]
+        (flat KV slot block*P + offset), block_tables [S, MB], kv_lens [S], cu_q_lens [S+1],
+        logit_rows [R] (indices into T whose logits are wanted).
+      cfg: static model config.
+      attention_fn: paged attention with paged_attention_xla's signature.
+    Returns:
+      (logits [R, V] float32, new kv).
+    """
+    attn = attention_fn or paged_attention_xla
+    T = batch["tokens"].shape[0]
+    H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    x = params["embed"][batch["tokens"]].astype(jnp.float32)  # residual stream in f32
+    cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
+    scale = 1.0 / (D**0.5)
+    new_kv = []
+    for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+        qkv = _mm(h, lp["wqkv"])
+        if "bqkv" in lp:
+            qkv = qkv + lp["bqkv"]
+        q = qkv[:, : H * D].reshape(T, H, D)
+        k = qkv[:, H * D : (H + K) * D].reshape(T, K, D)
+        v = qkv[:, (H + K) * D :].reshape(T, K, D)
+        if "q_norm" in lp:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
+        q = apply_rope(q, cos, sin, cfg)
+        k = apply_rope(k, cos, sin, cfg)
+        kc = write_kv(kc, batch["write_idx"], k)
+        vc = write_kv(vc, batch["write_idx"], v)
+        o = attn(
+            q.astype(kc.dtype),
+            kc,
+            vc,
+            batch["seg_ids"],
+            batch["positions"],
+            batch["block_tables"],
+            batch["kv_lens"],
+            scale=scale,
+        )
+        x = x + _mm(o.reshape(T, H * D), lp["wo"])
+        h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+        gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, axis=-1)
+        x = x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
+        new_kv.append((kc, vc))
+    h = rms_norm(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
+    if "lm_head" in params:
+        logits = _mm(h, params["lm_head"])
+    else:
+        emb = params["embed"]
+        logits = jnp.einsum(
+            "rd,vd->rv", h.astype(emb.dtype), emb, preferred_element_type=jnp.float32
+        )
+    return logits, new_kv
+
+
+def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KV:
+    shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers)]

@@ -1,0 +1,264 @@
+"""GGUF vocabularies as HF `tokenizers` objects; incremental detokenization; chat templates."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+log = logging.getLogger(__name__)
+
+# llama.cpp token types (llama_token_type in gguf metadata `tokenizer.ggml.token_type`).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+# Split patterns of llama.cpp's byte-level BPE pre-tokenizers (llama-vocab.cpp),
+# by `tokenizer.ggml.pre`.
+_PRE_PATTERNS = {
+    "qwen2": _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama3": _CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+}
+_PRE_ALIASES = {
+    "default": "gpt2",
+    "gpt-2": "gpt2",
+    "llama-bpe": "llama3",
+    "llama-v3": "llama3",
+    "smaug-bpe": "llama3",
+    "deepseek-r1-qwen": "qwen2",
+    "qwen35": "qwen2",
+}
+
+
+@dataclass
+class GGUFVocab:
+    """The tokenizer part of GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
+
+    model: str
+    pre: str
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str] = field(default_factory=list)
+    scores: list[float] | None = None
+    bos_id: int | None = None
+    eos_id: int | None = None
+    eot_id: int | None = None
+    unk_id: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+    add_space_prefix: bool = True
+    chat_template: str | None = None
+
+    @classmethod
+    def from_metadata(cls, md: dict) -> GGUFVocab:
+        """Args: md: GGUF metadata (key -> value), as GGUFFile.metadata holds it."""
+        if "tokenizer.ggml.tokens" not in md:
+            raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+        model = md.get("tokenizer.ggml.model", "gpt2")
+        tokens = md["tokenizer.ggml.tokens"]
+        types = md.get("tokenizer.ggml.token_type")
+        scores = md.get("tokenizer.ggml.scores")
+        return cls(
+            model=model,
+            pre=md.get("tokenizer.ggml.pre", "default"),
+            tokens=tokens,
+            token_types=[int(t) for t in types] if types is not None else [NORMAL] * len(tokens),
+            merges=md.get("tokenizer.ggml.merges", []),
+            scores=[float(x) for x in scores] if scores is not None else None,
+            bos_id=md.get("tokenizer.ggml.bos_token_id"),
+            eos_id=md.get("tokenizer.ggml.eos_token_id"),
+            eot_id=md.get("tokenizer.ggml.eot_token_id"),
+            unk_id=md.get("tokenizer.ggml.unknown_token_id"),
+            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", model == "llama")),
+            add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True)),
+            chat_template=md.get("tokenizer.chat_template"),
+        )
+
+
+def _spm_merges(vocab: dict[str, int], scores: list[float], types: list[int]) -> list[tuple]:
+    """Merges ranked by the score of the merged piece, as SentencePiece BPE applies them."""
+    merges = []
+    for piece, pid in vocab.items():
+        if types[pid] != NORMAL or len(piece) < 2:
+            continue
+        local = [
+            (piece[:i], piece[i:])
+            for i in range(1, len(piece))
+            if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges.extend((lr, scores[pid]) for lr in local)
+    merges.sort(key=lambda m: m[1], reverse=True)  # stable: ties keep (left id, right id) order
+    return [m[0] for m in merges]
+
+
+def build_hf_tokenizer(v: GGUFVocab) -> Tokenizer:
+    """Build the HF `tokenizers` object that tokenizes as llama.cpp does for this vocabulary."""
+    vocab = {tok: i for i, tok in enumerate(v.tokens)}
+    if v.model == "gpt2":
+        pre = _PRE_ALIASES.get(v.pre, v.pre)
+        if pre not in _PRE_PATTERNS:
+            raise ValueError(
+                f"unsupported tokenizer.ggml.pre {v.pre!r}; supported: "
+                f"{sorted(set(_PRE_PATTERNS) | set(_PRE_ALIASES))}"
+            )
+        merges = [tuple(m.split(" ", 1)) for m in v.merges]
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=(pre == "llama3")))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_PRE_PATTERNS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+    elif v.model == "llama":
+        if v.scores is None:
+            raise ValueError("SentencePiece GGUF vocabulary has no tokenizer.ggml.scores")
+        merges = _spm_merges(vocab, v.scores, v.token_types)
+        unk = v.tokens[v.unk_id] if v.unk_id is not None else None
+        tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
+        norm = [normalizers.Replace(" ", "▁")]
+        if v.add_space_prefix:
+            norm.insert(0, normalizers.Prepend("▁"))
+        tok.normalizer = normalizers.Sequence(norm)
+        dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if v.add_space_prefix:
+            dec.append(decoders.Strip(" ", 1, 0))
+        tok.decoder = decoders.Sequence(dec)
+    else:
+        raise ValueError(f"unsupported tokenizer.ggml.model {v.model!r}; supported: gpt2, llama")
+    # Control tokens are special (skipped in output text); user-defined ones are ordinary text
+    # that is always matched whole, as llama.cpp does.
+    added = [
+        AddedToken(t, special=(ty == CONTROL), normalized=False)
+        for t, ty in zip(v.tokens, v.token_types, strict=True)
+        if ty in (CONTROL, USER_DEFINED)
+    ]
+    tok.add_tokens(added)
+    return tok
+
+
+class IncrementalDecoder:
+    """Turn a growing token list into text deltas; never emits a partial UTF-8 character.
+
+    Decodes a window that starts a few tokens back (prefix) so that tokenizers whose decoding
+    depends on context (SentencePiece's leading space, byte fallback) stay correct.
+    """
+
+    def __init__(self, tokenizer: GGUFTokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
+        full = self.tok.decode(self.ids[self.prefix :])
+        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return full[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back at the end of a sequence (an incomplete character)."""
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
+        full = self.tok.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return full[len(prefix_text) :]
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment HF's apply_chat_template uses."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class GGUFTokenizer:
+    """Encode, decode and chat-format text for one GGUF vocabulary."""
+
+    def __init__(self, vocab: GGUFVocab, chat_template: str | None = None):
+        self.vocab = vocab
+        self.hf = build_hf_tokenizer(vocab)
+        self.bos_id, self.eos_id = vocab.bos_id, vocab.eos_id
+        self.vocab_size = len(vocab.tokens)
+        # End-of-generation ids: EOS, EOT and the control tokens chat models end a turn with.
+        eog = {i for i in (vocab.eos_id, vocab.eot_id) if i is not None}
+        for name in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>"):
+            i = self.hf.token_to_id(name)
+            if i is not None and vocab.token_types[i] == CONTROL:
+                eog.add(i)
+        self.eog_ids = frozenset(eog)
+        src = chat_template if chat_template is not None else vocab.chat_template
+        self._template = compile_chat_template(src) if src else None
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, chat_template_file: str | Path | None = None):
+        from .gguf import GGUFFile
+
+        tmpl = Path(chat_template_file).read_text() if chat_template_file else None
+        return cls(GGUFVocab.from_metadata(GGUFFile(path).metadata), tmpl)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are parsed as such.
+
+        Args:
+          add_special: add BOS/EOS as the vocabulary's metadata asks (llama.cpp's add_special).
+        """
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if add_special and self.vocab.add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        if add_special and self.vocab.add_eos and self.eos_id is not None:
+            ids = ids + [self.eos_id]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int) -> str:
+        return self.hf.id_to_token(token_id)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+    ) -> str:
+        """Render messages to a prompt string as HF's apply_chat_template(tokenize=False) does."""
+        if self._template is None:
+            raise ValueError("this model has no chat template; pass chat_template_file")
+        tokens = self.vocab.tokens
+        ctx = {
+            "bos_token": tokens[self.bos_id] if self.bos_id is not None else "",
+            "eos_token": tokens[self.eos_id] if self.eos_id is not None else "",
+            **kwargs,
+        }
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **ctx
+        )

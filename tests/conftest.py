@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random models written as GGUF, the fixtures folder, CPU-only JAX."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+from hf_gguf import hf_to_gguf, make_hf_model  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    if not FIXTURES.is_dir():
+        pytest.skip(f"test fixtures not found at {FIXTURES} (CI lays ../shared beside the repo)")
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> (HF model, GGUF path) for llama, qwen2 (biases, tied) and qwen3 (QK-norm)."""
+    d = tmp_path_factory.mktemp("models")
+    out = {}
+    for arch in ("llama", "qwen2", "qwen3"):
+        m = make_hf_model(arch, seed=1)
+        out[arch] = (m, hf_to_gguf(m, arch, d / f"{arch}.gguf"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_models):
+    """A qwen3 GGUF for engine tests."""
+    return str(tiny_models["qwen3"][1])
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> str:
+    """One persistent compilation cache for the session: engines of equal shapes compile once."""
+    return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+TINY_ENGINE = dict(
+    dtype="float32",
+    cache_type_k="f32",
+    cache_type_v="f32",
+    max_concurrency=4,
+    max_ctx=128,
+    kv_pool_tokens=512,
+    prefill_chunk=32,
+    prefill_token_budget=32,
+)
+
+
+@pytest.fixture(scope="session")
+def engine_config(tiny_gguf, compile_cache):
+    from luce_jax.config import EngineConfig
+
+    return EngineConfig(model=tiny_gguf, compile_cache_dir=compile_cache, **TINY_ENGINE)

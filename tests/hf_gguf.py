@@ -1,0 +1,156 @@
+"""Tiny random HF transformers models written as GGUF, the way llama.cpp's converter does."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's byte -> printable character table, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs, strict=True))
+    return [chr(table[b]) for b in range(256)]
+
+
+def tiny_vocab(size: int):
+    """Byte-level BPE vocabulary: 256 bytes, a few merges, ChatML specials, unused padding."""
+    tokens = byte_tokens()
+    merges = []
+    for a, b in [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r")]:
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+    types = [1] * len(tokens)
+    tokens += SPECIALS
+    types += [3] * len(SPECIALS)
+    while len(tokens) < size:
+        tokens.append(f"<|unused{len(tokens)}|>")
+        types.append(5)
+    return tokens, types, merges
+
+
+def make_hf_model(arch: str, seed: int = 0, vocab: int = 320, tie: bool | None = None):
+    """A small random-weight HF model of `arch` (llama, qwen2, qwen3), float32, eval mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=vocab - 1,
+        eos_token_id=256 + 6,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=bool(tie))
+        model = LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True if tie is None else tie)
+        model = Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=32, rope_theta=1e6, tie_word_embeddings=bool(tie))
+        model = Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():  # default init is tiny; widen it so differences would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model.eval()
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of llama Q/K rows (halves -> pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape
+    )
+
+
+def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_template=CHATML):
+    """Write `model` (HF, float32) as a GGUF file with a tiny byte-level vocabulary."""
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    H, K = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(H)
+    w.add_head_count_kv(K)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    tokens, types, merges = tiny_vocab(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+
+    def put(name, x, quant=True):
+        x = np.ascontiguousarray(x, np.float32)
+        if quant and x.ndim == 2 and qtype != GGMLQuantizationType.F32:
+            w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, x)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, g = f"model.layers.{i}.", f"blk.{i}."
+        q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = _permute(q, H), _permute(k, K)
+        put(g + "attn_q.weight", q)
+        put(g + "attn_k.weight", k)
+        put(g + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        put(g + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        for x in "qkv":
+            if p + f"self_attn.{x}_proj.bias" in sd:
+                put(g + f"attn_{x}.bias", sd[p + f"self_attn.{x}_proj.bias"])
+        if arch == "qwen3":
+            put(g + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+            put(g + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
+        put(g + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(g + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(g + "ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        put(g + "ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        put(g + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

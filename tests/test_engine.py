@@ -1,0 +1,105 @@
+"""The dense engine driven by the scheduler: batching must not change any sequence's tokens."""
+
+import numpy as np
+import pytest
+
+from luce_jax.llm import load_engine
+from luce_jax.request import Request
+from luce_jax.sampling import SamplingParams
+from luce_jax.scheduler import Scheduler
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(engine_config):
+    return load_engine(engine_config)
+
+
+def run_schedule(engine, tok, arrivals, config=None):
+    """arrivals: list of (step index, prompt ids, SamplingParams). Returns token ids per request."""
+    if config is not None:
+        engine.config = config
+    sched = Scheduler(engine, tok)
+    reqs = [Request(list(p), sp) for _, p, sp in arrivals]
+    pending = sorted(zip([a[0] for a in arrivals], range(len(reqs))))
+    step = 0
+    while pending or not sched.idle:
+        while pending and pending[0][0] <= step:
+            sched.add(reqs[pending.pop(0)[1]])
+        sched.step()
+        step += 1
+        assert step < 1000
+    engine.pool.check()
+    assert engine.pool.available == engine.pool.capacity  # everything released
+    return [r.output_ids for r in reqs], sched
+
+
+def prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = [3, 40, 17, 1, 65, 16, 9, 33][:n]
+    return [rng.integers(0, 300, k).tolist() for k in lengths]
+
+
+@pytest.mark.parametrize(
+    "chunk, budget",
+    [(32, 32), (8, 16), (5, 32)],
+    ids=["chunk32", "chunk8-below-block", "chunk5-odd"],
+)
+def test_batched_equals_one_at_a_time(loaded, engine_config, chunk, budget):
+    tok, engine = loaded
+    cfg = engine_config.replace(prefill_chunk=chunk, prefill_token_budget=budget)
+    ps = prompts(8)
+    alone = [run_schedule(engine, tok, [(0, p, GREEDY)], cfg)[0][0] for p in ps]
+    # 8 requests, 4 slots: arrivals at different steps, queueing and slot reuse
+    arrivals = [(i // 2 * 3, p, GREEDY) for i, p in enumerate(ps)]
+    batched, _ = run_schedule(engine, tok, arrivals, cfg)
+    assert batched == alone
+    assert all(len(t) == GREEDY.max_tokens for t in alone)
+
+
+def test_no_compiles_after_warmup_across_a_random_run(loaded, engine_config):
+    tok, engine = loaded
+    before = engine.runner.compiles
+    rng = np.random.default_rng(5)
+    arrivals = []
+    for i in range(12):
+        n = int(rng.integers(1, 90))
+        sp = SamplingParams(
+            max_tokens=int(rng.integers(1, 30)),
+            temperature=float(rng.choice([0.0, 0.8])),
+            top_p=float(rng.choice([1.0, 0.9])),
+            logprobs=int(rng.choice([0, 3])) or None,
+            seed=i,
+        )
+        arrivals.append((int(rng.integers(0, 20)), rng.integers(0, 300, n).tolist(), sp))
+    outs, _ = run_schedule(engine, tok, arrivals, engine_config)
+    assert all(outs)
+    assert engine.runner.compiles == before
+
+
+def test_seeded_sampling_is_reproducible_under_batching(loaded, engine_config):
+    tok, engine = loaded
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=1234)
+    p = prompts(3)
+    alone = run_schedule(engine, tok, [(0, p[1], sp)], engine_config)[0][0]
+    other = SamplingParams(max_tokens=12, temperature=0.7, seed=99)
+    mixed = run_schedule(
+        engine, tok, [(0, p[0], other), (0, p[1], sp), (1, p[2], other)], engine_config
+    )[0]
+    assert mixed[1] == alone
+
+
+def test_too_long_prompt_fails_alone(loaded, engine_config):
+    tok, engine = loaded
+    events = []
+    sched = Scheduler(engine, tok)
+    bad = Request(list(range(200)), GREEDY, events.append)
+    good = Request([1, 2, 3], GREEDY)
+    sched.add(bad)
+    sched.add(good)
+    while not sched.idle:
+        sched.step()
+    assert bad.phase == "failed" and "context" in bad.error
+    assert events[-1].finish_reason == "error"
+    assert good.phase == "finished" and len(good.output_ids) == GREEDY.max_tokens

@@ -1,0 +1,60 @@
+"""The public API: LLM(model=...).generate(prompts, sampling) -> list[Completion]."""
+
+import pytest
+
+from conftest import TINY_ENGINE
+from luce_jax import LLM, Completion, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gguf, compile_cache):
+    with LLM(model=tiny_gguf, compile_cache_dir=compile_cache, **TINY_ENGINE) as m:
+        yield m
+
+
+def test_generate_text_and_token_prompts(llm):
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    text_out, ids_out = llm.generate(["the cat", llm.tokenizer.encode("the cat")], sp)
+    assert isinstance(text_out, Completion)
+    assert text_out.token_ids == ids_out.token_ids and len(text_out.token_ids) == 6
+    assert text_out.text == llm.tokenizer.decode(text_out.token_ids)
+    assert text_out.finish_reason == "length"
+
+
+def test_per_prompt_sampling_and_stop_token(llm):
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = llm.generate("in a galaxy", greedy)[0]
+    third = ref.token_ids[2]
+    first = ref.token_ids.index(third)  # the stop token may also appear earlier
+    stop = greedy.replace(stop_token_ids=(third,))
+    a, b = llm.generate(["in a galaxy", "in a galaxy"], [greedy, stop])
+    assert a.token_ids == ref.token_ids
+    assert b.finish_reason == "stop" and b.token_ids == ref.token_ids[: first + 1]
+
+
+def test_stop_string_is_not_returned(llm):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = llm.generate("hello", greedy)[0]
+    text = ref.text
+    stop = next(text[i : i + 2] for i in range(2, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    out = llm.generate("hello", greedy.replace(stop=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+
+
+def test_logprobs_are_returned_when_asked(llm):
+    out = llm.generate("abc", SamplingParams(max_tokens=3, temperature=0, logprobs=5))[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    lp, top = out.logprobs[0]
+    assert top[0][0] == out.token_ids[0] and abs(top[0][1] - lp) < 1e-5 and lp <= 0
+
+
+def test_bad_arguments_are_clear(llm, tiny_gguf):
+    with pytest.raises(ValueError, match="sampling"):
+        llm.generate(["a", "b"], [SamplingParams()])
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[1, 2, 10**6]])
+    with pytest.raises(ValueError, match="max_concurrency"):
+        LLM(model=tiny_gguf, max_concurrency=0)
+    with pytest.raises(ValueError, match="model"):
+        LLM(model="/nonexistent.gguf")

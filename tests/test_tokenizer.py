@@ -1,0 +1,103 @@
+"""GGUF tokenizers reproduce llama.cpp's test vectors; detokenization; chat templates."""
+
+import functools
+
+import pytest
+
+from luce_jax.gguf import GGUFFile
+from luce_jax.tokenizer import GGUFTokenizer, GGUFVocab
+
+VOCABS = ["qwen2", "llama-spm"]
+
+
+@functools.cache
+def load(fixtures_dir, name, template=None) -> GGUFTokenizer:
+    md = GGUFFile(fixtures_dir / "tokenizers" / f"ggml-vocab-{name}.gguf").metadata
+    return GGUFTokenizer(GGUFVocab.from_metadata(md), template)
+
+
+def vectors(fixtures_dir, name):
+    base = fixtures_dir / "tokenizers" / f"ggml-vocab-{name}.gguf"
+    texts = base.with_suffix(".gguf.inp").read_text("utf-8").split("\n__ggml_vocab_test__\n")[:-1]
+    outs = base.with_suffix(".gguf.out").read_text("utf-8").split("\n")[:-1]
+    assert len(texts) == len(outs) > 40
+    return [(t, [int(x) for x in o.split()]) for t, o in zip(texts, outs, strict=True)]
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_llama_cpp_vectors(fixtures_dir, name):
+    tok = load(fixtures_dir, name)
+    for text, expected in vectors(fixtures_dir, name):
+        assert tok.encode(text, add_special=False) == expected, repr(text)
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_incremental_decode_is_valid_utf8_and_equals_full_decode(fixtures_dir, name):
+    from luce_jax.tokenizer import IncrementalDecoder
+
+    tok = load(fixtures_dir, name)
+    for text, _ in vectors(fixtures_dir, name):
+        ids = tok.encode(text, add_special=False)
+        dec = IncrementalDecoder(tok)
+        parts = [dec.push(i) for i in ids] + [dec.flush()]
+        assert all("\ufffd" not in p for p in parts) or "\ufffd" in text
+        assert "".join(parts) == tok.decode(ids), repr(text)
+
+
+def test_bos_rules_from_metadata(fixtures_dir):
+    spm = load(fixtures_dir, "llama-spm")  # add_bos_token = true
+    assert spm.encode("Hello")[0] == spm.bos_id == 1
+    assert spm.encode("Hello", add_special=False)[0] != 1
+    qwen = load(fixtures_dir, "qwen2")  # no add_bos_token: llama.cpp's gpt2 default is off
+    assert qwen.encode("Hello") == qwen.encode("Hello", add_special=False)
+
+
+def test_special_tokens_are_parsed_and_end_generation(fixtures_dir):
+    tok = load(fixtures_dir, "qwen2")
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    im_start, im_end = tok.hf.token_to_id("<|im_start|>"), tok.hf.token_to_id("<|im_end|>")
+    assert ids[0] == im_start and ids[-1] == im_end
+    assert im_end in tok.eog_ids and tok.eos_id in tok.eog_ids
+    assert tok.decode(ids) == "user\nhi"  # control tokens are skipped in output text
+
+
+MESSAGES = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Write a haiku about JAX."},
+    ],
+]
+
+
+@pytest.mark.parametrize("template", ["Qwen-Qwen3-0.6B.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja"])
+@pytest.mark.parametrize("messages", MESSAGES, ids=["user", "system+multi"])
+@pytest.mark.parametrize("gen", [True, False])
+def test_chat_template_equals_transformers(fixtures_dir, template, messages, gen):
+    from transformers import PreTrainedTokenizerFast
+
+    source = (fixtures_dir / "chat_templates" / template).read_text()
+    ours = load(fixtures_dir, "qwen2", source)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=ours.hf, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+    hf.chat_template = source
+    kwargs = {"date_string": "26 Jul 2024"} if "Llama" in template else {}
+    expected = hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=gen, **kwargs
+    )
+    assert ours.apply_chat_template(messages, add_generation_prompt=gen, **kwargs) == expected
+
+
+def test_gguf_embedded_template_is_used(fixtures_dir):
+    tok = load(fixtures_dir, "qwen2")
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_unknown_pre_tokenizer_is_named():
+    v = GGUFVocab(model="gpt2", pre="klingon", tokens=["a"], token_types=[1])
+    with pytest.raises(ValueError, match="klingon"):
+        GGUFTokenizer(v)
