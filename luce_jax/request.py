@@ -28,7 +28,7 @@ class Event:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: two requests are never "equal"
 class Request:
     prompt: list[int]
     sampling: SamplingParams

@@ -46,8 +46,14 @@ def tiny_vocab(size: int):
 def make_hf_model(arch: str, seed: int = 0, vocab: int = 320, tie: bool | None = None):
     """A small random-weight HF model of `arch` (llama, qwen2, qwen3), float32, eval mode."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(
@@ -66,7 +72,8 @@ def make_hf_model(arch: str, seed: int = 0, vocab: int = 320, tie: bool | None =
         cfg = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=bool(tie))
         model = LlamaForCausalLM(cfg)
     elif arch == "qwen2":
-        cfg = Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True if tie is None else tie)
+        tied = True if tie is None else tie
+        cfg = Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=tied)
         model = Qwen2ForCausalLM(cfg)
     elif arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=32, rope_theta=1e6, tie_word_embeddings=bool(tie))
@@ -84,8 +91,10 @@ def make_hf_model(arch: str, seed: int = 0, vocab: int = 320, tie: bool | None =
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of llama Q/K rows (halves -> pairs)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
     )
 
 

@@ -74,7 +74,10 @@ def test_packed_equals_per_sequence_and_paged_equals_contiguous(tiny_gguf):
     for a, b in zip(alone, out, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
     # a second step continuing every sequence from the paged cache matches too
-    nxt = [Row(r.slot, (7,), len(r.tokens), r.block_table + ((free.pop(),) if len(r.tokens) % P == 0 else ()), True) for r in rows]
+    nxt = []
+    for r in rows:  # a full last block needs one more block for the new token
+        extra = (free.pop(),) if len(r.tokens) % P == 0 else ()
+        nxt.append(Row(r.slot, (7,), len(r.tokens), r.block_table + extra, True))
     out2, _ = run(cfg, params, kv, nxt, t_bucket=8, s_bucket=4)
     for p, o in zip(prompts, out2, strict=True):
         kv1 = dense.init_kv(cfg, 8, P, jnp.float32)

@@ -22,7 +22,7 @@ def run_schedule(engine, tok, arrivals, config=None):
         engine.config = config
     sched = Scheduler(engine, tok)
     reqs = [Request(list(p), sp) for _, p, sp in arrivals]
-    pending = sorted(zip([a[0] for a in arrivals], range(len(reqs))))
+    pending = sorted((a[0], i) for i, a in enumerate(arrivals))
     step = 0
     while pending or not sched.idle:
         while pending and pending[0][0] <= step:

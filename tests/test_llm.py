@@ -2,8 +2,9 @@
 
 import pytest
 
-from conftest import TINY_ENGINE
 from luce_jax import LLM, Completion, SamplingParams
+
+from conftest import TINY_ENGINE
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,10 @@ MESSAGES = [
 ]
 
 
-@pytest.mark.parametrize("template", ["Qwen-Qwen3-0.6B.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja"])
+TEMPLATES = ["Qwen-Qwen3-0.6B.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja"]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
 @pytest.mark.parametrize("messages", MESSAGES, ids=["user", "system+multi"])
 @pytest.mark.parametrize("gen", [True, False])
 def test_chat_template_equals_transformers(fixtures_dir, template, messages, gen):
@@ -85,9 +88,7 @@ def test_chat_template_equals_transformers(fixtures_dir, template, messages, gen
     )
     hf.chat_template = source
     kwargs = {"date_string": "26 Jul 2024"} if "Llama" in template else {}
-    expected = hf.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=gen, **kwargs
-    )
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **kwargs)
     assert ours.apply_chat_template(messages, add_generation_prompt=gen, **kwargs) == expected
 
 
