@@ -1,0 +1,123 @@
+"""Random-weight GGUFs at real model shapes, with a real tokenizer copied from a vocab GGUF.
+
+Speed does not depend on weight values, so benchmarks run on these files; their text is
+meaningless. Rows are drawn from a small random pool and tiled, so an 8B file is written in
+seconds.
+
+    python bench/make_model.py --shape qwen3-8b --type bf16 \
+        --vocab ../shared/fixtures/tokenizers/ggml-vocab-qwen2.gguf --out qwen3-8b-bf16.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+from luce_jax.gguf import GGUFFile
+
+log = logging.getLogger("make_model")
+
+SHAPES = {  # d_model, layers, heads, kv heads, head dim, ffn, tied embeddings
+    "qwen3-0.6b": dict(d=1024, L=28, H=16, K=8, D=128, F=3072, tied=True),
+    "qwen3-8b": dict(d=4096, L=36, H=32, K=8, D=128, F=12288, tied=False),
+    "qwen3-32b": dict(d=5120, L=64, H=64, K=8, D=128, F=25600, tied=False),
+}
+TYPES = {
+    "bf16": GGMLQuantizationType.BF16,
+    "f16": GGMLQuantizationType.F16,
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+}
+
+
+def random_rows(rows: int, cols: int, qtype, rng, pool: int = 64) -> np.ndarray:
+    """[rows, bytes per row] uint8 of `qtype`, tiled from `pool` random rows."""
+    x = (rng.standard_normal((pool, cols)) * 0.02).astype(np.float32)
+    if qtype == GGMLQuantizationType.F16:
+        packed = x.astype(np.float16).view(np.uint8)
+    else:
+        packed = quantize(x, qtype)
+    reps = -(-rows // pool)
+    return np.tile(packed, (reps, 1))[:rows]
+
+
+def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) -> None:
+    s, qtype = SHAPES[shape], TYPES[type_name]
+    rng = np.random.default_rng(seed)
+    md = GGUFFile(vocab_path).metadata
+    tokens = md["tokenizer.ggml.tokens"]
+    V = len(tokens)
+    w = GGUFWriter(out, "qwen3")
+    w.add_name(f"random {shape} {type_name}")
+    w.add_block_count(s["L"])
+    w.add_context_length(40960)
+    w.add_embedding_length(s["d"])
+    w.add_feed_forward_length(s["F"])
+    w.add_head_count(s["H"])
+    w.add_head_count_kv(s["K"])
+    w.add_key_length(s["D"])
+    w.add_value_length(s["D"])
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model(md["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(md.get("tokenizer.ggml.pre", "qwen2"))
+    w.add_token_list(tokens)
+    w.add_token_types(md["tokenizer.ggml.token_type"])
+    w.add_token_merges(md["tokenizer.ggml.merges"])
+    w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
+    w.add_bos_token_id(md.get("tokenizer.ggml.bos_token_id", md["tokenizer.ggml.eos_token_id"]))
+    w.add_add_bos_token(False)
+    if "tokenizer.chat_template" in md:
+        w.add_chat_template(md["tokenizer.chat_template"])
+
+    def mat(name, rows, cols):
+        w.add_tensor(name, random_rows(rows, cols, qtype, rng), raw_dtype=qtype)
+
+    def norm(name, n):
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    d, H, K, D, F = s["d"], s["H"], s["K"], s["D"], s["F"]
+    mat("token_embd.weight", V, d)
+    norm("output_norm.weight", d)
+    if not s["tied"]:
+        mat("output.weight", V, d)
+    for i in range(s["L"]):
+        p = f"blk.{i}."
+        mat(p + "attn_q.weight", H * D, d)
+        mat(p + "attn_k.weight", K * D, d)
+        mat(p + "attn_v.weight", K * D, d)
+        mat(p + "attn_output.weight", d, H * D)
+        norm(p + "attn_q_norm.weight", D)
+        norm(p + "attn_k_norm.weight", D)
+        norm(p + "attn_norm.weight", d)
+        norm(p + "ffn_norm.weight", d)
+        mat(p + "ffn_gate.weight", F, d)
+        mat(p + "ffn_up.weight", F, d)
+        mat(p + "ffn_down.weight", d, F)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--type", choices=sorted(TYPES), default="bf16")
+    ap.add_argument("--vocab", required=True, help="a GGUF whose tokenizer is copied")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    t = time.time()
+    write(a.shape, a.type, a.vocab, a.out, a.seed)
+    log.info("wrote %s in %.1f s", a.out, time.time() - t)
+
+
+if __name__ == "__main__":
+    main()
