@@ -75,7 +75,9 @@ def run(args) -> dict:
     from luce_jax.scheduler import Scheduler
 
     cmax = max(args.concurrency)
-    max_ctx = args.ctx + args.steps + args.warm + 16
+    # Early requests decode while later ones prefill, so leave room for those steps too.
+    max_new = args.steps + args.warm + -(-cmax * args.ctx // args.budget) + 8
+    max_ctx = args.ctx + max_new
     cfg = EngineConfig(
         model=args.model,
         dtype="bfloat16",
@@ -88,7 +90,7 @@ def run(args) -> dict:
         compile_cache_dir=args.compile_cache_dir,
     )
     bw = copy_bandwidth()
-    log.info("copy bandwidth %.0f GB/s", bw / 1e9)
+    log.info("copy bandwidth %.0f GB per s", bw / 1e9)
     t0 = time.perf_counter()
     tok, engine = load_engine(cfg)
     t_load = time.perf_counter() - t0
@@ -105,14 +107,16 @@ def run(args) -> dict:
     rng = np.random.default_rng(0)
     for C in args.concurrency:
         sched = Scheduler(engine, tok)
-        sp = SamplingParams(max_tokens=args.steps + args.warm + 8, temperature=0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True)
         reqs = [Request(rng.integers(0, mc.vocab_size, args.ctx).tolist(), sp) for _ in range(C)]
         for r in reqs:
             sched.add(r)
         t = time.perf_counter()
         while not all(r.phase == "decode" for r in reqs):
+            assert not any(r.done for r in reqs), "a request ended before the timed steps"
             sched.step()
         t_prefill = time.perf_counter() - t
+        log.info("C=%d: prefilled %d x %d tokens in %.2f s", C, C, args.ctx, t_prefill)
         for _ in range(args.warm):
             sched.step()
         compiles = engine.runner.compiles

@@ -24,7 +24,7 @@ class Row:
     sample: bool  # take logits at the last token (decode rows, prompt slices that complete)
 
 
-def buckets(limit: int, smallest: int = 16) -> list[int]:
+def buckets(limit: int, smallest: int = 1) -> list[int]:
     """Powers of two from `smallest` up to the first one >= limit."""
     out = [smallest]
     while out[-1] < limit:

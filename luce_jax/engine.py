@@ -101,13 +101,18 @@ class DenseEngine:
         self.slots: dict[int, Slot] = {}
         self._free_slots = list(range(self.slot_count))
         # The step token budget counts decode rows too (as vLLM's max_num_batched_tokens).
-        self.token_buckets = buckets(max(config.prefill_token_budget, self.slot_count), 8)
-        self.row_buckets = buckets(self.slot_count, 1)
+        # One row width per token bucket, S(T) = min(T, slots): a decode-only step of C rows
+        # pads to the next power of two and no further, and the buckets to compile are few.
+        self.token_buckets = buckets(max(config.prefill_token_budget, self.slot_count), 1)
+        self._max_rows = buckets(self.slot_count, 1)[-1]
         self._rng = random.Random(config.seed)
 
+    def rows_for(self, t_bucket: int) -> int:
+        return min(t_bucket, self._max_rows)
+
     def bucket_pairs(self) -> list[tuple[int, int]]:
-        """Every (T, S) pair a plan can lower to: S rows never exceed T tokens."""
-        return [(t, s) for t in self.token_buckets for s in self.row_buckets if s <= t]
+        """Every (T, S) pair a plan can lower to (rows never exceed tokens or slots)."""
+        return [(t, self.rows_for(t)) for t in self.token_buckets]
 
     def admit(self, request_id, prompt, sampling) -> AdmitResult:
         if not prompt:
@@ -162,7 +167,7 @@ class DenseEngine:
             steps.append(0)
         n_tok = sum(len(r.tokens) for r in rows)
         t_bucket = pick_bucket(n_tok, self.token_buckets)
-        s_bucket = pick_bucket(len(rows), self.row_buckets)
+        s_bucket = self.rows_for(t_bucket)
         out = self.runner.run(rows, t_bucket, s_bucket, params, seeds, steps)
         result = StepResult()
         for i, r in enumerate(rows):

@@ -5,8 +5,11 @@ Shapes: T tokens, S rows, V vocabulary, NB KV blocks, P block size, MB blocks pe
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +19,12 @@ from tqdm.auto import tqdm
 from .batch import lower
 from .config import ModelConfig
 from .models import dense
-from .sampling import ROW_FIELDS, row_params, sample
+from .sampling import row_params, sample
 
 log = logging.getLogger(__name__)
 
 TOP_LOGPROBS = 20  # OpenAI's maximum; the step always returns this many (cheap next to V)
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
 
 
 def enable_compile_cache(path: str | None) -> None:
@@ -61,15 +65,49 @@ class Runner:
             "counts": jnp.zeros((max_slots, V), jnp.int32),
             "prompt_mask": jnp.zeros((max_slots, V), jnp.bool_),
         }
-        self.compiles = 0  # incremented each time a step is traced (= compiled)
+        self.compiles = 0  # executables built; after warmup this must not move
         self._attention = attention_fn
-        self._step = jax.jit(self._step_fn, donate_argnums=(1, 2))
+        self._exec: dict[tuple[int, int], object] = {}
+        self._lock = threading.Lock()
 
-    def _step_fn(self, params, kv, state, batch, sp, seeds, steps, want_logprobs):
-        """Args: params; kv and state (donated); batch (batch.lower arrays); sp ([S] per-row
-        sampling params); seeds [S] uint32; steps [S] int32; want_logprobs bool scalar.
-        Returns: (tokens [S], logprob [S], top ids [S, 20], top logprobs [S, 20], kv, state)."""
-        self.compiles += 1  # Python side effect: runs only while tracing
+    # -- host <-> device packing: one int32 and one float32 buffer per step --------------------
+    def _int_layout(self, T: int, S: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [
+            ("tokens", (T,)),
+            ("positions", (T,)),
+            ("seg_ids", (T,)),
+            ("write_idx", (T,)),
+            ("block_tables", (S, self.max_blocks)),
+            ("kv_lens", (S,)),
+            ("cu_q_lens", (S + 1,)),
+            ("logit_rows", (S,)),
+            ("slots", (S,)),
+            ("sample_mask", (S,)),
+            ("top_k", (S,)),
+            ("seeds", (S,)),
+            ("steps", (S,)),
+            ("want_logprobs", (1,)),
+        ]
+
+    def _unpack(self, ints, floats, T: int, S: int) -> tuple[dict, dict]:
+        arrays, off = {}, 0
+        for name, shape in self._int_layout(T, S):
+            n = int(np.prod(shape))
+            arrays[name] = ints[off : off + n].reshape(shape)
+            off += n
+        sp = {k: floats[i] for i, k in enumerate(FLOAT_FIELDS)}
+        sp["top_k"] = arrays.pop("top_k")
+        return arrays, sp
+
+    def _step_fn(self, params, kv, state, ints, floats, *, T: int, S: int):
+        """One model step and sampling; T, S static.
+
+        Args: params; kv and state (donated); ints: int32 [N] packed per _int_layout; floats:
+          float32 [6, S] sampling parameters (FLOAT_FIELDS).
+        Returns: (packed int32 [2, S]: tokens and the bitcast float32 logprob of each, top ids
+          [S, 20], top logprobs [S, 20], kv, state).
+        """
+        batch, sp = self._unpack(ints, floats, T, S)
         logits, kv = dense.forward(params, kv, batch, self.cfg, self._attention)
         oob = self.max_slots  # rows with slot -1 (padding) index past the end and are dropped
         slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])
@@ -79,15 +117,17 @@ class Runner:
         pmask = state["prompt_mask"].at[fresh].set(False, mode="drop")
         # Every fed token counts as seen for the repetition penalty (prompt or earlier output).
         tok_slot = slots[batch["seg_ids"]]
-        real_tok = jnp.arange(batch["tokens"].shape[0]) < batch["cu_q_lens"][-1]
+        real_tok = jnp.arange(T) < batch["cu_q_lens"][-1]
         pmask = pmask.at[jnp.where(real_tok, tok_slot, oob), batch["tokens"]].set(True, mode="drop")
         row_slots = jnp.minimum(slots, oob - 1)
-        tokens, logp = sample(logits, counts[row_slots], pmask[row_slots], sp, seeds, steps)
-        add = batch["sample_mask"]
-        counts = counts.at[slots, tokens].add(add, mode="drop")
+        seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)
+        tokens, logp = sample(
+            logits, counts[row_slots], pmask[row_slots], sp, seeds, batch["steps"]
+        )
+        counts = counts.at[slots, tokens].add(batch["sample_mask"], mode="drop")
         chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.cond(
-            want_logprobs,
+            batch["want_logprobs"][0] > 0,
             lambda x: tuple(jax.lax.top_k(x, TOP_LOGPROBS)),
             lambda x: (
                 jnp.zeros((x.shape[0], TOP_LOGPROBS), x.dtype),
@@ -95,48 +135,83 @@ class Runner:
             ),
             logp,
         )
-        return tokens, chosen, top_ids, top_lp, kv, {"counts": counts, "prompt_mask": pmask}
+        packed = jnp.stack([tokens, jax.lax.bitcast_convert_type(chosen, jnp.int32)])
+        return packed, top_ids, top_lp, kv, {"counts": counts, "prompt_mask": pmask}
+
+    def _compile(self, T: int, S: int):
+        """Build (or fetch from the persistent cache) the executable for one bucket pair."""
+        n_int = sum(int(np.prod(shape)) for _, shape in self._int_layout(T, S))
+        fn = jax.jit(functools.partial(self._step_fn, T=T, S=S), donate_argnums=(1, 2))
+        exe = fn.lower(
+            self.params,
+            self.kv,
+            self.state,
+            jax.ShapeDtypeStruct((n_int,), jnp.int32),
+            jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32),
+        ).compile()
+        with self._lock:
+            self.compiles += 1
+            self._exec[(T, S)] = exe
+        return exe
 
     def run(self, rows, t_bucket: int, s_bucket: int, sampling, seeds, steps):
         """Run one step.
 
         Args:
           rows: list of batch.Row.
-          t_bucket, s_bucket: padded token and row counts (must be warmed buckets).
+          t_bucket, s_bucket: padded token and row counts (a warmed bucket pair).
           sampling: per-row SamplingParams (None for rows that sample nothing).
           seeds, steps: per-row ints (see sampling.sample).
         Returns:
-          dict of numpy arrays over the real rows: tokens, logprob, top_ids, top_logprobs.
+          dict of numpy arrays over the real rows: tokens, logprob, and top_ids /
+          top_logprobs when any row asked for logprobs.
         """
-        batch = lower(rows, self.block_size, t_bucket, s_bucket, self.max_blocks)
-        sp = row_params(sampling, s_bucket)
-        seeds_a = np.zeros(s_bucket, np.uint32)
-        steps_a = np.zeros(s_bucket, np.int32)
-        seeds_a[: len(seeds)] = seeds
-        steps_a[: len(steps)] = steps
+        T, S = t_bucket, s_bucket
+        b = lower(rows, self.block_size, T, S, self.max_blocks)
+        sp = row_params(sampling, S)
+        b["top_k"] = sp["top_k"]
+        b["seeds"] = np.zeros(S, np.uint32)
+        b["seeds"][: len(seeds)] = seeds
+        b["seeds"] = b["seeds"].view(np.int32)
+        b["steps"] = np.zeros(S, np.int32)
+        b["steps"][: len(steps)] = steps
         want = any(p is not None and p.logprobs is not None for p in sampling)
-        out = self._step(
-            self.params,
-            self.kv,
-            self.state,
-            batch,
-            {k: sp[k] for k in ROW_FIELDS},
-            seeds_a,
-            steps_a,
-            np.bool_(want),
+        b["want_logprobs"] = np.array([want], np.int32)
+        ints = np.concatenate([b[name].ravel() for name, _ in self._int_layout(T, S)])
+        floats = np.stack([sp[k] for k in FLOAT_FIELDS])
+        exe = self._exec.get((T, S))
+        if exe is None:
+            log.warning("compiling bucket T=%d S=%d while serving (missed at warmup)", T, S)
+            exe = self._compile(T, S)
+        packed, top_ids, top_lp, self.kv, self.state = exe(
+            self.params, self.kv, self.state, ints, floats
         )
-        tokens, chosen, top_ids, top_lp, self.kv, self.state = out
         n = len(rows)
-        res = {"tokens": np.asarray(tokens)[:n], "logprob": np.asarray(chosen)[:n]}
+        packed = np.asarray(packed)[:, :n]
+        res = {"tokens": packed[0], "logprob": packed[1].view(np.float32)}
         if want:
             res["top_ids"] = np.asarray(top_ids)[:n]
             res["top_logprobs"] = np.asarray(top_lp)[:n]
         return res
 
-    def warmup(self, pairs: list[tuple[int, int]]) -> None:
-        """Compile every (T, S) bucket pair with an all-padding step (writes the sink only)."""
-        for t, s in tqdm(pairs, desc="compiling step buckets", leave=False):
+    def warmup(self, pairs: list[tuple[int, int]], workers: int | None = None) -> None:
+        """Compile every (T, S) bucket pair ahead of serving, several at once.
+
+        XLA compiles in C++ without the GIL, so a thread pool uses the host's cores; each
+        executable is then run once on an all-padding batch (which writes the sink only).
+        """
+        todo = [p for p in pairs if p not in self._exec]
+        workers = workers or max(1, min(len(todo), (os.cpu_count() or 2)))
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(self._compile, t, s) for t, s in todo]
+            for f in tqdm(
+                as_completed(futures),
+                total=len(futures),
+                desc="compiling step buckets",
+                leave=False,
+            ):
+                f.result()
+        for t, s in pairs:
             self.run([], t, s, [], [], [])
-            for x in (self.kv, self.state):
-                jax.block_until_ready(x)
-        log.info("compiled %d step buckets (%d traces)", len(pairs), self.compiles)
+        jax.block_until_ready((self.kv, self.state))
+        log.info("compiled %d step buckets", len(pairs))

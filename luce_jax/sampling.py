@@ -69,10 +69,6 @@ class SamplingParams:
         return self.temperature == 0
 
 
-# Per-row parameter arrays the device step takes, in this order.
-ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence", "frequency", "repetition")
-
-
 def row_params(params: list[SamplingParams | None], rows: int) -> dict[str, np.ndarray]:
     """Stack per-row parameters into [R] arrays (padding rows: greedy, no penalties)."""
     out = {
