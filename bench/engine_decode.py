@@ -37,7 +37,7 @@ def copy_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
     return 2 * x.nbytes * reps / (time.perf_counter() - t)
 
 
-def device_step_time(runner, args, n: int) -> float:
+def device_step_time(runner, exe, args, n: int) -> float:
     """Seconds per step of the jitted step alone, re-run back to back on the last decode batch.
 
     The difference to the engine's step time is host work: planning, lowering, transfers.
@@ -47,13 +47,13 @@ def device_step_time(runner, args, n: int) -> float:
 
     a = list(args)
     a[1], a[2] = runner.kv, runner.state
-    out = runner._step(*a)
-    a[1], a[2] = out[4], out[5]
+    out = exe(*a)
+    a[1], a[2] = out[3], out[4]
     jax.block_until_ready(out)
     t = time.perf_counter()
     for _ in range(n):
-        out = runner._step(*a)
-        a[1], a[2] = out[4], out[5]
+        out = exe(*a)
+        a[1], a[2] = out[3], out[4]
     jax.block_until_ready(out)
     runner.kv, runner.state = a[1], a[2]
     return (time.perf_counter() - t) / n
@@ -121,20 +121,23 @@ def run(args) -> dict:
             sched.step()
         compiles = engine.runner.compiles
         runner = engine.runner
-        step_fn, captured = runner._step, {}
+        originals, captured = dict(runner._exec), {}
 
-        def spy(*a, _f=step_fn, _c=captured):
-            _c["args"] = a
-            return _f(*a)
+        def spy(exe, _c=captured):
+            def call(*a):
+                _c["exe"], _c["args"] = exe, a
+                return exe(*a)
 
-        runner._step = spy
+            return call
+
+        runner._exec = {k: spy(v) for k, v in originals.items()}
         t = time.perf_counter()
         for _ in range(args.steps):
             sched.step()
         dt = (time.perf_counter() - t) / args.steps
-        runner._step = step_fn
+        runner._exec = originals
         assert engine.runner.compiles == compiles, "compiled while decoding"
-        dev_dt = device_step_time(runner, captured["args"], args.steps)
+        dev_dt = device_step_time(runner, captured["exe"], captured["args"], args.steps)
         for r in reqs:
             sched.cancel(r)
         ctx_avg = args.ctx + args.warm + args.steps / 2
