@@ -83,7 +83,7 @@ def run(args) -> dict:
         dtype="bfloat16",
         max_concurrency=cmax,
         max_ctx=max_ctx,
-        kv_pool_tokens=cmax * max_ctx,
+        kv_pool_tokens=cmax * -(-max_ctx // 16) * 16,  # whole blocks per request
         prefill_chunk=args.budget,
         prefill_token_budget=args.budget,
         max_concurrent_prefills=cmax,
@@ -113,7 +113,8 @@ def run(args) -> dict:
             sched.add(r)
         t = time.perf_counter()
         while not all(r.phase == "decode" for r in reqs):
-            assert not any(r.done for r in reqs), "a request ended before the timed steps"
+            ended = [(r.finish_reason, r.error) for r in reqs if r.done]
+            assert not ended, f"requests ended before the timed steps: {ended}"
             sched.step()
         t_prefill = time.perf_counter() - t
         log.info("C=%d: prefilled %d x %d tokens in %.2f s", C, C, args.ctx, t_prefill)
