@@ -20,7 +20,6 @@ class Row:
     slot: int
     tokens: tuple[int, ...]
     start: int  # position of tokens[0] (= KV length before this step)
-    block_table: tuple[int, ...]  # physical blocks, logical order; covers start + len(tokens)
     sample: bool  # take logits at the last token (decode rows, prompt slices that complete)
 
 
@@ -39,59 +38,54 @@ def pick_bucket(n: int, sizes: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
-def lower(rows: list[Row], block_size: int, t_bucket: int, s_bucket: int, max_blocks: int) -> dict:
-    """Pack rows into the arrays models.dense.forward takes.
+def lower(rows: list[Row], tables: np.ndarray, block_size: int, t_bucket: int, s_bucket: int):
+    """Pack rows into the arrays models.dense.forward takes (vectorized over rows).
 
-    Padding tokens point at the sink block with position 0 and segment s_bucket-1 (or a
-    padding segment); padding segments have kv length 0 and an all-sink block table.
+    Args:
+      rows: the step's rows, in packing order.
+      tables: int32 [slots, MB] block table of every slot (sink-padded), indexed by Row.slot;
+        each row's table must already cover start + len(tokens).
+    Padding tokens write the sink block at position 0 and belong to the last segment; padding
+    segments have kv length 0 and an all-sink block table, so whatever they gather is block 0.
     Returns:
       dict of int32 arrays: tokens/positions/seg_ids/write_idx [T], block_tables [S, MB],
       kv_lens [S], cu_q_lens [S+1], logit_rows [S], slots [S] (-1 for padding rows),
       sample_mask [S] (1 where a token is sampled).
     """
-    n_tok = sum(len(r.tokens) for r in rows)
-    if n_tok > t_bucket or len(rows) > s_bucket:
-        raise ValueError(f"{n_tok} tokens / {len(rows)} rows exceed bucket {t_bucket}/{s_bucket}")
-    P = block_size
-    tokens = np.zeros(t_bucket, np.int32)
-    positions = np.zeros(t_bucket, np.int32)
-    seg_ids = np.full(t_bucket, s_bucket - 1, np.int32)
-    write_idx = np.full(t_bucket, SINK_BLOCK * P, np.int32)
-    tables = np.full((s_bucket, max_blocks), SINK_BLOCK, np.int32)
-    kv_lens = np.zeros(s_bucket, np.int32)
+    n = len(rows)
+    lens = np.fromiter((len(r.tokens) for r in rows), np.int32, n)
+    tot = int(lens.sum())
+    if tot > t_bucket or n > s_bucket:
+        raise ValueError(f"{tot} tokens / {n} rows exceed bucket {t_bucket}/{s_bucket}")
+    P, MB = block_size, tables.shape[1]
+    starts = np.fromiter((r.start for r in rows), np.int32, n)
+    slots = np.fromiter((r.slot for r in rows), np.int32, n)
     cu = np.zeros(s_bucket + 1, np.int32)
-    logit_rows = np.zeros(s_bucket, np.int32)
-    slots = np.full(s_bucket, -1, np.int32)
-    sample_mask = np.zeros(s_bucket, np.int32)
-    t = 0
-    for s, r in enumerate(rows):
-        n = len(r.tokens)
-        end = r.start + n
-        assert len(r.block_table) * P >= end, (r.slot, len(r.block_table), end)
-        assert len(r.block_table) <= max_blocks, (len(r.block_table), max_blocks)
-        bt = np.asarray(r.block_table, np.int32)
-        pos = np.arange(r.start, end, dtype=np.int32)
-        tokens[t : t + n] = r.tokens
-        positions[t : t + n] = pos
-        seg_ids[t : t + n] = s
-        write_idx[t : t + n] = bt[pos // P] * P + pos % P
-        tables[s, : len(bt)] = bt
-        kv_lens[s] = end
-        cu[s + 1] = t + n
-        logit_rows[s] = t + n - 1
-        slots[s] = r.slot
-        sample_mask[s] = int(r.sample)
-        t += n
-    cu[len(rows) + 1 :] = t
+    np.cumsum(lens, out=cu[1 : n + 1])
+    cu[n + 1 :] = tot
+    seg = np.repeat(np.arange(n, dtype=np.int32), lens)
+    pos = np.arange(tot, dtype=np.int32) - cu[seg] + starts[seg]
+    bt = tables[slots]  # [n, MB]
+    assert (bt[np.arange(n), np.maximum(starts + lens - 1, 0) // P] != SINK_BLOCK).all()
+
+    def padded(x, width, fill):
+        out = np.full(width, fill, np.int32)
+        out[: len(x)] = x
+        return out
+
+    block_tables = np.full((s_bucket, MB), SINK_BLOCK, np.int32)
+    block_tables[:n] = bt
     return {
-        "tokens": tokens,
-        "positions": positions,
-        "seg_ids": seg_ids,
-        "write_idx": write_idx,
-        "block_tables": tables,
-        "kv_lens": kv_lens,
+        "tokens": padded(
+            np.fromiter((t for r in rows for t in r.tokens), np.int32, tot), t_bucket, 0
+        ),
+        "positions": padded(pos, t_bucket, 0),
+        "seg_ids": padded(seg, t_bucket, s_bucket - 1),
+        "write_idx": padded(bt[seg, pos // P] * P + pos % P, t_bucket, SINK_BLOCK * P),
+        "block_tables": block_tables,
+        "kv_lens": padded(starts + lens, s_bucket, 0),
         "cu_q_lens": cu,
-        "logit_rows": logit_rows,
-        "slots": slots,
-        "sample_mask": sample_mask,
+        "logit_rows": padded(cu[1 : n + 1] - 1, s_bucket, 0),
+        "slots": padded(slots, s_bucket, -1),
+        "sample_mask": padded(np.fromiter((r.sample for r in rows), np.int32, n), s_bucket, 0),
     }

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
+
 from .batch import SINK_BLOCK
 
 
@@ -18,7 +20,9 @@ class KVPool:
     (blocks it may still claim) is counted against the free list, so growth can never fail.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, max_slots: int = 0, max_blocks: int = 0):
+        """Args: max_slots, max_blocks: shape of `block_array`, the numpy mirror of the
+        tables that batch.lower reads (no mirror when 0)."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need the sink block plus at least one")
         self.num_blocks = num_blocks
@@ -27,6 +31,7 @@ class KVPool:
         heapq.heapify(self._free)
         self.tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}  # slot -> blocks promised but not yet claimed
+        self.block_array = np.full((max_slots, max_blocks), SINK_BLOCK, np.int32)
 
     @property
     def capacity(self) -> int:
@@ -64,7 +69,10 @@ class KVPool:
                 f"slot {slot} needs {need} more blocks but reserved {self._reserved[slot]}"
             )
         for _ in range(max(need, 0)):
-            table.append(heapq.heappop(self._free))
+            b = heapq.heappop(self._free)
+            if self.block_array.size:
+                self.block_array[slot, len(table)] = b
+            table.append(b)
             self._reserved[slot] -= 1
         return table
 
@@ -72,6 +80,8 @@ class KVPool:
         """Return all of `slot`'s blocks and its unclaimed reservation. Safe to call twice."""
         for b in self.tables.pop(slot, []):
             heapq.heappush(self._free, b)
+        if self.block_array.size:
+            self.block_array[slot] = SINK_BLOCK
         self._reserved.pop(slot, None)
 
     def check(self) -> None:

@@ -154,11 +154,12 @@ class Runner:
             self._exec[(T, S)] = exe
         return exe
 
-    def run(self, rows, t_bucket: int, s_bucket: int, sampling, seeds, steps):
+    def run(self, rows, tables, t_bucket: int, s_bucket: int, sampling, seeds, steps):
         """Run one step.
 
         Args:
           rows: list of batch.Row.
+          tables: int32 [slots, MB] block tables indexed by Row.slot (KVPool.block_array).
           t_bucket, s_bucket: padded token and row counts (a warmed bucket pair).
           sampling: per-row SamplingParams (None for rows that sample nothing).
           seeds, steps: per-row ints (see sampling.sample).
@@ -167,7 +168,7 @@ class Runner:
           top_logprobs when any row asked for logprobs.
         """
         T, S = t_bucket, s_bucket
-        b = lower(rows, self.block_size, T, S, self.max_blocks)
+        b = lower(rows, tables, self.block_size, T, S)
         sp = row_params(sampling, S)
         b["top_k"] = sp["top_k"]
         b["seeds"] = np.zeros(S, np.uint32)
@@ -212,6 +213,6 @@ class Runner:
             ):
                 f.result()
         for t, s in pairs:
-            self.run([], t, s, [], [], [])
+            self.run([], np.zeros((1, self.max_blocks), np.int32), t, s, [], [], [])
         jax.block_until_ready((self.kv, self.state))
         log.info("compiled %d step buckets", len(pairs))

@@ -14,17 +14,7 @@ CHATML = (
 )
 
 
-def byte_tokens() -> list[str]:
-    """GPT-2's byte -> printable character table, in byte order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs, strict=True))
-    return [chr(table[b]) for b in range(256)]
+from luce_jax.tokenizer import _byte_chars as byte_tokens  # noqa: E402
 
 
 def tiny_vocab(size: int):

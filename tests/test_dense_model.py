@@ -18,10 +18,14 @@ def load(path):
     return load_params(f, model_config(f.metadata), "float32")
 
 
-def run(cfg, params, kv, rows, t_bucket=None, s_bucket=None, max_blocks=16):
-    """Run one step over `rows`; returns (logits at each row's last token [n, V], kv)."""
+def run(cfg, params, kv, rows, tables, t_bucket=None, s_bucket=None, max_blocks=16):
+    """Run one step over `rows` (block tables: slot -> blocks); returns (logits at each
+    row's last token [n, V], kv)."""
+    arr = np.zeros((max(tables) + 1, max_blocks), np.int32)
+    for slot, blocks in tables.items():
+        arr[slot, : len(blocks)] = blocks
     n_tok = sum(len(r.tokens) for r in rows)
-    batch = lower(rows, P, t_bucket or n_tok, s_bucket or len(rows), max_blocks)
+    batch = lower(rows, arr, P, t_bucket or n_tok, s_bucket or len(rows))
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     logits, kv = jax.jit(dense.forward, static_argnums=(3,))(params, kv, batch, cfg)
     return np.asarray(logits)[: len(rows)], kv
@@ -42,10 +46,10 @@ def test_logits_match_hf_over_prompt_and_16_greedy_steps(tiny_models, arch):
     kv = dense.init_kv(cfg, 8, P, jnp.float32)
     table = (3, 1, 6)  # scattered physical blocks
     # prefill: logits of every prompt position, one row per position via a 1-token segment each
-    out, kv = run(cfg, params, kv, [Row(0, tuple(prompt), 0, table, True)])
+    out, kv = run(cfg, params, kv, [Row(0, tuple(prompt), 0, True)], {0: table})
     diffs = [np.abs(out[0] - ref[len(prompt) - 1]).max()]
     for i in range(len(prompt), len(seq)):
-        out, kv = run(cfg, params, kv, [Row(0, (seq[i],), i, table, True)])
+        out, kv = run(cfg, params, kv, [Row(0, (seq[i],), i, True)], {0: table})
         diffs.append(np.abs(out[0] - ref[i]).max())
         assert int(out[0].argmax()) == (seq[i + 1] if i + 1 < len(seq) else int(ref[i].argmax()))
     assert max(diffs) <= 1e-3, diffs
@@ -60,27 +64,28 @@ def test_packed_equals_per_sequence_and_paged_equals_contiguous(tiny_gguf):
     for p in prompts:
         kv = dense.init_kv(cfg, 8, P, jnp.float32)
         table = tuple(range(1, 1 + -(-len(p) // P)))
-        out, _ = run(cfg, params, kv, [Row(0, p, 0, table, True)])
+        out, _ = run(cfg, params, kv, [Row(0, p, 0, True)], {0: table})
         alone.append(out[0])
     # packed together, shuffled physical blocks, padded token and row buckets
     free = rng.permutation(np.arange(1, 12)).tolist()
-    rows = []
+    rows, tables = [], {}
     for s, p in enumerate(prompts):
         nb = -(-len(p) // P)
-        rows.append(Row(s, p, 0, tuple(free[:nb]), True))
-        free = free[nb:]
+        rows.append(Row(s, p, 0, True))
+        tables[s], free = tuple(free[:nb]), free[nb:]
     kv = dense.init_kv(cfg, 12, P, jnp.float32)
-    out, kv = run(cfg, params, kv, rows, t_bucket=64, s_bucket=8)
+    out, kv = run(cfg, params, kv, rows, tables, t_bucket=64, s_bucket=8)
     for a, b in zip(alone, out, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
     # a second step continuing every sequence from the paged cache matches too
     nxt = []
     for r in rows:  # a full last block needs one more block for the new token
-        extra = (free.pop(),) if len(r.tokens) % P == 0 else ()
-        nxt.append(Row(r.slot, (7,), len(r.tokens), r.block_table + extra, True))
-    out2, _ = run(cfg, params, kv, nxt, t_bucket=8, s_bucket=4)
+        if len(r.tokens) % P == 0:
+            tables[r.slot] += (free.pop(),)
+        nxt.append(Row(r.slot, (7,), len(r.tokens), True))
+    out2, _ = run(cfg, params, kv, nxt, tables, t_bucket=8, s_bucket=4)
     for p, o in zip(prompts, out2, strict=True):
         kv1 = dense.init_kv(cfg, 8, P, jnp.float32)
         table = tuple(range(1, 1 + -(-(len(p) + 1) // P)))
-        ref, _ = run(cfg, params, kv1, [Row(0, p + (7,), 0, table, True)])
+        ref, _ = run(cfg, params, kv1, [Row(0, p + (7,), 0, True)], {0: table})
         np.testing.assert_allclose(o, ref[0], atol=1e-4, rtol=1e-4)

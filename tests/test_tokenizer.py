@@ -38,10 +38,19 @@ def test_incremental_decode_is_valid_utf8_and_equals_full_decode(fixtures_dir, n
     tok = load(fixtures_dir, name)
     for text, _ in vectors(fixtures_dir, name):
         ids = tok.encode(text, add_special=False)
-        dec = IncrementalDecoder(tok)
+        dec = IncrementalDecoder(tok, strip_leading_space=True)
         parts = [dec.push(i) for i in ids] + [dec.flush()]
         assert all("\ufffd" not in p for p in parts) or "\ufffd" in text
         assert "".join(parts) == tok.decode(ids), repr(text)
+
+
+def test_continuation_keeps_sentencepiece_leading_space(fixtures_dir):
+    from luce_jax.tokenizer import IncrementalDecoder
+
+    tok = load(fixtures_dir, "llama-spm")
+    ids = tok.encode("Hello world", add_special=False)
+    dec = IncrementalDecoder(tok)  # a continuation of some prompt
+    assert "".join(dec.push(i) for i in ids[1:]) == " world"
 
 
 def test_bos_rules_from_metadata(fixtures_dir):
