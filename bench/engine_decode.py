@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -161,7 +162,9 @@ def run(args) -> dict:
     return {
         "bench": "engine_decode",
         "date": time.strftime("%Y-%m-%d"),
-        "commit": subprocess.run(
+        # the device copy of the tree has no .git: the caller passes LUCE_COMMIT there
+        "commit": os.environ.get("LUCE_COMMIT")
+        or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip()
         or None,

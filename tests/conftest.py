@@ -49,8 +49,8 @@ TINY_ENGINE = dict(
     max_concurrency=4,
     max_ctx=128,
     kv_pool_tokens=512,
-    prefill_chunk=32,
-    prefill_token_budget=32,
+    prefill_chunk=128,
+    prefill_token_budget=128,
 )
 
 

@@ -43,8 +43,8 @@ def prompts(n, seed=0):
 
 @pytest.mark.parametrize(
     "chunk, budget",
-    [(32, 32), (8, 16), (5, 32)],
-    ids=["chunk32", "chunk8-below-block", "chunk5-odd"],
+    [(128, 128), (32, 64), (8, 16), (5, 32)],
+    ids=["unchunked", "chunk32", "chunk8-below-block", "chunk5-odd"],
 )
 def test_batched_equals_one_at_a_time(loaded, engine_config, chunk, budget):
     tok, engine = loaded
@@ -88,6 +88,28 @@ def test_seeded_sampling_is_reproducible_under_batching(loaded, engine_config):
         engine, tok, [(0, p[0], other), (0, p[1], sp), (1, p[2], other)], engine_config
     )[0]
     assert mixed[1] == alone
+
+
+def test_kv_pool_sizing():
+    from luce_jax.config import EngineConfig
+    from luce_jax.llm import kv_pool_blocks
+
+    class Dev:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    c = EngineConfig(max_ctx=1024, kv_block_size=16, kv_pool_tokens=1100)
+    assert kv_pool_blocks(c, Dev(None), 100) == 69 + 1  # rounded up to whole blocks + sink
+    auto = c.replace(kv_pool_tokens=0)
+    gib = 2**30
+    stats = {"bytes_limit": 10 * gib, "bytes_in_use": 2 * gib}
+    blocks = kv_pool_blocks(auto, Dev(stats), 1024)  # 16 KiB per block
+    assert blocks - 1 == int((10 * gib * 0.92 - 2 * gib) // (1024 * 16))
+    with pytest.raises(ValueError, match="max_ctx=1024"):
+        kv_pool_blocks(auto, Dev({"bytes_limit": gib, "bytes_in_use": gib - 2**20}), 1024)
 
 
 def test_too_long_prompt_fails_alone(loaded, engine_config):
