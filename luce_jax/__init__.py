@@ -1,6 +1,6 @@
 """luce_jax: continuous-batching LLM inference on JAX/XLA."""
 
 from .llm import LLM, Completion
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "Completion", "SamplingParams"]

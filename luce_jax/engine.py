@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 from .batch import Row, buckets, pick_bucket
 from .config import EngineConfig
 from .kv_pool import KVPool
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 def main(argv=None) -> int:

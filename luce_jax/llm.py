@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .config import CACHE_TYPES, EngineConfig
 from .request import Event
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

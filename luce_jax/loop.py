@@ -17,7 +17,7 @@ import threading
 import time
 
 from .request import Event, Request
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import QueueFull, Scheduler
 
 log = logging.getLogger(__name__)

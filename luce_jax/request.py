@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 Phase = Literal["queued", "prefill", "decode", "finished", "cancelled", "failed"]
 _ids = itertools.count()

@@ -1,0 +1,155 @@
+"""`python -m luce_jax.serve`: flags -> EngineConfig -> engine thread -> OpenAI-compatible server.
+
+The HTTP server starts at once (GET /health answers 503 while the model loads and compiles);
+the engine is built in a background thread and handed to the app when ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import threading
+from pathlib import Path
+
+from .config import CACHE_TYPES, DTYPES, EngineConfig
+
+log = logging.getLogger("luce_jax.serve")
+
+HELP = {
+    "model": "GGUF model file",
+    "model_name": "name served in /v1/models and expected in requests (default: file stem)",
+    "dtype": f"weight dtype after dequantization: {', '.join(DTYPES)}",
+    "max_concurrency": "sequence slots: requests decoding at once",
+    "max_ctx": "longest prompt + output per request, in tokens",
+    "kv_pool_tokens": "KV cache size in tokens; 0 = what free device memory holds",
+    "kv_block_size": "tokens per KV block (a power of two)",
+    "cache_type_k": f"K cache element type: {', '.join(CACHE_TYPES)}",
+    "cache_type_v": f"V cache element type: {', '.join(CACHE_TYPES)}",
+    "prefill_chunk": "prompt tokens one sequence appends per step",
+    "prefill_token_budget": "tokens per step, decode rows included",
+    "max_concurrent_prefills": "prompts advanced in one step",
+    "admission_coalesce_ms": "after idle, wait this long so a burst of requests starts together",
+    "max_queue": "waiting requests before new ones get 429",
+    "chat_template_file": "Jinja chat template overriding the GGUF's",
+    "compile_cache_dir": "JAX persistent compilation cache ('' to disable)",
+    "seed": "seed for requests that do not give one",
+}
+
+
+class EngineHandle:
+    """What the server needs of a running engine; reads are safe from any thread."""
+
+    def __init__(self, config, tokenizer, engine, scheduler, loop):
+        self.config, self.tokenizer, self.loop = config, tokenizer, loop
+        self._engine, self._sched = engine, scheduler
+        self.vocab_size = engine.runner.cfg.vocab_size
+
+    def running(self) -> int:
+        return len(self._sched.running)
+
+    def waiting(self) -> int:
+        return len(self._sched.queue)
+
+    def blocks_used(self) -> int:
+        return self._engine.pool.used
+
+    def blocks_free(self) -> int:
+        return self._engine.pool.available
+
+    def compiles(self) -> int:
+        return self._engine.runner.compiles
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m luce_jax.serve",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on")
+    ap.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level",
+    )
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kind = {int: int, float: float}.get(type(default), str)
+        ap.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=default,
+            help=HELP.get(f.name, f.name),
+            required=f.name == "model",
+        )
+    return ap
+
+
+def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
+    """Parse flags; an invalid value ends the process with a message and status 2."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    kw["compile_cache_dir"] = kw["compile_cache_dir"] or None
+    if kw["model_name"] is None and kw["model"]:
+        kw["model_name"] = Path(kw["model"]).stem
+    if not 0 < args.port < 65536:
+        ap.error(f"--port {args.port}: must be in 1..65535")
+    try:
+        return args, EngineConfig(**kw)
+    except ValueError as e:
+        name = str(e).split("=", 1)[0]
+        ap.error(f"--{name.replace('_', '-')}: {e}")
+
+
+def start_engine(config: EngineConfig) -> EngineHandle:
+    """Load, compile and start the engine thread (blocks until ready)."""
+    from .llm import load_engine
+    from .loop import EngineLoop
+    from .scheduler import Scheduler
+
+    tokenizer, engine = load_engine(config)
+    sched = Scheduler(engine, tokenizer, config.max_queue, config.admission_coalesce_ms)
+    loop = EngineLoop(sched).start()
+    return EngineHandle(config, tokenizer, engine, sched, loop)
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    from server.app import ServerState, create_app
+
+    args, config = parse_config(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    state = ServerState(model_name=config.model_name)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    )
+    failed = []
+
+    def load():
+        try:
+            handle = start_engine(config)
+            handle.loop.step_listeners.append(state.metrics.step.observe)
+            state.engine = handle
+            log.info("ready: serving %s on http://%s:%d", config.model_name, args.host, args.port)
+        except Exception as e:
+            log.exception("failed to load %s", config.model)
+            failed.append(e)
+            server.should_exit = True
+
+    threading.Thread(target=load, name="luce-load", daemon=True).start()
+    server.run()
+    if state.engine is not None:
+        state.engine.loop.stop()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

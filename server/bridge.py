@@ -1,0 +1,96 @@
+"""The bridge between asyncio handlers and the engine thread: one bounded stream per request.
+
+The engine thread never waits on a client: it hands each event to the event loop with
+call_soon_threadsafe. A stream whose reader falls more than `max_buffer` bytes behind, or
+leaves its events unread for `stall_s` seconds, is cancelled, so it cannot pin a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+MAX_BUFFER = 1 << 20  # bytes of text a reader may fall behind
+STALL_S = 30.0  # seconds a reader may leave queued events unread
+
+
+class Stream:
+    """One request's events, written by the engine thread, read by one asyncio task."""
+
+    def __init__(
+        self,
+        engine_loop,
+        prompt: list[int],
+        sampling,
+        metrics=None,
+        max_buffer=MAX_BUFFER,
+        stall_s=STALL_S,
+    ):
+        self._engine = engine_loop
+        self._aloop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._lock = threading.Lock()
+        self._buffered = 0
+        self._last_read = time.monotonic()
+        self._max_buffer, self._stall_s = max_buffer, stall_s
+        self.slow_reader = False
+        self.finished = False
+        self.arrival = time.monotonic()
+        self.prompt_tokens = len(prompt)
+        self._metrics = metrics
+        self._last_token: float | None = None
+        if metrics is not None:
+            metrics.prompt_tokens.inc(len(prompt))
+        self.req = engine_loop.submit(prompt, sampling, self._on_event)
+
+    @staticmethod
+    def _size(ev) -> int:
+        return len(ev.text.encode("utf-8")) + 16 * len(ev.token_ids) + 1
+
+    def _observe(self, ev) -> None:
+        """Latency metrics at the time the engine produced the event (not when it was read)."""
+        m, t = self._metrics, time.monotonic()
+        if ev.token_ids:
+            if self._last_token is None:
+                m.ttft.observe(t - self.arrival)
+            else:
+                m.itl.observe(t - self._last_token)
+            self._last_token = t
+            m.generation_tokens.inc(len(ev.token_ids))
+        if ev.final:
+            m.requests.labels(ev.finish_reason).inc()
+            m.e2e.observe(t - self.arrival)
+
+    def _on_event(self, ev) -> None:  # engine thread
+        if self._metrics is not None:
+            self._observe(ev)
+        with self._lock:
+            self._buffered += self._size(ev)
+            too_slow = self._buffered > self._max_buffer or (
+                time.monotonic() - self._last_read > self._stall_s and self._buffered > 0
+            )
+        if too_slow and not ev.final and not self.slow_reader:
+            self.slow_reader = True
+            log.warning("request %s: reader too slow, cancelling", self.req.id)
+            self._engine.cancel(self.req)
+        self._aloop.call_soon_threadsafe(self._queue.put_nowait, ev)
+
+    async def get(self, timeout: float | None = None):
+        """Next event; raises TimeoutError if none comes within `timeout` seconds."""
+        ev = await asyncio.wait_for(self._queue.get(), timeout)
+        with self._lock:
+            self._buffered -= self._size(ev)
+            self._last_read = time.monotonic()
+        if ev.final:
+            self.finished = True
+        return ev
+
+    def cancel(self) -> None:
+        """Cancel the request (client gone); its slot is free before the next step."""
+        if not self.finished:
+            self.finished = True
+            self._engine.cancel(self.req)

@@ -1,0 +1,47 @@
+"""Prometheus metrics (prometheus-client), read from the engine handle at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class Metrics:
+    def __init__(self, state):
+        """Args: state: the app's ServerState; gauges read state.engine when scraped."""
+        r = self.registry = CollectorRegistry()
+
+        def gauge(name, doc, fn):
+            g = Gauge(name, doc, registry=r)
+            g.set_function(lambda: fn(state.engine) if state.engine is not None else 0)
+            return g
+
+        gauge("luce_requests_running", "Requests holding a slot", lambda e: e.running())
+        gauge("luce_requests_waiting", "Requests queued for a slot", lambda e: e.waiting())
+        gauge("luce_kv_blocks_used", "KV blocks owned by sequences", lambda e: e.blocks_used())
+        gauge(
+            "luce_kv_blocks_free", "KV blocks neither owned nor reserved", lambda e: e.blocks_free()
+        )
+        gauge(
+            "luce_compiles",
+            "Step programs compiled (constant after warmup)",
+            lambda e: e.compiles(),
+        )
+        self.prompt_tokens = Counter("luce_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("luce_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("luce_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.ttft = Histogram(
+            "luce_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r
+        )
+        self.itl = Histogram(
+            "luce_inter_token_latency_seconds", "Time between tokens", buckets=_ITL, registry=r
+        )
+        self.e2e = Histogram(
+            "luce_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY, registry=r
+        )
+        self.step = Histogram("luce_step_seconds", "Engine step time", buckets=_ITL, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
