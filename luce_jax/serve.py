@@ -19,7 +19,7 @@ log = logging.getLogger("luce_jax.serve")
 
 HELP = {
     "model": "GGUF model file",
-    "model_name": "name served in /v1/models and expected in requests (default: file stem)",
+    "model_name": "name served in /v1/models and expected in requests (none: the file stem)",
     "dtype": f"weight dtype after dequantization: {', '.join(DTYPES)}",
     "max_concurrency": "sequence slots: requests decoding at once",
     "max_ctx": "longest prompt + output per request, in tokens",
