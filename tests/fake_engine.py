@@ -1,5 +1,7 @@
 """A SeqEngine with no model: deterministic tokens, a real KVPool, and plan checks."""
 
+import time
+
 from luce_jax.engine import AdmitResult, StepLimits, StepResult, TokenOut
 from luce_jax.kv_pool import KVPool
 
@@ -15,6 +17,7 @@ class FakeEngine:
         budget=16,
         max_prefills=2,
         fail_on=None,
+        delay=0.0,
     ):
         self.slot_count, self.max_context, self.block_size = slots, max_context, block_size
         self.pool = KVPool(blocks + 1, block_size)
@@ -22,6 +25,7 @@ class FakeEngine:
         self.state = {}  # slot -> dict(prompt, prefilled, generated)
         self.plans = []
         self.fail_on = fail_on  # callable(plan) -> bool: raise in step
+        self.delay = delay  # seconds each step takes
 
     def admit(self, request_id, prompt, sampling):
         need = len(prompt) + sampling.max_tokens
@@ -38,6 +42,8 @@ class FakeEngine:
 
     def step(self, plan):
         self.plans.append(plan)
+        if self.delay:
+            time.sleep(self.delay)
         if self.fail_on and self.fail_on(plan):
             raise RuntimeError("injected failure")
         res = StepResult()

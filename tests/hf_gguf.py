@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -33,7 +33,13 @@ def tiny_vocab(size: int):
     return tokens, types, merges
 
 
-def make_hf_model(arch: str, seed: int = 0, vocab: int = 320, tie: bool | None = None):
+def make_hf_model(
+    arch: str,
+    seed: int = 0,
+    vocab: int = 320,
+    tie: bool | None = None,
+    rope_scaling: dict | None = None,
+):
     """A small random-weight HF model of `arch` (llama, qwen2, qwen3), float32, eval mode."""
     import torch
     from transformers import (
@@ -59,7 +65,9 @@ def make_hf_model(arch: str, seed: int = 0, vocab: int = 320, tie: bool | None =
         eos_token_id=256 + 6,
     )
     if arch == "llama":
-        cfg = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=bool(tie))
+        cfg = LlamaConfig(
+            **common, rope_theta=10000.0, tie_word_embeddings=bool(tie), rope_scaling=rope_scaling
+        )
         model = LlamaForCausalLM(cfg)
     elif arch == "qwen2":
         tied = True if tie is None else tie
@@ -105,6 +113,9 @@ def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_temp
     w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.rope_parameters.get("rope_type") == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(cfg.rope_parameters["factor"]))
     tokens, types, merges = tiny_vocab(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")

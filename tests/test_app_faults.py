@@ -87,6 +87,22 @@ def test_full_queue_answers_429_with_retry_after():
         h.loop.stop()
 
 
+def test_sse_sends_keepalive_comments_while_waiting():
+    eng = FakeEngine(delay=0.15)
+    h = Handle(eng)
+    try:
+        state = ServerState(model_name="fake", keepalive_s=0.05)
+        state.engine = h
+        c = TestClient(create_app(state))
+        body = {"prompt": "slow", "max_tokens": 2, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = list(r.iter_lines())
+        lines = [x for x in lines if x]
+        assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+    finally:
+        h.loop.stop()
+
+
 def test_loading_server_answers_503():
     c = TestClient(create_app(ServerState(model_name="fake")))
     assert c.get("/health").status_code == 503

@@ -31,11 +31,20 @@ def run(cfg, params, kv, rows, tables, t_bucket=None, s_bucket=None, max_blocks=
     return np.asarray(logits)[: len(rows)], kv
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_logits_match_hf_over_prompt_and_16_greedy_steps(tiny_models, arch):
-    hf, path = tiny_models[arch]
+@pytest.fixture(scope="module")
+def linear_rope_llama(tmp_path_factory):
+    from hf_gguf import hf_to_gguf, make_hf_model
+
+    m = make_hf_model("llama", seed=3, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    return m, hf_to_gguf(m, "llama", tmp_path_factory.mktemp("rope") / "llama-linear.gguf")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-linear-rope"])
+def test_logits_match_hf_over_prompt_and_16_greedy_steps(tiny_models, linear_rope_llama, arch):
+    hf, path = linear_rope_llama if arch == "llama-linear-rope" else tiny_models[arch]
     cfg, params = load(path)
-    assert cfg.arch == arch
+    assert cfg.arch == arch.split("-")[0]
+    assert (cfg.rope_scaling == "linear") == arch.endswith("rope")
     prompt = [5, 77, 300, 12, 9, 140, 33, 250, 61, 2, 99]
     seq = list(prompt)
     with torch.no_grad():

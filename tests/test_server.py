@@ -351,7 +351,11 @@ def test_models_tokenize_detokenize(base_url, client):
 
 def test_max_tokens_is_clamped_to_the_context_left(client):
     out = client.completions.create(
-        model="tiny", prompt="x", max_tokens=10_000, temperature=0, extra_body={"ignore_eos": True}
+        model="tiny",
+        prompt="x " * 1990,
+        max_tokens=10_000,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert out.usage.prompt_tokens + out.usage.completion_tokens == 4096
     assert out.choices[0].finish_reason == "length"
