@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DTYPES = ("bfloat16", "float16", "float32")
-CACHE_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on GPU, float32 on CPU
+CACHE_TYPES = {"auto": None, "bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,12 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
 
+ASSETS = Path(__file__).resolve().parent / "assets"
+# The embedded default model: trained by bench/tiny_model on the Python standard library.
+DEFAULT_MODEL = ASSETS / "luce-stdlib-main.gguf"
+DEFAULT_DRAFT = ASSETS / "luce-stdlib-draft.gguf"
+
+
 def default_compile_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return os.path.join(base, "luce_jax", "xla")
@@ -52,15 +58,15 @@ def default_compile_cache_dir() -> str:
 class EngineConfig:
     """Everything the engine needs; field names are the CLI flags in snake_case."""
 
-    model: str | None = None
+    model: str | None = None  # None: the embedded default model
     model_name: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_concurrency: int = 8
     max_ctx: int = 4096
     kv_pool_tokens: int = 0  # 0 = derive from free device memory
     kv_block_size: int = 16
-    cache_type_k: str = "bf16"
-    cache_type_v: str = "bf16"
+    cache_type_k: str = "auto"  # auto: the weights' dtype
+    cache_type_v: str = "auto"
     prefill_chunk: int = 512
     prefill_token_budget: int = 512
     max_concurrent_prefills: int = 4
@@ -101,6 +107,18 @@ class EngineConfig:
             bad("prefill_chunk", f"must be <= prefill_token_budget ({self.prefill_token_budget})")
         if self.model is not None and not Path(self.model).is_file():
             bad("model", "no such file")
+
+    def resolved(self, backend: str) -> EngineConfig:
+        """Replace "auto" dtypes for a backend: XLA's CPU backend emulates bfloat16 slowly."""
+        dtype = (
+            self.dtype if self.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
+        )
+        short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
+        return self.replace(
+            dtype=dtype,
+            cache_type_k=short if self.cache_type_k == "auto" else self.cache_type_k,
+            cache_type_v=short if self.cache_type_v == "auto" else self.cache_type_v,
+        )
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -6,7 +6,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from .config import CACHE_TYPES, EngineConfig
+from .config import CACHE_TYPES, DEFAULT_MODEL, EngineConfig
 from .request import Event
 from .sampling_params import SamplingParams
 
@@ -30,6 +30,7 @@ def load_engine(config: EngineConfig):
     from .runner import Runner, enable_compile_cache
     from .tokenizer import GGUFTokenizer, GGUFVocab
 
+    config = config.resolved(jax.default_backend())
     enable_compile_cache(config.compile_cache_dir)
     f = GGUFFile(config.model)
     template = None
@@ -38,8 +39,19 @@ def load_engine(config: EngineConfig):
             template = fh.read()
     tokenizer = GGUFTokenizer(GGUFVocab.from_metadata(f.metadata), template)
     mc, params = load_params(f, model_config(f.metadata), config.dtype)
-    kv_dtype = jnp.dtype(CACHE_TYPES[config.cache_type_k])
-    per_token = 2 * mc.n_layers * mc.kv_size * kv_dtype.itemsize
+    if config.max_ctx > mc.context_length:
+        log.warning(
+            "max_ctx %d exceeds the model's context length %d; using %d",
+            config.max_ctx,
+            mc.context_length,
+            mc.context_length,
+        )
+        config = config.replace(max_ctx=mc.context_length)
+    kv_dtypes = (
+        jnp.dtype(CACHE_TYPES[config.cache_type_k]),
+        jnp.dtype(CACHE_TYPES[config.cache_type_v]),
+    )
+    per_token = mc.n_layers * mc.kv_size * sum(d.itemsize for d in kv_dtypes)
     num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token)
     log.info(
         "KV pool: %d blocks of %d tokens (%.2f GiB)",
@@ -54,7 +66,7 @@ def load_engine(config: EngineConfig):
         config.kv_block_size,
         config.max_concurrency,
         config.max_blocks_per_seq,
-        kv_dtype,
+        kv_dtypes,
     )
     engine = DenseEngine(config, runner, num_blocks)
     runner.warmup(engine.bucket_pairs())
@@ -94,7 +106,7 @@ class Completion:
 class LLM:
     """Load a model and generate with continuous batching.
 
-    >>> llm = LLM(model="model.gguf", max_concurrency=8)
+    >>> llm = LLM()  # the embedded default model; or LLM(model="model.gguf", ...)
     >>> llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))[0].text
 
     Keyword arguments are EngineConfig fields (the CLI flags in snake_case).
@@ -104,10 +116,9 @@ class LLM:
         from .loop import EngineLoop
         from .scheduler import Scheduler
 
-        if model is None:
-            raise ValueError("model: a GGUF path is required")
-        self.config = config = EngineConfig(model=str(model), **kwargs)
+        config = EngineConfig(model=str(model or DEFAULT_MODEL), **kwargs)
         self.tokenizer, self.engine = load_engine(config)
+        self.config = config = self.engine.config
         self.model_config = self.engine.runner.cfg
         self.scheduler = Scheduler(
             self.engine, self.tokenizer, config.max_queue, config.admission_coalesce_ms

@@ -13,12 +13,12 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import CACHE_TYPES, DTYPES, EngineConfig
+from .config import CACHE_TYPES, DEFAULT_MODEL, DTYPES, EngineConfig
 
 log = logging.getLogger("luce_jax.serve")
 
 HELP = {
-    "model": "GGUF model file",
+    "model": "GGUF model file (default: the embedded model trained on the Python stdlib)",
     "model_name": "name served in /v1/models and expected in requests (none: the file stem)",
     "dtype": f"weight dtype after dequantization: {', '.join(DTYPES)}",
     "max_concurrency": "sequence slots: requests decoding at once",
@@ -42,7 +42,7 @@ class EngineHandle:
     """What the server needs of a running engine; reads are safe from any thread."""
 
     def __init__(self, config, tokenizer, engine, scheduler, loop):
-        self.config, self.tokenizer, self.loop = config, tokenizer, loop
+        self.config, self.tokenizer, self.loop = engine.config, tokenizer, loop
         self._engine, self._sched = engine, scheduler
         self.vocab_size = engine.runner.cfg.vocab_size
 
@@ -84,7 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
             type=kind,
             default=default,
             help=HELP.get(f.name, f.name),
-            required=f.name == "model",
         )
     return ap
 
@@ -95,7 +94,8 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
     args = ap.parse_args(argv)
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     kw["compile_cache_dir"] = kw["compile_cache_dir"] or None
-    if kw["model_name"] is None and kw["model"]:
+    kw["model"] = kw["model"] or str(DEFAULT_MODEL)
+    if kw["model_name"] is None:
         kw["model_name"] = Path(kw["model"]).stem
     if not 0 < args.port < 65536:
         ap.error(f"--port {args.port}: must be in 1..65535")

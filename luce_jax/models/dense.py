@@ -121,6 +121,8 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
     return logits, new_kv
 
 
-def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> KV:
+def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, v_dtype=None) -> KV:
+    """Zeroed per-layer (k, v) caches [NB, P, K, D]; V may have its own dtype."""
     shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers)]
+    v_dtype = v_dtype or dtype
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, v_dtype)) for _ in range(cfg.n_layers)]
