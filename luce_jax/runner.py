@@ -138,17 +138,26 @@ class Runner:
         packed = jnp.stack([tokens, jax.lax.bitcast_convert_type(chosen, jnp.int32)])
         return packed, top_ids, top_lp, kv, {"counts": counts, "prompt_mask": pmask}
 
-    def _compile(self, T: int, S: int):
-        """Build (or fetch from the persistent cache) the executable for one bucket pair."""
+    def step_function(self, T: int, S: int):
+        """The step for bucket (T, S) and abstract arguments to trace or lower it with."""
         n_int = sum(int(np.prod(shape)) for _, shape in self._int_layout(T, S))
-        fn = jax.jit(functools.partial(self._step_fn, T=T, S=S), donate_argnums=(1, 2))
-        exe = fn.lower(
+        args = (
             self.params,
             self.kv,
             self.state,
             jax.ShapeDtypeStruct((n_int,), jnp.int32),
             jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32),
-        ).compile()
+        )
+        return functools.partial(self._step_fn, T=T, S=S), args
+
+    def executable(self, T: int, S: int):
+        """The compiled executable of a warmed bucket (for cost analysis and HLO text)."""
+        return self._exec[(T, S)]
+
+    def _compile(self, T: int, S: int):
+        """Build (or fetch from the persistent cache) the executable for one bucket pair."""
+        fn, args = self.step_function(T, S)
+        exe = jax.jit(fn, donate_argnums=(1, 2)).lower(*args).compile()
         with self._lock:
             self.compiles += 1
             self._exec[(T, S)] = exe

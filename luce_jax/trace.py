@@ -1,0 +1,89 @@
+"""Step timeline and compiled-program inspection, for notebooks/inspect_steps.ipynb and debugging.
+
+tracer = StepTracer(llm.engine)          # records every step the scheduler runs
+llm.generate(prompts, sp)
+tracer.rows()                             # per step: slots, rows, bucket, milliseconds
+compiled_buckets(llm.engine)              # every compiled (T, S) with XLA's cost analysis
+step_jaxpr(llm.engine, 16), step_hlo(llm.engine, 16)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import jax
+
+from .batch import pick_bucket
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    index: int
+    slots: tuple[int, ...]
+    decode_rows: int
+    prefill_rows: int
+    prefill_tokens: int
+    token_bucket: int
+    row_bucket: int
+    ms: float
+
+
+class StepTracer:
+    """Wraps an engine's `step` to time it and record what each plan held."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.records: list[StepRecord] = []
+        self._inner = engine.step
+        engine.step = self._step
+
+    def _step(self, plan):
+        n_tok = len(plan.decode) + sum(n for _, n in plan.prefills)
+        t_bucket = pick_bucket(n_tok, self.engine.token_buckets)
+        t0 = time.perf_counter()
+        result = self._inner(plan)
+        self.records.append(
+            StepRecord(
+                index=len(self.records),
+                slots=tuple(s for s, _ in plan.decode) + tuple(s for s, _ in plan.prefills),
+                decode_rows=len(plan.decode),
+                prefill_rows=len(plan.prefills),
+                prefill_tokens=sum(n for _, n in plan.prefills),
+                token_bucket=t_bucket,
+                row_bucket=self.engine.rows_for(t_bucket),
+                ms=(time.perf_counter() - t0) * 1e3,
+            )
+        )
+        return result
+
+    def rows(self) -> list[dict]:
+        return [asdict(r) for r in self.records]
+
+    def detach(self) -> None:
+        self.engine.step = self._inner
+
+
+def _cost(exe) -> dict:
+    c = exe.cost_analysis()
+    c = c[0] if isinstance(c, (list, tuple)) else c
+    return {k: c.get(k, 0.0) for k in ("flops", "bytes accessed", "transcendentals")}
+
+
+def compiled_buckets(engine) -> list[dict]:
+    """One row per compiled (T, S) bucket with XLA's estimate of FLOPs and bytes."""
+    out = []
+    for t, s in engine.bucket_pairs():
+        out.append({"tokens": t, "rows": s, **_cost(engine.runner.executable(t, s))})
+    return out
+
+
+def step_jaxpr(engine, t_bucket: int) -> str:
+    """The jaxpr of the step for token bucket `t_bucket` (traced abstractly)."""
+    fn, args = engine.runner.step_function(t_bucket, engine.rows_for(t_bucket))
+    return str(jax.make_jaxpr(fn)(*args))
+
+
+def step_hlo(engine, t_bucket: int) -> str:
+    """XLA's optimized HLO of the compiled step for token bucket `t_bucket`."""
+    return engine.runner.executable(t_bucket, engine.rows_for(t_bucket)).as_text()
