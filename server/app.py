@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import protocol as P
-from .bridge import Stream
+from .generation import error_response, respond
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -30,10 +29,6 @@ class ServerState:
 
     def __post_init__(self):
         self.metrics = Metrics(self)
-
-
-def _error(e: P.APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _ready(state: ServerState):
@@ -65,105 +60,6 @@ def _admit_check(engine) -> None:
         )
 
 
-class Generation:
-    """Reads one Stream, keeping text, tokens, logprobs and latency metrics."""
-
-    def __init__(self, state: ServerState, stream: Stream, tokenizer, n_logprobs):
-        self.state, self.stream, self.tok, self.n_lp = state, stream, tokenizer, n_logprobs
-        self.text, self.tokens, self.logprobs = "", [], []
-        self.finish_reason, self.error = None, None
-
-    def absorb(self, ev) -> None:
-        self.text += ev.text
-        self.tokens.extend(ev.token_ids)
-        self.logprobs.extend(ev.logprobs)
-        if ev.final:
-            self.finish_reason = "stop" if ev.finish_reason == "stop" else ev.finish_reason
-            self.error = ev.error
-
-    def token_str(self, tid: int) -> str:
-        return self.tok.token_bytes[tid].decode("utf-8", errors="replace")
-
-    def chat_logprobs(self, lps, ids) -> dict | None:
-        if self.n_lp is None:
-            return None
-        out = []
-        for (lp, top), tid in zip(lps, ids, strict=True):
-            s = self.token_str(tid)
-            out.append(
-                {
-                    "token": s,
-                    "logprob": lp,
-                    "bytes": list(s.encode()),
-                    "top_logprobs": [
-                        {
-                            "token": self.token_str(i),
-                            "logprob": v,
-                            "bytes": list(self.token_str(i).encode()),
-                        }
-                        for i, v in top[: self.n_lp]
-                    ],
-                }
-            )
-        return {"content": out}
-
-    def completion_logprobs(self, lps, ids, offset: int) -> dict | None:
-        if self.n_lp is None:
-            return None
-        toks = [self.token_str(t) for t in ids]
-        offsets, o = [], offset
-        for s in toks:
-            offsets.append(o)
-            o += len(s)
-        return {
-            "tokens": toks,
-            "token_logprobs": [lp for lp, _ in lps],
-            "top_logprobs": [{self.token_str(i): v for i, v in top[: self.n_lp]} for _, top in lps],
-            "text_offset": offsets,
-        }
-
-    def raise_if_failed(self) -> None:
-        if self.finish_reason == "error":
-            raise P.APIError(500, self.error or "generation failed", type_="server_error")
-
-
-async def _collect(request: Request, gen: Generation) -> None:
-    """Wait for a non-streamed generation; a client that goes away cancels it."""
-    while gen.finish_reason is None:
-        try:
-            gen.absorb(await gen.stream.get(timeout=1.0))
-        except TimeoutError:
-            if await request.is_disconnected():
-                gen.stream.cancel()
-                return
-
-
-async def _sse(gen: Generation, chunk, include_usage: bool, usage_chunk, first=None):
-    """SSE body: `first` (if any), a chunk per event, usage when asked, then [DONE]."""
-    try:
-        if first is not None:
-            yield f"data: {json.dumps(first)}\n\n"
-        while gen.finish_reason is None:
-            try:
-                ev = await gen.stream.get(timeout=gen.state.keepalive_s)
-            except TimeoutError:
-                yield ": keep-alive\n\n"  # a long prefill: keep proxies and clients patient
-                continue
-            n_before = len(gen.tokens)
-            gen.absorb(ev)
-            if gen.finish_reason == "error":
-                err = {"error": {"message": gen.error, "type": "server_error", "code": 500}}
-                yield f"data: {json.dumps(err)}\n\n"
-                break
-            if ev.text or ev.token_ids or ev.final:
-                yield f"data: {json.dumps(chunk(gen, ev, n_before))}\n\n"
-        if include_usage:
-            yield f"data: {json.dumps(usage_chunk(gen))}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        gen.stream.cancel()  # no-op when finished; a disconnect lands here
-
-
 async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.luce
     try:
@@ -186,60 +82,8 @@ async def completions(request: Request) -> Response:
         stream, include_usage = P.stream_flags(body)
         _admit_check(engine)
     except P.APIError as e:
-        return _error(e)
-    gen = Generation(
-        state, Stream(engine.loop, ids, sp, state.metrics), engine.tokenizer, sp.logprobs
-    )
-    rid, created = P.new_id("cmpl"), P.now()
-
-    def choice(text, finish, lps, ids_, offset):
-        return {
-            "index": 0,
-            "text": text,
-            "finish_reason": finish,
-            "logprobs": gen.completion_logprobs(lps, ids_, offset),
-        }
-
-    def body_(choices, usage=None):
-        out = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": state.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    if stream:
-
-        def chunk(g, ev, n_before):
-            offset = len(g.text) - len(ev.text)
-            return body_(
-                [choice(ev.text, g.finish_reason, list(ev.logprobs), list(ev.token_ids), offset)]
-            )
-
-        return StreamingResponse(
-            _sse(
-                gen,
-                chunk,
-                include_usage,
-                lambda g: body_([], P.usage(g.stream.prompt_tokens, len(g.tokens))),
-            ),
-            media_type="text/event-stream",
-        )
-    await _collect(request, gen)
-    try:
-        gen.raise_if_failed()
-    except P.APIError as e:
-        return _error(e)
-    return JSONResponse(
-        body_(
-            [choice(gen.text, gen.finish_reason, gen.logprobs, gen.tokens, 0)],
-            P.usage(len(ids), len(gen.tokens)),
-        )
-    )
+        return error_response(e)
+    return await respond(request, state, engine, ids, sp, stream, include_usage, chat=False)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -270,83 +114,8 @@ async def chat_completions(request: Request) -> Response:
         stream, include_usage = P.stream_flags(body)
         _admit_check(engine)
     except P.APIError as e:
-        return _error(e)
-    gen = Generation(
-        state, Stream(engine.loop, ids, sp, state.metrics), engine.tokenizer, sp.logprobs
-    )
-    rid, created = P.new_id("chatcmpl"), P.now()
-
-    def envelope(obj, choices, usage=None):
-        out = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": state.model_name,
-            "choices": choices,
-        }
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    if stream:
-        first = envelope(
-            "chat.completion.chunk",
-            [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ],
-        )
-
-        def chunk(g, ev, n_before):
-            delta = {"content": ev.text} if ev.text else {}
-            return envelope(
-                "chat.completion.chunk",
-                [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "finish_reason": g.finish_reason,
-                        "logprobs": g.chat_logprobs(list(ev.logprobs), list(ev.token_ids)),
-                    }
-                ],
-            )
-
-        return StreamingResponse(
-            _sse(
-                gen,
-                chunk,
-                include_usage,
-                lambda g: envelope(
-                    "chat.completion.chunk", [], P.usage(g.stream.prompt_tokens, len(g.tokens))
-                ),
-                first=first,
-            ),
-            media_type="text/event-stream",
-        )
-    await _collect(request, gen)
-    try:
-        gen.raise_if_failed()
-    except P.APIError as e:
-        return _error(e)
-    msg = {"role": "assistant", "content": gen.text}
-    return JSONResponse(
-        envelope(
-            "chat.completion",
-            [
-                {
-                    "index": 0,
-                    "message": msg,
-                    "finish_reason": gen.finish_reason,
-                    "logprobs": gen.chat_logprobs(gen.logprobs, gen.tokens),
-                }
-            ],
-            P.usage(len(ids), len(gen.tokens)),
-        )
-    )
+        return error_response(e)
+    return await respond(request, state, engine, ids, sp, stream, include_usage, chat=True)
 
 
 async def models(request: Request) -> Response:
@@ -400,7 +169,7 @@ async def tokenize(request: Request) -> Response:
         else:
             raise P.bad("prompt", "must be a string (or pass messages)")
     except P.APIError as e:
-        return _error(e)
+        return error_response(e)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.config.max_ctx})
 
 
@@ -417,7 +186,7 @@ async def detokenize(request: Request) -> Response:
         ):
             raise P.bad("tokens", f"must be a list of token ids in [0, {engine.vocab_size})")
     except P.APIError as e:
-        return _error(e)
+        return error_response(e)
     return JSONResponse({"prompt": engine.tokenizer.decode(ids)})
 
 

@@ -1,0 +1,203 @@
+"""One generation's response: collected JSON or an SSE stream, in completion or chat shape."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from . import protocol as P
+from .bridge import Stream
+
+
+def error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Generation:
+    """Reads one Stream (for the app's ServerState), keeping text, tokens and logprobs."""
+
+    def __init__(self, state, stream: Stream, tokenizer, n_logprobs):
+        self.state, self.stream, self.tok, self.n_lp = state, stream, tokenizer, n_logprobs
+        self.text, self.tokens, self.logprobs = "", [], []
+        self.finish_reason, self.error = None, None
+
+    def absorb(self, ev) -> None:
+        self.text += ev.text
+        self.tokens.extend(ev.token_ids)
+        self.logprobs.extend(ev.logprobs)
+        if ev.final:
+            self.finish_reason = "stop" if ev.finish_reason == "stop" else ev.finish_reason
+            self.error = ev.error
+
+    def token_str(self, tid: int) -> str:
+        return self.tok.token_bytes[tid].decode("utf-8", errors="replace")
+
+    def chat_logprobs(self, lps, ids) -> dict | None:
+        if self.n_lp is None:
+            return None
+        out = []
+        for (lp, top), tid in zip(lps, ids, strict=True):
+            s = self.token_str(tid)
+            out.append(
+                {
+                    "token": s,
+                    "logprob": lp,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": self.token_str(i),
+                            "logprob": v,
+                            "bytes": list(self.token_str(i).encode()),
+                        }
+                        for i, v in top[: self.n_lp]
+                    ],
+                }
+            )
+        return {"content": out}
+
+    def completion_logprobs(self, lps, ids, offset: int) -> dict | None:
+        if self.n_lp is None:
+            return None
+        toks = [self.token_str(t) for t in ids]
+        offsets, o = [], offset
+        for s in toks:
+            offsets.append(o)
+            o += len(s)
+        return {
+            "tokens": toks,
+            "token_logprobs": [lp for lp, _ in lps],
+            "top_logprobs": [{self.token_str(i): v for i, v in top[: self.n_lp]} for _, top in lps],
+            "text_offset": offsets,
+        }
+
+    def raise_if_failed(self) -> None:
+        if self.finish_reason == "error":
+            raise P.APIError(500, self.error or "generation failed", type_="server_error")
+
+
+async def collect(request: Request, gen: Generation) -> None:
+    """Wait for a non-streamed generation; a client that goes away cancels it."""
+    while gen.finish_reason is None:
+        try:
+            gen.absorb(await gen.stream.get(timeout=1.0))
+        except TimeoutError:
+            if await request.is_disconnected():
+                gen.stream.cancel()
+                return
+
+
+async def sse(gen: Generation, chunk, include_usage: bool, usage_chunk, first=None):
+    """SSE body: `first` (if any), a chunk per event, usage when asked, then [DONE]."""
+    try:
+        if first is not None:
+            yield f"data: {json.dumps(first)}\n\n"
+        while gen.finish_reason is None:
+            try:
+                ev = await gen.stream.get(timeout=gen.state.keepalive_s)
+            except TimeoutError:
+                yield ": keep-alive\n\n"  # a long prefill: keep proxies and clients patient
+                continue
+            gen.absorb(ev)
+            if gen.finish_reason == "error":
+                err = {"error": {"message": gen.error, "type": "server_error", "code": 500}}
+                yield f"data: {json.dumps(err)}\n\n"
+                break
+            if ev.text or ev.token_ids or ev.final:
+                yield f"data: {json.dumps(chunk(gen, ev))}\n\n"
+        if include_usage:
+            yield f"data: {json.dumps(usage_chunk(gen))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        gen.stream.cancel()  # no-op when finished; a disconnect lands here
+
+
+async def respond(
+    request: Request,
+    state,
+    engine,
+    ids: list[int],
+    sp,
+    stream: bool,
+    include_usage: bool,
+    chat: bool,
+) -> Response:
+    """Submit `ids` and answer in OpenAI's completion (chat=False) or chat shape."""
+    gen = Generation(
+        state, Stream(engine.loop, ids, sp, state.metrics), engine.tokenizer, sp.logprobs
+    )
+    rid, created = P.new_id("chatcmpl" if chat else "cmpl"), P.now()
+
+    def envelope(obj, choices, usage=None):
+        out = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def choice(text, finish, lps, tids, offset):
+        if chat:
+            return {
+                "index": 0,
+                "delta": {"content": text} if text else {},
+                "finish_reason": finish,
+                "logprobs": gen.chat_logprobs(lps, tids),
+            }
+        return {
+            "index": 0,
+            "text": text,
+            "finish_reason": finish,
+            "logprobs": gen.completion_logprobs(lps, tids, offset),
+        }
+
+    if stream:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        first = None
+        if chat:
+            first = envelope(
+                obj,
+                [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+
+        def chunk(g, ev):
+            offset = len(g.text) - len(ev.text)
+            return envelope(
+                obj,
+                [choice(ev.text, g.finish_reason, list(ev.logprobs), list(ev.token_ids), offset)],
+            )
+
+        def usage_chunk(g):
+            return envelope(obj, [], P.usage(g.stream.prompt_tokens, len(g.tokens)))
+
+        return StreamingResponse(
+            sse(gen, chunk, include_usage, usage_chunk, first), media_type="text/event-stream"
+        )
+    await collect(request, gen)
+    try:
+        gen.raise_if_failed()
+    except P.APIError as e:
+        return error_response(e)
+    usage = P.usage(len(ids), len(gen.tokens))
+    if chat:
+        final = {
+            "index": 0,
+            "message": {"role": "assistant", "content": gen.text},
+            "finish_reason": gen.finish_reason,
+            "logprobs": gen.chat_logprobs(gen.logprobs, gen.tokens),
+        }
+        return JSONResponse(envelope("chat.completion", [final], usage))
+    final = choice(gen.text, gen.finish_reason, gen.logprobs, gen.tokens, 0)
+    return JSONResponse(envelope("text_completion", [final], usage))
