@@ -59,7 +59,7 @@ def make_hf_model(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         bos_token_id=vocab - 1,
         eos_token_id=256 + 6,
