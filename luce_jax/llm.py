@@ -39,14 +39,7 @@ def load_engine(config: EngineConfig):
             template = fh.read()
     tokenizer = GGUFTokenizer(GGUFVocab.from_metadata(f.metadata), template)
     mc, params = load_params(f, model_config(f.metadata), config.dtype)
-    if config.max_ctx > mc.context_length:
-        log.warning(
-            "max_ctx %d exceeds the model's context length %d; using %d",
-            config.max_ctx,
-            mc.context_length,
-            mc.context_length,
-        )
-        config = config.replace(max_ctx=mc.context_length)
+    config = fit_to_model(config, mc)
     kv_dtypes = (
         jnp.dtype(CACHE_TYPES[config.cache_type_k]),
         jnp.dtype(CACHE_TYPES[config.cache_type_v]),
@@ -71,6 +64,19 @@ def load_engine(config: EngineConfig):
     engine = DenseEngine(config, runner, num_blocks)
     runner.warmup(engine.bucket_pairs())
     return tokenizer, engine
+
+
+def fit_to_model(config: EngineConfig, mc) -> EngineConfig:
+    """Clamp max_ctx to the model's context length (RoPE past it is untrained)."""
+    if config.max_ctx <= mc.context_length:
+        return config
+    log.warning(
+        "max_ctx %d exceeds the model's context length %d; using %d",
+        config.max_ctx,
+        mc.context_length,
+        mc.context_length,
+    )
+    return config.replace(max_ctx=mc.context_length)
 
 
 def kv_pool_blocks(c: EngineConfig, device, bytes_per_token: int) -> int:

@@ -90,6 +90,15 @@ def test_seeded_sampling_is_reproducible_under_batching(loaded, engine_config):
     assert mixed[1] == alone
 
 
+def test_max_ctx_is_clamped_to_the_model_context():
+    from luce_jax.config import EngineConfig, ModelConfig
+    from luce_jax.llm import fit_to_model
+
+    mc = ModelConfig("qwen3", 100, 64, 2, 4, 2, 16, 96, context_length=2048)
+    assert fit_to_model(EngineConfig(max_ctx=4096), mc).max_ctx == 2048
+    assert fit_to_model(EngineConfig(max_ctx=1024), mc).max_ctx == 1024
+
+
 def test_kv_pool_sizing():
     from luce_jax.config import EngineConfig
     from luce_jax.llm import kv_pool_blocks
