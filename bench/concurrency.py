@@ -196,6 +196,7 @@ def main():
     if not (a.url or a.server_cmd):
         ap.error("--url or --server-cmd is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     prompts = humaneval_prompts(a.prompts)
     reps = []
     for rep in range(a.reps):
