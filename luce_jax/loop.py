@@ -30,7 +30,6 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="luce-engine", daemon=True)
         self.step_listeners: list = []  # callables(seconds) told each step's duration
-        self.error: BaseException | None = None
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -80,9 +79,8 @@ class EngineLoop:
             t0 = time.perf_counter()
             try:
                 worked = sched.step()
-            except Exception as e:  # a bug in the loop itself: fail what is in flight, go on
+            except Exception:  # a bug in the loop itself: fail what is in flight, go on
                 log.exception("engine loop iteration failed")
-                self.error = e
                 for req in list(sched.running.values()) + list(sched.queue):
                     sched.cancel(req)
                 continue

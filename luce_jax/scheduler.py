@@ -64,9 +64,6 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.queue and not self.running
 
-    def num_waiting(self) -> int:
-        return len(self.queue)
-
     # -- one iteration ----------------------------------------------------------------------
     def step(self, now: float | None = None) -> bool:
         """Admit, plan, run one engine step and route its results. Returns False if idle."""

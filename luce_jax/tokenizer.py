@@ -280,13 +280,6 @@ class GGUFTokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special)
 
-    def token_text(self, token_id: int) -> str:
-        return self.hf.id_to_token(token_id)
-
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
     ) -> str:

@@ -31,25 +31,6 @@ class ServerState:
         self.metrics = Metrics(self)
 
 
-def _ready(state: ServerState):
-    if state.engine is None:
-        raise P.APIError(
-            503, "the model is loading", type_="service_unavailable", headers={"Retry-After": "5"}
-        )
-    return state.engine
-
-
-def _check_model(state: ServerState, body: dict) -> None:
-    model = body.get("model")
-    if model is not None and model != state.model_name:
-        raise P.APIError(
-            404,
-            f"model {model!r} not found; this server serves {state.model_name!r}",
-            "model",
-            code="model_not_found",
-        )
-
-
 def _admit_check(engine) -> None:
     if engine.waiting() >= engine.config.max_queue:
         raise P.APIError(
@@ -60,61 +41,84 @@ def _admit_check(engine) -> None:
         )
 
 
-async def completions(request: Request) -> Response:
-    state: ServerState = request.app.state.luce
+def _engine_endpoint(handler):
+    """Wrap `handler(request, state, engine, body)`: the engine must be ready, the body a JSON
+    object naming this server's model (or none); any APIError becomes its JSON response."""
+
+    async def endpoint(request: Request) -> Response:
+        state: ServerState = request.app.state.luce
+        try:
+            if state.engine is None:
+                raise P.APIError(
+                    503,
+                    "the model is loading",
+                    type_="service_unavailable",
+                    headers={"Retry-After": "5"},
+                )
+            body = P.parse_json(await request.body())
+            model = body.get("model")
+            if model is not None and model != state.model_name:
+                raise P.APIError(
+                    404,
+                    f"model {model!r} not found; this server serves {state.model_name!r}",
+                    "model",
+                    code="model_not_found",
+                )
+            return await handler(request, state, state.engine, body)
+        except P.APIError as e:
+            return error_response(e)
+
+    return endpoint
+
+
+def _chat_prompt(engine, body: dict) -> str:
+    """Render `messages` (and `chat_template_kwargs`) with the model's chat template."""
+    messages = P.chat_messages(body)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise P.bad("chat_template_kwargs", "must be an object")
     try:
-        engine = _ready(state)
-        body = P.parse_json(await request.body())
-        _check_model(state, body)
-        prompt = P.completion_prompt(body, engine.vocab_size)
-        ids = (
-            await run_in_threadpool(engine.tokenizer.encode, prompt)
-            if isinstance(prompt, str)
-            else prompt
-        )
-        sp = P.sampling_from(
-            body,
-            len(ids),
-            engine.config.max_ctx,
-            engine.vocab_size,
-            logprobs=P.completion_logprobs(body),
-        )
-        stream, include_usage = P.stream_flags(body)
-        _admit_check(engine)
-    except P.APIError as e:
-        return error_response(e)
+        return engine.tokenizer.apply_chat_template(messages, True, **kwargs)
+    except Exception as e:  # a template's raise_exception, or no template at all
+        raise P.bad("messages", f"chat template failed: {e}") from None
+
+
+@_engine_endpoint
+async def completions(request: Request, state: ServerState, engine, body: dict) -> Response:
+    prompt = P.completion_prompt(body, engine.vocab_size)
+    ids = (
+        await run_in_threadpool(engine.tokenizer.encode, prompt)
+        if isinstance(prompt, str)
+        else prompt
+    )
+    sp = P.sampling_from(
+        body,
+        len(ids),
+        engine.config.max_ctx,
+        engine.vocab_size,
+        logprobs=P.completion_logprobs(body),
+    )
+    stream, include_usage = P.stream_flags(body)
+    _admit_check(engine)
     return await respond(request, state, engine, ids, sp, stream, include_usage, chat=False)
 
 
-async def chat_completions(request: Request) -> Response:
-    state: ServerState = request.app.state.luce
-    try:
-        engine = _ready(state)
-        body = P.parse_json(await request.body())
-        _check_model(state, body)
-        messages = P.chat_messages(body)
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise P.bad("chat_template_kwargs", "must be an object")
-        try:
-            text = engine.tokenizer.apply_chat_template(messages, True, **kwargs)
-        except Exception as e:  # a template's raise_exception, or no template at all
-            raise P.bad("messages", f"chat template failed: {e}") from None
-        ids = await run_in_threadpool(engine.tokenizer.encode, text, False)
-        mt_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        sp = P.sampling_from(
-            body,
-            len(ids),
-            engine.config.max_ctx,
-            engine.vocab_size,
-            max_tokens_key=mt_key,
-            default_max=None,
-            logprobs=P.chat_logprobs(body),
-        )
-        stream, include_usage = P.stream_flags(body)
-        _admit_check(engine)
-    except P.APIError as e:
-        return error_response(e)
+@_engine_endpoint
+async def chat_completions(request: Request, state: ServerState, engine, body: dict) -> Response:
+    P.check_fields(body, P.CHAT_FIELDS)
+    ids = await run_in_threadpool(engine.tokenizer.encode, _chat_prompt(engine, body), False)
+    mt_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    sp = P.sampling_from(
+        body,
+        len(ids),
+        engine.config.max_ctx,
+        engine.vocab_size,
+        max_tokens_key=mt_key,
+        default_max=None,
+        logprobs=P.chat_logprobs(body),
+    )
+    stream, include_usage = P.stream_flags(body)
+    _admit_check(engine)
     return await respond(request, state, engine, ids, sp, stream, include_usage, chat=True)
 
 
@@ -151,42 +155,21 @@ async def metrics(request: Request) -> Response:
     )
 
 
-async def tokenize(request: Request) -> Response:
-    state: ServerState = request.app.state.luce
-    try:
-        engine = _ready(state)
-        body = P.parse_json(await request.body())
-        _check_model(state, body)
-        if "messages" in body:
-            text = engine.tokenizer.apply_chat_template(
-                P.chat_messages({"messages": body["messages"]}), True
-            )
-            ids = engine.tokenizer.encode(text, False)
-        elif isinstance(body.get("prompt"), str):
-            ids = engine.tokenizer.encode(
-                body["prompt"], body.get("add_special_tokens", True) is not False
-            )
-        else:
-            raise P.bad("prompt", "must be a string (or pass messages)")
-    except P.APIError as e:
-        return error_response(e)
+@_engine_endpoint
+async def tokenize(request: Request, state: ServerState, engine, body: dict) -> Response:
+    if "messages" in body:
+        ids = engine.tokenizer.encode(_chat_prompt(engine, body), False)
+    elif isinstance(body.get("prompt"), str):
+        add_special = body.get("add_special_tokens", True) is not False
+        ids = engine.tokenizer.encode(body["prompt"], add_special)
+    else:
+        raise P.bad("prompt", "must be a string (or pass messages)")
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.config.max_ctx})
 
 
-async def detokenize(request: Request) -> Response:
-    state: ServerState = request.app.state.luce
-    try:
-        engine = _ready(state)
-        body = P.parse_json(await request.body())
-        _check_model(state, body)
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size
-            for t in ids
-        ):
-            raise P.bad("tokens", f"must be a list of token ids in [0, {engine.vocab_size})")
-    except P.APIError as e:
-        return error_response(e)
+@_engine_endpoint
+async def detokenize(request: Request, state: ServerState, engine, body: dict) -> Response:
+    ids = P.token_ids(body.get("tokens"), "tokens", engine.vocab_size)
     return JSONResponse({"prompt": engine.tokenizer.decode(ids)})
 
 

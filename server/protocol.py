@@ -91,7 +91,7 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _check_fields(body: dict, allowed: set[str]) -> None:
+def check_fields(body: dict, allowed: set[str]) -> None:
     for key in body:
         if key not in allowed:
             raise bad(key, "unrecognized request argument")
@@ -110,6 +110,15 @@ def _num(body, name, default, lo, hi, integer=False):
     if not lo <= v <= hi:
         raise bad(name, f"must be in [{lo}, {hi}], got {v!r}")
     return v
+
+
+def token_ids(value, param: str, vocab_size: int) -> list[int]:
+    """A list of ints in [0, vocab_size), or a 400 naming `param`."""
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in value
+    ):
+        raise bad(param, f"must be a list of token ids in [0, {vocab_size})")
+    return value
 
 
 def _bool(body, name, default=False):
@@ -157,11 +166,7 @@ def sampling_from(
         raise bad("n", "only n=1 is supported")
     if body.get("logit_bias"):
         raise bad("logit_bias", "is not supported")
-    ids = body.get("stop_token_ids", [])
-    if not isinstance(ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids
-    ):
-        raise bad("stop_token_ids", f"must be a list of token ids in [0, {vocab_size})")
+    ids = token_ids(body.get("stop_token_ids", []), "stop_token_ids", vocab_size)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad("seed", f"must be an integer, got {seed!r}")
@@ -200,7 +205,7 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
 
 def completion_prompt(body: dict, vocab_size: int) -> str | list[int]:
     """The prompt of /v1/completions: a string, or a list of token ids (or one of either)."""
-    _check_fields(body, COMPLETION_FIELDS)
+    check_fields(body, COMPLETION_FIELDS)
     for name, ok in (("echo", False), ("best_of", 1), ("suffix", None)):
         if body.get(name, ok) not in (ok, None):
             raise bad(name, "is not supported")
@@ -226,7 +231,6 @@ def completion_logprobs(body: dict) -> int | None:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    _check_fields(body, CHAT_FIELDS)
     if body.get("tools"):
         raise bad("tools", "tool calling is not supported")
     rf = body.get("response_format")

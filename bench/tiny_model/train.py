@@ -30,12 +30,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from export import write_gguf  # noqa: E402
 from model import SIZES, Size, init, loss_fn  # noqa: E402
 
+from luce_jax.tokenizer import _PRE_PATTERNS  # noqa: E402  (the GGUF tokenizer rebuilds it)
+
 log = logging.getLogger("train")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-QWEN2_PRE = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 
 def stdlib_files() -> tuple[list[str], list[str]]:
@@ -59,7 +57,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRE), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_PRE_PATTERNS["qwen2"]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
