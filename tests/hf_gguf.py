@@ -6,15 +6,14 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
+from luce_jax.tokenizer import _byte_chars as byte_tokens
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] + '<|im_end|>\\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-from luce_jax.tokenizer import _byte_chars as byte_tokens  # noqa: E402
 
 
 def tiny_vocab(size: int):
