@@ -41,10 +41,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(cmd: str, port: int, timeout: float) -> subprocess.Popen:
+def start_server(cmd: str, port: int, timeout: float, log_path: str | None = None, **fields):
+    """Start `cmd` (with {port} and any `fields` filled in) and wait until /health answers 200.
+
+    The server's output goes to `log_path` (appended) or nowhere.
+    """
+    out = open(log_path, "a") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(
-        shlex.split(cmd.format(port=port)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        shlex.split(cmd.format(port=port, **fields)), stdout=out, stderr=subprocess.STDOUT
     )
+    if log_path:
+        out.close()  # the child holds its own copy
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -59,10 +66,38 @@ def start_server(cmd: str, port: int, timeout: float) -> subprocess.Popen:
     raise RuntimeError(f"server not healthy after {timeout} s: {cmd}")
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """Stream one completion; returns start, first-token and end times and the token count."""
+def stop_server(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def slot_groups(cs: list[int], groups: list[int] | None) -> list[tuple[int, list[int]]]:
+    """[(slots, the C values that server runs)]: each C goes to the smallest group >= C."""
+    groups = sorted(groups or [max(cs)])
+    if max(cs) > groups[-1]:
+        raise ValueError(f"concurrency {max(cs)} exceeds the largest slot group {groups[-1]}")
+    out = []
+    for i, g in enumerate(groups):
+        lo = groups[i - 1] if i else 0
+        mine = [c for c in cs if lo < c <= g]
+        if mine:
+            out.append((g, mine))
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, on_text=None) -> dict:
+    """Stream one completion; returns start, first-token and end times and the token counts.
+
+    on_text, if given, receives each chunk's text.
+    """
     t0 = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, prompt_tokens = None, 0, 0
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -71,10 +106,20 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
             chunk = json.loads(line[5:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and first is None and chunk["choices"][0].get("text"):
-                first = time.perf_counter()
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+            text = chunk["choices"][0].get("text") if chunk.get("choices") else None
+            if text:
+                first = first or time.perf_counter()
+                if on_text:
+                    on_text(text)
     end = time.perf_counter()
-    return {"start": t0, "first": first or end, "end": end, "tokens": tokens}
+    return {
+        "start": t0,
+        "first": first or end,
+        "end": end,
+        "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
+    }
 
 
 async def wave(base: str, model: str | None, prompts: list[str], max_tokens: int) -> dict:
@@ -182,7 +227,22 @@ def plot(summary: list[dict], path: str, title: str) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--url", help="a running server (otherwise --server-cmd starts one)")
-    ap.add_argument("--server-cmd", help="command with {port}; a fresh server per repetition")
+    ap.add_argument(
+        "--server-cmd",
+        help="command with {port} (and optionally {slots}, {ctx_total}); a fresh server per "
+        "repetition and slot group",
+    )
+    ap.add_argument(
+        "--slot-groups",
+        type=int,
+        nargs="+",
+        default=None,
+        help="servers per repetition: group g serves the C values above the previous group and "
+        "up to g, started with {slots}=g and {ctx_total}=g*--ctx-per-slot (default: one group, "
+        "the largest C)",
+    )
+    ap.add_argument("--ctx-per-slot", type=int, default=2048)
+    ap.add_argument("--server-log", default=None, help="append the servers' output here")
     ap.add_argument("--model-name", default=None)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16, 32])
     ap.add_argument("--waves", type=int, default=3)
@@ -198,23 +258,24 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     prompts = humaneval_prompts(a.prompts)
+    groups = slot_groups(a.concurrency, a.slot_groups)
     reps = []
     for rep in range(a.reps):
-        proc, base = None, a.url
-        if a.server_cmd:
-            port = free_port()
-            proc = start_server(a.server_cmd, port, a.start_timeout)
-            base = f"http://127.0.0.1:{port}"
-        try:
-            rows = []
-            for C in a.concurrency:
-                rows.append(measure(base, a.model_name, prompts, C, a.waves, a.max_tokens))
-                log.info("rep %d: %s", rep, rows[-1])
-            reps.append(rows)
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(60)
+        rows = []
+        for g, cs in groups:
+            proc, base = None, a.url
+            if a.server_cmd:
+                port = free_port()
+                fields = {"slots": g, "ctx_total": g * a.ctx_per_slot}
+                proc = start_server(a.server_cmd, port, a.start_timeout, a.server_log, **fields)
+                base = f"http://127.0.0.1:{port}"
+            try:
+                for C in cs:
+                    rows.append(measure(base, a.model_name, prompts, C, a.waves, a.max_tokens))
+                    log.info("rep %d: %s", rep, rows[-1])
+            finally:
+                stop_server(proc)
+        reps.append(rows)
     summary = summarize(reps)
     result = {
         "bench": "concurrency",
@@ -225,6 +286,8 @@ def main():
         "summary": summary,
         "max_tokens": a.max_tokens,
         "waves": a.waves,
+        "prompts": a.prompts,
+        "slot_groups": [g for g, _ in groups],
     }
     md = markdown(summary, a.title)
     sys.stdout.write(md)

@@ -20,22 +20,9 @@ import time
 
 import numpy as np
 
+from roofline import copy_bandwidth
+
 log = logging.getLogger("engine_decode")
-
-
-def copy_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
-    """Bytes/s of an XLA elementwise copy (read + write counted)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 2)
-    f(x).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(reps):
-        y = f(x)
-    y.block_until_ready()
-    return 2 * x.nbytes * reps / (time.perf_counter() - t)
 
 
 def device_step_time(runner, exe, args, n: int) -> float:

@@ -22,11 +22,15 @@ from luce_jax.gguf import GGUFFile
 
 log = logging.getLogger("make_model")
 
-SHAPES = {  # d_model, layers, heads, kv heads, head dim, ffn, tied embeddings
+# d_model, layers, heads, kv heads, head dim, ffn, tied embeddings; MoE: experts E, used k,
+# expert ffn Fe (architecture qwen3moe, every layer MoE, no shared expert).
+SHAPES = {
     "qwen3-0.6b": dict(d=1024, L=28, H=16, K=8, D=128, F=3072, tied=True),
     "qwen3-8b": dict(d=4096, L=36, H=32, K=8, D=128, F=12288, tied=False),
     "qwen3-32b": dict(d=5120, L=64, H=64, K=8, D=128, F=25600, tied=False),
+    "qwen3-30b-a3b": dict(d=2048, L=48, H=32, K=4, D=128, F=6144, tied=False, E=128, k=8, Fe=768),
 }
+F32 = GGMLQuantizationType.F32
 TYPES = {
     "bf16": GGMLQuantizationType.BF16,
     "f16": GGMLQuantizationType.F16,
@@ -40,6 +44,8 @@ def random_rows(rows: int, cols: int, qtype, rng, pool: int = 64) -> np.ndarray:
     x = (rng.standard_normal((pool, cols)) * 0.02).astype(np.float32)
     if qtype == GGMLQuantizationType.F16:
         packed = x.astype(np.float16).view(np.uint8)
+    elif qtype == F32:
+        packed = x.view(np.uint8)
     else:
         packed = quantize(x, qtype)
     reps = -(-rows // pool)
@@ -52,7 +58,8 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
     md = GGUFFile(vocab_path).metadata
     tokens = md["tokenizer.ggml.tokens"]
     V = len(tokens)
-    w = GGUFWriter(out, "qwen3")
+    moe = "E" in s
+    w = GGUFWriter(out, "qwen3moe" if moe else "qwen3")
     w.add_name(f"random {shape} {type_name}")
     w.add_block_count(s["L"])
     w.add_context_length(40960)
@@ -62,6 +69,10 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
     w.add_head_count_kv(s["K"])
     w.add_key_length(s["D"])
     w.add_value_length(s["D"])
+    if moe:
+        w.add_expert_count(s["E"])
+        w.add_expert_used_count(s["k"])
+        w.add_expert_feed_forward_length(s["Fe"])
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model(md["tokenizer.ggml.model"])
@@ -75,8 +86,12 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
     if "tokenizer.chat_template" in md:
         w.add_chat_template(md["tokenizer.chat_template"])
 
-    def mat(name, rows, cols):
-        w.add_tensor(name, random_rows(rows, cols, qtype, rng), raw_dtype=qtype)
+    def mat(name, rows, cols, experts=0):
+        if not experts:
+            w.add_tensor(name, random_rows(rows, cols, qtype, rng), raw_dtype=qtype)
+            return
+        data = random_rows(experts * rows, cols, qtype, rng).reshape(experts, rows, -1)
+        w.add_tensor(name, data, raw_dtype=qtype)
 
     def norm(name, n):
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
@@ -96,6 +111,13 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
         norm(p + "attn_k_norm.weight", D)
         norm(p + "attn_norm.weight", d)
         norm(p + "ffn_norm.weight", d)
+        if moe:
+            E, Fe = s["E"], s["Fe"]
+            w.add_tensor(p + "ffn_gate_inp.weight", random_rows(E, d, F32, rng).view(np.float32))
+            mat(p + "ffn_gate_exps.weight", Fe, d, E)
+            mat(p + "ffn_up_exps.weight", Fe, d, E)
+            mat(p + "ffn_down_exps.weight", d, Fe, E)
+            continue
         mat(p + "ffn_gate.weight", F, d)
         mat(p + "ffn_up.weight", F, d)
         mat(p + "ffn_down.weight", d, F)

@@ -32,7 +32,7 @@ def load_engine(config: EngineConfig):
 
     config = config.resolved(jax.default_backend())
     enable_compile_cache(config.compile_cache_dir)
-    f = GGUFFile(config.model)
+    f = GGUFFile(config.model or DEFAULT_MODEL)
     template = None
     if config.chat_template_file:
         with open(config.chat_template_file) as fh:

@@ -109,32 +109,35 @@ class Runner:
         """
         batch, sp = self._unpack(ints, floats, T, S)
         logits, kv = dense.forward(params, kv, batch, self.cfg, self._attention)
-        oob = self.max_slots  # rows with slot -1 (padding) index past the end and are dropped
-        slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])
-        starts = batch["positions"][batch["cu_q_lens"][:-1]]
-        fresh = jnp.where((starts == 0) & (batch["slots"] >= 0), slots, oob)
-        counts = state["counts"].at[fresh].set(0, mode="drop")
-        pmask = state["prompt_mask"].at[fresh].set(False, mode="drop")
-        # Every fed token counts as seen for the repetition penalty (prompt or earlier output).
-        tok_slot = slots[batch["seg_ids"]]
-        real_tok = jnp.arange(T) < batch["cu_q_lens"][-1]
-        pmask = pmask.at[jnp.where(real_tok, tok_slot, oob), batch["tokens"]].set(True, mode="drop")
-        row_slots = jnp.minimum(slots, oob - 1)
-        seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)
-        tokens, logp = sample(
-            logits, counts[row_slots], pmask[row_slots], sp, seeds, batch["steps"]
-        )
-        counts = counts.at[slots, tokens].add(batch["sample_mask"], mode="drop")
-        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-        top_lp, top_ids = jax.lax.cond(
-            batch["want_logprobs"][0] > 0,
-            lambda x: tuple(jax.lax.top_k(x, TOP_LOGPROBS)),
-            lambda x: (
-                jnp.zeros((x.shape[0], TOP_LOGPROBS), x.dtype),
-                jnp.zeros((x.shape[0], TOP_LOGPROBS), jnp.int32),
-            ),
-            logp,
-        )
+        with jax.named_scope("sampling"):  # penalty state, sampling, logprobs
+            oob = self.max_slots  # rows with slot -1 (padding) index past the end and are dropped
+            slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])
+            starts = batch["positions"][batch["cu_q_lens"][:-1]]
+            fresh = jnp.where((starts == 0) & (batch["slots"] >= 0), slots, oob)
+            counts = state["counts"].at[fresh].set(0, mode="drop")
+            pmask = state["prompt_mask"].at[fresh].set(False, mode="drop")
+            # Every fed token counts as seen for the repetition penalty (prompt or earlier output).
+            tok_slot = slots[batch["seg_ids"]]
+            real_tok = jnp.arange(T) < batch["cu_q_lens"][-1]
+            pmask = pmask.at[jnp.where(real_tok, tok_slot, oob), batch["tokens"]].set(
+                True, mode="drop"
+            )
+            row_slots = jnp.minimum(slots, oob - 1)
+            seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)
+            tokens, logp = sample(
+                logits, counts[row_slots], pmask[row_slots], sp, seeds, batch["steps"]
+            )
+            counts = counts.at[slots, tokens].add(batch["sample_mask"], mode="drop")
+            chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+            top_lp, top_ids = jax.lax.cond(
+                batch["want_logprobs"][0] > 0,
+                lambda x: tuple(jax.lax.top_k(x, TOP_LOGPROBS)),
+                lambda x: (
+                    jnp.zeros((x.shape[0], TOP_LOGPROBS), x.dtype),
+                    jnp.zeros((x.shape[0], TOP_LOGPROBS), jnp.int32),
+                ),
+                logp,
+            )
         packed = jnp.stack([tokens, jax.lax.bitcast_convert_type(chosen, jnp.int32)])
         return packed, top_ids, top_lp, kv, {"counts": counts, "prompt_mask": pmask}
 

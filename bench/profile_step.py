@@ -1,0 +1,220 @@
+"""Where a decode step's time goes: a JAX profiler trace of engine steps, by model part.
+
+C requests are prefilled, then `--steps` engine steps (plan, lowering, the compiled step,
+sampling, bookkeeping) run under jax.profiler. Device kernel time is attributed to the named
+scopes of models/dense.py and runner.py (embed, qkv, kv_write, attention, attn_out, mlp,
+lm_head, sampling) through the compiled HLO's op metadata; the rest of the step's wall time
+is host time and device idle (planning, transfers, dispatch, waiting for sampled tokens).
+
+    python bench/profile_step.py --model qwen3-8b-bf16.gguf --concurrency 1 8 --out prof.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import numpy as np
+
+log = logging.getLogger("profile_step")
+
+SCOPES = ("embed", "qkv", "kv_write", "attention", "attn_out", "mlp", "lm_head", "sampling")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+
+
+def hlo_categories(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the model part whose named scope appears in its op_name."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            parts = m.group(2).split("/")
+            out[m.group(1)] = next((p for p in parts if p in SCOPES), "other")
+    return out
+
+
+def _variants(name: str) -> list[str]:
+    """GPU kernel names sanitize HLO names ('fusion.3' runs as 'fusion_3' or 'loop_fusion_3')."""
+    v = [name]
+    m = re.match(r"^(.*)_(\d+)$", name)
+    if m:
+        v.append(f"{m.group(1)}.{m.group(2)}")
+    return v
+
+
+def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float]:
+    """(ms per category, ms per (kernel, category), busy ms) over the trace's device events.
+
+    GPU: events on the device process's stream threads (other lines of that process repeat
+    them per module or op). CPU: events whose name is an HLO instruction of the step.
+    """
+    ev = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = {}, {}
+    for e in ev:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = e["args"]["name"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            tname[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    gpu = {p for p, n in pname.items() if "GPU" in n or "gpu" in n}
+    streams = {k for k, n in tname.items() if k[0] in gpu and "Stream" in n}
+    by_cat, by_kernel, spans = defaultdict(float), defaultdict(float), []
+    for e in ev:
+        if e.get("ph") != "X":
+            continue
+        name, dur = e.get("name", ""), float(e.get("dur", 0)) / 1e3
+        if gpu:
+            if streams and (e["pid"], e.get("tid")) not in streams:
+                continue
+            if not streams and e["pid"] not in gpu:
+                continue
+            op = (e.get("args") or {}).get("hlo_op") or name
+            cat = next((cats[v] for v in _variants(op) if v in cats), None)
+            if cat is None:
+                cat = "transfer" if "memcpy" in name.lower() else "unattributed"
+        else:
+            cat = cats.get(name)
+            if cat is None:
+                continue
+        by_cat[cat] += dur
+        by_kernel[(name, cat)] += dur
+        spans.append((float(e["ts"]) / 1e3, float(e["ts"]) / 1e3 + dur))
+    busy, end = 0.0, -1e30
+    for a, b in sorted(spans):  # union of intervals: overlapping kernels count once
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return dict(by_cat), dict(by_kernel), busy
+
+
+def _spy(key, exe, used: set):
+    """exe, noting `key` in `used` when called (which buckets the traced steps ran)."""
+
+    def call(*args):
+        used.add(key)
+        return exe(*args)
+
+    return call
+
+
+def profile(engine, tok, C: int, ctx: int, steps: int, warm: int) -> dict:
+    import jax
+
+    from luce_jax.request import Request
+    from luce_jax.sampling import SamplingParams
+    from luce_jax.scheduler import Scheduler
+
+    mc, runner = engine.runner.cfg, engine.runner
+    sched = Scheduler(engine, tok)
+    sp = SamplingParams(max_tokens=steps + warm + 64, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    reqs = [Request(rng.integers(0, mc.vocab_size, ctx).tolist(), sp) for _ in range(C)]
+    for r in reqs:
+        sched.add(r)
+    while not all(r.phase == "decode" for r in reqs):
+        assert not any(r.done for r in reqs), [(r.finish_reason, r.error) for r in reqs]
+        sched.step()
+    for _ in range(warm):
+        sched.step()
+    used = set()
+    originals = dict(runner._exec)
+    runner._exec = {k: _spy(k, v, used) for k, v in originals.items()}
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            t = time.perf_counter()
+            for _ in range(steps):
+                sched.step()
+            wall = (time.perf_counter() - t) * 1e3
+        runner._exec = originals
+        (path,) = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    for r in reqs:
+        sched.cancel(r)
+    sched.step()
+    cats = {}
+    for k in used:
+        cats.update(hlo_categories(originals[k].as_text()))
+    by_cat, by_kernel, busy = device_time(trace, cats)
+    step_ms = wall / steps
+    parts = {k: v / steps for k, v in by_cat.items()}
+    parts["host + idle"] = max(step_ms - busy / steps, 0.0)
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "C": C,
+        "ctx": ctx,
+        "buckets": sorted(used),
+        "step_ms": step_ms,
+        "device_busy_ms": busy / steps,
+        "parts_ms": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": [(n, cat, v / steps) for (n, cat), v in top],
+    }
+
+
+def markdown(results: list[dict], title: str) -> str:
+    lines = [title, ""]
+    for r in results:
+        lines += [
+            f"C={r['C']}: step {r['step_ms']:.2f} ms, device busy {r['device_busy_ms']:.2f} ms, "
+            f"buckets {r['buckets']}",
+            "",
+            "| part | ms per step | share of step |",
+            "| --- | --- | --- |",
+        ]
+        for k, v in r["parts_ms"].items():
+            lines.append(f"| {k} | {v:.3f} | {v / r['step_ms']:.1%} |")
+        lines += ["", "| kernel | part | ms per step |", "| --- | --- | --- |"]
+        lines += [f"| `{n[:70]}` | {c} | {v:.3f} |" for n, c, v in r["top_kernels_ms"][:8]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warm", type=int, default=4)
+    ap.add_argument("--compile-cache-dir", default=None)
+    ap.add_argument("--title", default="decode step profile")
+    ap.add_argument("--out", default=None, help="JSON path; .md beside it")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from luce_jax.config import EngineConfig
+    from luce_jax.llm import load_engine
+
+    cmax = max(a.concurrency)
+    max_ctx = a.ctx + a.steps + a.warm + 128
+    cfg = EngineConfig(
+        **({"model": a.model} if a.model else {}),
+        max_concurrency=cmax,
+        max_ctx=max_ctx,
+        kv_pool_tokens=cmax * (-(-max_ctx // 16) + 1) * 16,
+        prefill_chunk=256,
+        prefill_token_budget=256,
+        max_concurrent_prefills=cmax,
+        compile_cache_dir=a.compile_cache_dir,
+    )
+    tok, engine = load_engine(cfg)
+    results = [profile(engine, tok, C, a.ctx, a.steps, a.warm) for C in a.concurrency]
+    res = {"bench": "profile_step", "command": " ".join(sys.argv), "results": results}
+    md = markdown(results, a.title)
+    sys.stdout.write(md)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
+            f.write(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The benchmark tools: model files, roofline arithmetic, harnesses against a real server."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH / "peers"))
+
+import compare  # noqa: E402
+import concurrency  # noqa: E402
+import make_model  # noqa: E402
+import profile_step  # noqa: E402
+import retrieval  # noqa: E402
+import roofline  # noqa: E402
+
+TINY = dict(d=64, L=2, H=4, K=2, D=16, F=128, tied=False)
+TINY_MOE = dict(TINY, E=8, k=2, Fe=32)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory, fixtures_dir, monkeypatch_module):
+    """Tiny dense (bf16) and MoE (q8_0) files written by make_model with the real qwen2 vocab."""
+    monkeypatch_module.setitem(make_model.SHAPES, "tiny", TINY)
+    monkeypatch_module.setitem(make_model.SHAPES, "tiny-moe", TINY_MOE)
+    d = tmp_path_factory.mktemp("made")
+    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    make_model.write("tiny", "bf16", vocab, str(d / "dense.gguf"))
+    make_model.write("tiny-moe", "q8_0", vocab, str(d / "moe.gguf"))
+    return d / "dense.gguf", d / "moe.gguf", vocab
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_made_models_have_real_shapes_and_tokenizer(made):
+    dense, moe, vocab = made
+    from luce_jax.gguf import GGUFFile, model_config
+    from luce_jax.tokenizer import GGUFTokenizer
+
+    cfg = model_config(GGUFFile(dense).metadata)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (
+        64,
+        2,
+        4,
+        2,
+        16,
+    )
+    text = "def fibonacci(n):\n    return n"
+    assert GGUFTokenizer.from_gguf(dense).encode(text) == GGUFTokenizer.from_gguf(vocab).encode(
+        text
+    )
+    r = GGUFReader(str(moe))
+    assert r.fields["general.architecture"].contents() == "qwen3moe"
+    assert r.fields["qwen3moe.expert_count"].contents() == 8
+    t = {x.name: x for x in r.tensors}
+    # ggml order: [d, Fe, E] for gate/up, [Fe, d, E] for down
+    assert list(t["blk.0.ffn_gate_exps.weight"].shape) == [64, 32, 8]
+    assert list(t["blk.1.ffn_down_exps.weight"].shape) == [32, 64, 8]
+    assert t["blk.0.ffn_up_exps.weight"].tensor_type.name == "Q8_0"
+
+
+def test_roofline_counts_every_weight_a_decode_step_reads(made):
+    dense, moe, _ = made
+    # Independent count with gguf's own reader: all tensors but the untied embedding table.
+    r = GGUFReader(str(dense))
+    want = sum(int(t.n_bytes) for t in r.tensors if t.name != "token_embd.weight")
+    m = roofline.model_bytes(str(dense))
+    c1 = roofline.decode_step(m, rows=1, ctx=100)
+    assert c1.weight_bytes == want
+    kv_token = 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 kv heads, D 16, bf16
+    assert c1.kv_bytes == 101 * kv_token
+    c4 = roofline.decode_step(m, rows=4, ctx=100)
+    assert c4.weight_bytes == want and c4.kv_bytes == 4 * c1.kv_bytes
+    assert c4.flops == pytest.approx(4 * c1.flops)
+    # Held as bf16 the q8_0 MoE file weighs more; its experts count by the share rows touch.
+    mm = roofline.model_bytes(str(moe))
+    assert mm.expert_elems == 3 * 2 * 8 * 32 * 64
+    one = roofline.decode_step(mm, rows=1, ctx=0)
+    many = roofline.decode_step(mm, rows=64, ctx=0)
+    assert one.weight_bytes == pytest.approx(mm.dense_bytes + mm.expert_bytes * 2 / 8)
+    assert (
+        mm.dense_bytes + 0.99 * mm.expert_bytes
+        < many.weight_bytes
+        <= (mm.dense_bytes + mm.expert_bytes)
+    )
+    held = roofline.decode_step(mm, rows=1, ctx=0, held_bits=16)
+    assert held.weight_bytes > one.weight_bytes
+
+
+def test_retrieval_documents_are_deterministic_and_sized(made):
+    from luce_jax.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_gguf(made[2])
+
+    def count(t):
+        return len(tok.encode(t, add_special=False))
+
+    for n in (1024, 4096):
+        text, label = retrieval.document(n, seed=3, count=count)
+        assert (text, label) == retrieval.document(n, seed=3, count=count)
+        assert 0.95 * n <= count(text) <= n
+        assert label in text[:200] and text.count(label) == 1
+        assert text.endswith(retrieval.QUESTION)
+    assert retrieval.document(1024, seed=4, count=count)[1] != label
+
+
+def test_slot_groups_send_each_concurrency_to_the_smallest_server_that_fits():
+    assert concurrency.slot_groups([1, 2, 4, 8, 16, 32], [8, 32]) == [
+        (8, [1, 2, 4, 8]),
+        (32, [16, 32]),
+    ]
+    assert concurrency.slot_groups([1, 5], None) == [(5, [1, 5])]
+    with pytest.raises(ValueError, match="exceeds"):
+        concurrency.slot_groups([64], [32])
+
+
+def test_concurrency_harness_drives_fresh_servers(tiny_gguf, compile_cache, tmp_path):
+    """Two slot groups: two fresh servers, each started with its {slots}."""
+    out = tmp_path / "c.json"
+    log = tmp_path / "server.log"
+    server = (
+        f"{sys.executable} -m luce_jax.serve --model {tiny_gguf} --port {{port}} "
+        "--max-concurrency {slots} --max-ctx 1024 --kv-pool-tokens 4096 --dtype float32 "
+        "--cache-type-k f32 --cache-type-v f32 --prefill-token-budget 256 --prefill-chunk 256 "
+        f"--compile-cache-dir {compile_cache} --log-level info"
+    )
+    cmd = [sys.executable, str(BENCH / "concurrency.py"), "--server-cmd", server]
+    cmd += ["--slot-groups", "1", "2", "--concurrency", "1", "2", "--waves", "2", "--reps", "1"]
+    cmd += ["--max-tokens", "6", "--prompts", "3", "--out", str(out), "--server-log", str(log)]
+    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    res = json.loads(out.read_text())
+    assert len(res["reps"]) == 1
+    for rep in res["reps"]:
+        assert [r["C"] for r in rep] == [1, 2]
+        assert [r["tokens"] for r in rep] == [1 * 6 * 2, 2 * 6 * 2]  # ignore_eos: exact
+    for row in res["summary"]:
+        t = row["total_tok_s"]
+        assert 0 < t["min"] <= t["median"] <= t["max"]
+        assert row["ttft_median_s"]["median"] <= row["ttft_p95_s"]["median"]
+    assert res["slot_groups"] == [1, 2]
+    assert log.read_text().count("Started server process") == 2
+    assert out.with_suffix(".md").read_text().count("\n| ") == 4
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_compare_ratio_table():
+    def res(vals):
+        return {
+            "summary": [
+                {
+                    "C": c,
+                    **{
+                        k: {"median": v * s, "min": v * s * 0.9, "max": v * s * 1.1}
+                        for k, s in (("total_tok_s", 1), ("window_tok_s", 1.1))
+                    },
+                    "ttft_median_s": {"median": 0.1, "min": 0.1, "max": 0.1},
+                }
+                for c, v in vals.items()
+            ]
+        }
+
+    rows = compare.ratios(res({1: 200, 8: 900}), res({1: 100, 8: 600, 32: 1}))
+    assert [r["C"] for r in rows] == [1, 8]
+    assert [r["total_tok_s"]["ratio"] for r in rows] == [2.0, 1.5]
+    md = compare.markdown(rows, "llama-server", "t", None)
+    assert "**2.00x**" in md and "**1.50x**" in md
+
+
+def test_profile_attributes_step_time_to_model_parts(engine_config):
+    from luce_jax.llm import load_engine
+
+    tok, engine = load_engine(engine_config)
+    r = profile_step.profile(engine, tok, C=2, ctx=16, steps=2, warm=1)
+    parts = r["parts_ms"]
+    for part in ("qkv", "attention", "mlp", "lm_head", "sampling", "host + idle"):
+        assert parts.get(part, 0) > 0, (part, parts)
+    # Busy time is the union of kernel intervals: no more than their sum nor the step; the
+    # host part is the rest of the step, so the parts cover the whole step.
+    device = sum(v for k, v in parts.items() if k != "host + idle")
+    assert r["device_busy_ms"] <= device * 1.001
+    assert r["device_busy_ms"] <= r["step_ms"] * 1.001
+    assert sum(parts.values()) >= r["step_ms"] * 0.999
