@@ -105,7 +105,7 @@ def _spy(key, exe, used: set):
     return call
 
 
-def profile(engine, tok, C: int, ctx: int, steps: int, warm: int) -> dict:
+def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None) -> dict:
     import jax
 
     from luce_jax.request import Request
@@ -140,18 +140,47 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int) -> dict:
     for r in reqs:
         sched.cancel(r)
     sched.step()
-    cats = {}
-    for k in used:
-        cats.update(hlo_categories(originals[k].as_text()))
-    by_cat, by_kernel, busy = device_time(trace, cats)
-    step_ms = wall / steps
+    raw = {
+        "C": C,
+        "ctx": ctx,
+        "steps": steps,
+        "wall_ms": wall,
+        "buckets": sorted(used),
+        "hlo": "\n".join(originals[k].as_text() for k in sorted(used)),
+        "trace": trace,
+    }
+    if save_dir:
+        raw = {**raw, "trace": _device_only(trace)}
+        with gzip.open(os.path.join(save_dir, f"profile_raw_C{C}.json.gz"), "wt") as f:
+            json.dump(raw, f)
+    return analyze(raw)
+
+
+def _device_only(trace: dict) -> dict:
+    """The trace without host events when it has a GPU process (they are most of its size)."""
+    ev = trace["traceEvents"]
+    gpu = {
+        e["pid"]
+        for e in ev
+        if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"]["name"]
+    }
+    if not gpu:
+        return trace
+    return {**trace, "traceEvents": [e for e in ev if e.get("ph") == "M" or e.get("pid") in gpu]}
+
+
+def analyze(raw: dict) -> dict:
+    """The report of one profiled concurrency from its raw trace and HLO text."""
+    by_cat, by_kernel, busy = device_time(raw["trace"], hlo_categories(raw["hlo"]))
+    steps = raw["steps"]
+    step_ms = raw["wall_ms"] / steps
     parts = {k: v / steps for k, v in by_cat.items()}
     parts["host + idle"] = max(step_ms - busy / steps, 0.0)
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
     return {
-        "C": C,
-        "ctx": ctx,
-        "buckets": sorted(used),
+        "C": raw["C"],
+        "ctx": raw["ctx"],
+        "buckets": [tuple(b) for b in raw["buckets"]],
         "step_ms": step_ms,
         "device_busy_ms": busy / steps,
         "parts_ms": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
@@ -187,8 +216,16 @@ def main():
     ap.add_argument("--compile-cache-dir", default=None)
     ap.add_argument("--title", default="decode step profile")
     ap.add_argument("--out", default=None, help="JSON path; .md beside it")
+    ap.add_argument("--save-raw", default=None, help="folder for each C's trace and HLO text")
+    ap.add_argument("--from-raw", nargs="+", default=None, help="report from saved raw files")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if a.from_raw:
+        results = []
+        for path in a.from_raw:
+            with gzip.open(path, "rt") as f:
+                results.append(analyze(json.load(f)))
+        return write(results, a)
     from luce_jax.config import EngineConfig
     from luce_jax.llm import load_engine
 
@@ -205,7 +242,11 @@ def main():
         compile_cache_dir=a.compile_cache_dir,
     )
     tok, engine = load_engine(cfg)
-    results = [profile(engine, tok, C, a.ctx, a.steps, a.warm) for C in a.concurrency]
+    results = [profile(engine, tok, C, a.ctx, a.steps, a.warm, a.save_raw) for C in a.concurrency]
+    write(results, a)
+
+
+def write(results: list[dict], a) -> None:
     res = {"bench": "profile_step", "command": " ".join(sys.argv), "results": results}
     md = markdown(results, a.title)
     sys.stdout.write(md)

@@ -38,16 +38,17 @@ step_build() {
   tail -3 "$RES/llama_build.log"
 }
 
-step_models() {
-  for t in bf16 q8_0; do
+step_models() {  # $@ weight types (default bf16 q8_0)
+  for t in "${@:-bf16}" $([ $# -eq 0 ] && echo q8_0); do
     python3 bench/make_model.py --shape qwen3-8b --type $t \
       --vocab .bench_data/ggml-vocab-qwen2.gguf --out "$M/qwen3-8b-$t.gguf" 2>&1 | tail -1
   done
 }
 
 step_profile() {
+  mkdir -p "$RES/raw"
   python3 bench/profile_step.py --model "$M/qwen3-8b-bf16.gguf" --concurrency 1 8 --ctx 1024 \
-    --compile-cache-dir /tmp/xc --title "luce_jax decode step profile, random Qwen3-8B-shaped \
+    --steps 8 --compile-cache-dir /tmp/xc --save-raw "$RES/raw" --title "luce_jax decode step profile, random Qwen3-8B-shaped \
 bf16, 1024-token contexts, $(nvidia-smi --query-gpu=name --format=csv,noheader), $DAY, commit \
 ${LUCE_COMMIT:-?}" --out "$RES/${DAY}_profile_qwen3-8b-bf16.json" 2>&1 | grep -v "^WARNING"
 }
