@@ -128,7 +128,9 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None)
     originals = dict(runner._exec)
     runner._exec = {k: _spy(k, v, used) for k, v in originals.items()}
     with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0  # tracing every Python call would inflate host time
+        with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=opts):
             t = time.perf_counter()
             for _ in range(steps):
                 sched.step()
