@@ -26,6 +26,8 @@ import time
 
 import httpx
 
+from meta import meta_line, run_meta
+
 log = logging.getLogger("concurrency")
 
 
@@ -277,11 +279,11 @@ def main():
                 stop_server(proc)
         reps.append(rows)
     summary = summarize(reps)
+    meta = run_meta()
     result = {
         "bench": "concurrency",
-        "date": time.strftime("%Y-%m-%d"),
+        **meta,
         "title": a.title,
-        "command": " ".join(sys.argv),
         "reps": reps,
         "summary": summary,
         "max_tokens": a.max_tokens,
@@ -289,7 +291,7 @@ def main():
         "prompts": a.prompts,
         "slot_groups": [g for g, _ in groups],
     }
-    md = markdown(summary, a.title)
+    md = markdown(summary, a.title) + "\n" + meta_line(meta) + "\n"
     sys.stdout.write(md)
     if a.out:
         stem = a.out.rsplit(".", 1)[0]

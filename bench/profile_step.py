@@ -25,6 +25,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from meta import run_meta
+
 log = logging.getLogger("profile_step")
 
 SCOPES = ("embed", "qkv", "kv_write", "attention", "attn_out", "mlp", "lm_head", "sampling")
@@ -76,8 +78,10 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float]:
                 continue
             if not streams and e["pid"] not in gpu:
                 continue
-            op = (e.get("args") or {}).get("hlo_op") or name
-            cat = next((cats[v] for v in _variants(op) if v in cats), None)
+            # The kernel's name first: under XLA's command buffers (CUDA graphs) hlo_op names
+            # the whole graph ("command_buffer_1"), not the fusion.
+            names = _variants(name) + _variants((e.get("args") or {}).get("hlo_op", ""))
+            cat = next((cats[v] for v in names if v in cats), None)
             if cat is None:
                 cat = "transfer" if "memcpy" in name.lower() else "unattributed"
         else:
@@ -249,7 +253,7 @@ def main():
 
 
 def write(results: list[dict], a) -> None:
-    res = {"bench": "profile_step", "command": " ".join(sys.argv), "results": results}
+    res = {"bench": "profile_step", **run_meta(), "results": results}
     md = markdown(results, a.title)
     sys.stdout.write(md)
     if a.out:

@@ -26,6 +26,7 @@ import time
 import httpx
 
 from concurrency import free_port, one_request, start_server, stop_server
+from meta import meta_line, run_meta
 
 log = logging.getLogger("retrieval")
 
@@ -196,15 +197,15 @@ def main():
             rows += measure(base, a.model_name, length, a.concurrency, count, a.max_tokens)
         finally:
             stop_server(proc)
+    meta = run_meta()
     res = {
         "bench": "retrieval",
-        "date": time.strftime("%Y-%m-%d"),
+        **meta,
         "title": a.title,
-        "command": " ".join(sys.argv),
         "max_tokens": a.max_tokens,
         "rows": rows,
     }
-    md = markdown(rows, a.title)
+    md = markdown(rows, a.title) + "\n" + meta_line(meta) + "\n"
     sys.stdout.write(md)
     if a.out:
         with open(a.out, "w") as f:
