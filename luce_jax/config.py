@@ -9,6 +9,8 @@ from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on GPU, float32 on CPU
 CACHE_TYPES = {"auto": None, "bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+# auto: the Pallas kernel on GPU; the XLA reference elsewhere (Pallas interpret mode is slow)
+ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class EngineConfig:
     kv_block_size: int = 16
     cache_type_k: str = "auto"  # auto: the weights' dtype
     cache_type_v: str = "auto"
+    attention_backend: str = "auto"
     prefill_chunk: int = 512
     prefill_token_budget: int = 512
     max_concurrent_prefills: int = 4
@@ -82,6 +85,8 @@ class EngineConfig:
 
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
                 bad(name, f"must be one of {tuple(CACHE_TYPES)}")
@@ -109,13 +114,18 @@ class EngineConfig:
             bad("model", "no such file")
 
     def resolved(self, backend: str) -> EngineConfig:
-        """Replace "auto" dtypes for a backend: XLA's CPU backend emulates bfloat16 slowly."""
+        """Replace "auto" values for a backend: XLA's CPU backend emulates bfloat16 slowly, and
+        the Pallas kernel runs on CPU only in interpret mode."""
         dtype = (
             self.dtype if self.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
         )
         short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
+        attention = self.attention_backend
+        if attention == "auto":
+            attention = "pallas" if backend == "gpu" else "xla"
         return self.replace(
             dtype=dtype,
+            attention_backend=attention,
             cache_type_k=short if self.cache_type_k == "auto" else self.cache_type_k,
             cache_type_v=short if self.cache_type_v == "auto" else self.cache_type_v,
         )

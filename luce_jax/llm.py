@@ -60,10 +60,22 @@ def load_engine(config: EngineConfig):
         config.max_concurrency,
         config.max_blocks_per_seq,
         kv_dtypes,
+        attention_fn(config.attention_backend),
     )
     engine = DenseEngine(config, runner, num_blocks)
     runner.warmup(engine.bucket_pairs())
     return tokenizer, engine
+
+
+def attention_fn(backend: str):
+    """The paged attention implementation of a resolved attention_backend."""
+    if backend == "pallas":
+        from pallas_kernels.paged_attention import paged_attention
+
+        return paged_attention
+    from .models.attention import paged_attention_xla
+
+    return paged_attention_xla
 
 
 def fit_to_model(config: EngineConfig, mc) -> EngineConfig:

@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import CACHE_TYPES, DEFAULT_MODEL, DTYPES, EngineConfig
+from .config import ATTENTION_BACKENDS, CACHE_TYPES, DEFAULT_MODEL, DTYPES, EngineConfig
 
 log = logging.getLogger("luce_jax.serve")
 
@@ -27,6 +27,7 @@ HELP = {
     "kv_block_size": "tokens per KV block (a power of two)",
     "cache_type_k": f"K cache element type: {', '.join(CACHE_TYPES)}",
     "cache_type_v": f"V cache element type: {', '.join(CACHE_TYPES)}",
+    "attention_backend": f"{', '.join(ATTENTION_BACKENDS)}; auto: pallas on GPU, xla elsewhere",
     "prefill_chunk": "prompt tokens one sequence appends per step",
     "prefill_token_budget": "tokens per step, decode rows included",
     "max_concurrent_prefills": "prompts advanced in one step",

@@ -173,6 +173,10 @@ def test_compare_ratio_table():
     assert [r["total_tok_s"]["ratio"] for r in rows] == [2.0, 1.5]
     md = compare.markdown(rows, "llama-server", "t", None)
     assert "**2.00x**" in md and "**1.50x**" in md
+    # Output-window tok/s over the roofline: ours against bf16-held weights, the peer the file.
+    roof = {1: {"file": 440, "held": 220}, 8: {"file": 3300, "held": 1650}}
+    md = compare.markdown(rows, "llama-server", "t", roof)
+    assert "| 440 / 220 | 100% / 25% |" in md
 
 
 def test_profile_attributes_step_time_to_model_parts(engine_config):

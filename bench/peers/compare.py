@@ -45,9 +45,9 @@ def markdown(rows: list[dict], peer_name: str, title: str, roof: dict | None) ->
         f"{peer_name} window tok/s | ratio | ours TTFT ms | {peer_name} TTFT ms |"
     )
     sep = "| --- " * 9 + "|"
-    if roof:
-        head += " roofline tok/s (file / bf16) |"
-        sep += " --- |"
+    if roof:  # output-window tok/s against the roofline: ours holds bf16, the peer the file
+        head += " roofline tok/s (file / bf16) | of roofline (ours / peer) |"
+        sep += " --- | --- |"
     lines = [title, "", head, sep]
     for r in rows:
         t, w, f = r["total_tok_s"], r["window_tok_s"], r["ttft_median_s"]
@@ -57,7 +57,11 @@ def markdown(rows: list[dict], peer_name: str, title: str, roof: dict | None) ->
             f"{_fmt(f['ours'], 1e3)} | {_fmt(f['peer'], 1e3)} |"
         )
         if roof:
-            line += f" {roof[r['C']]['file']:.0f} / {roof[r['C']]['held']:.0f} |"
+            rf = roof[r["C"]]
+            line += (
+                f" {rf['file']:.0f} / {rf['held']:.0f} | {w['ours']['median'] / rf['held']:.0%} / "
+                f"{w['peer']['median'] / rf['file']:.0%} |"
+            )
         lines.append(line)
     return "\n".join(lines) + "\n"
 
@@ -95,16 +99,29 @@ def plot(rows: list[dict], peer_name: str, title: str, path: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--ours", required=True)
-    ap.add_argument("--peer", required=True)
+    ap.add_argument("--ours")
+    ap.add_argument("--peer")
+    ap.add_argument("--render", help="re-render the .md and .png of an earlier --out JSON")
     ap.add_argument("--peer-name", default="llama-server")
     ap.add_argument("--title", default="luce_jax against llama-server")
     ap.add_argument("--meta", default="", help="a line under the title: device, date, commit")
     ap.add_argument("--model", help="GGUF for the roofline column")
     ap.add_argument("--bandwidth-gbs", type=float, help="copy bandwidth measured in the call")
     ap.add_argument("--ctx", type=int, default=512, help="mean context for the roofline")
-    ap.add_argument("--out", required=True, help="JSON path; .md and .png beside it")
+    ap.add_argument("--out", help="JSON path; .md and .png beside it")
     a = ap.parse_args()
+    if a.render:
+        with open(a.render) as f:
+            old = json.load(f)
+        roof = {int(c): v for c, v in (old["roofline"] or {}).items()} or None
+        title = f"{old['title']}\n\n{old['meta']}" if old["meta"] else old["title"]
+        stem = a.render.rsplit(".", 1)[0]
+        with open(stem + ".md", "w") as f:
+            f.write(markdown(old["rows"], a.peer_name, title, roof))
+        plot(old["rows"], a.peer_name, old["title"], stem + ".png")
+        return
+    if not (a.ours and a.peer and a.out):
+        ap.error("--ours, --peer and --out are required (or --render)")
     with open(a.ours) as f:
         ours = json.load(f)
     with open(a.peer) as f:

@@ -16,7 +16,9 @@ QUERY_TILE = 32
 MASK_VALUE = -1e30
 
 
-def paged_attention_xla(q, k_cache, v_cache, seg_ids, positions, block_tables, kv_lens, *, scale):
+def paged_attention_xla(
+    q, k_cache, v_cache, seg_ids, positions, block_tables, kv_lens, *, scale, cu_q_lens=None
+):
     """Causal attention of packed query rows against their sequences' paged KV.
 
     Each query row attends to KV positions 0..positions[t] of its segment, read through the
@@ -29,9 +31,11 @@ def paged_attention_xla(q, k_cache, v_cache, seg_ids, positions, block_tables, k
       positions: [T] int32 absolute position of each query row.
       block_tables: [S, MB] int32 physical block of each logical block.
       kv_lens: [S] int32 KV length of each segment after this step (positions < kv_lens).
+      cu_q_lens: unused here (the Pallas kernel finds its query blocks from it).
     Returns:
       [T, H, D] attention output in q's dtype.
     """
+    del cu_q_lens
     T, H, D = q.shape
     _, P, K, _ = k_cache.shape
     MB = block_tables.shape[1]

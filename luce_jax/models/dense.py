@@ -110,6 +110,7 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
                 batch["block_tables"],
                 batch["kv_lens"],
                 scale=scale,
+                cu_q_lens=batch["cu_q_lens"],
             )
         with jax.named_scope("attn_out"):
             x = x + _mm(o.reshape(T, H * D), lp["wo"])

@@ -1,0 +1,1 @@
+"""Pallas kernels (Triton backend on GPU, interpret mode on CPU), each with its jnp reference."""
