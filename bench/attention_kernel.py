@@ -74,13 +74,19 @@ def timed(f, args, n=20) -> float:
     return (time.perf_counter() - t) / n
 
 
-def run_case(name, segs, bw, check_ref) -> dict:
+def run_case(name, segs, bw, check_ref, split_tokens=1024) -> dict:
     args, cu, real, kv_bytes = step(segs)
     scale = D**-0.5
-    fp = jax.jit(lambda *a: paged_attention(*a, scale=scale, cu_q_lens=cu))
+    fp = jax.jit(
+        lambda *a: paged_attention(*a, scale=scale, cu_q_lens=cu, split_tokens=split_tokens)
+    )
     fx = jax.jit(lambda *a: paged_attention_xla(*a, scale=scale))
     out_p, out_x = fp(*args), fx(*args)
-    row = {"case": name, "T": int(args[0].shape[0]), "kv_MB": kv_bytes / 1e6}
+    row = {
+        "case": f"{name}, split {split_tokens}",
+        "T": int(args[0].shape[0]),
+        "kv_MB": kv_bytes / 1e6,
+    }
     row["max_diff_vs_xla"] = float(
         jnp.max(jnp.abs(out_p[:real].astype(jnp.float32) - out_x[:real].astype(jnp.float32)))
     )
@@ -105,6 +111,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 4096, 32768])
+    ap.add_argument("--split-tokens", type=int, nargs="+", default=[1024])
+    ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -112,10 +120,12 @@ def main():
     rows = []
     for ctx in a.ctx:
         for r in a.rows:
-            rows.append(run_case(f"decode {r}x{ctx}", [(1, ctx)] * r, bw, r * ctx <= 65536))
-    rows.append(
-        run_case("prefill 256 @4096 + 8 decode @4096", [(256, 4096)] + [(1, 4096)] * 8, bw, True)
-    )
+            for sp in a.split_tokens:
+                rows.append(run_case(f"decode {r}x{ctx}", [(1, ctx)] * r, bw, r * ctx <= 65536, sp))
+    if not a.no_mixed:
+        mixed = [(256, 4096)] + [(1, 4096)] * 8
+        for sp in a.split_tokens:
+            rows.append(run_case("prefill 256 @4096 + 8 decode @4096", mixed, bw, True, sp))
     meta = run_meta()
     lines = [
         f"Paged attention, one layer of Qwen3-8B shape (H {H}, K {K}, D {D}, P {P}, bf16 KV); "

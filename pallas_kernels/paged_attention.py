@@ -183,6 +183,7 @@ def paged_attention(
     interpret: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    split_tokens: int = 1024,
 ):
     """Pallas ragged paged attention with paged_attention_reference's signature.
 
@@ -214,7 +215,7 @@ def paged_attention(
         )
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    bq, bps, ns = plan_tiles(T, S, G, MB, P, K, D)
+    bq, bps, ns = plan_tiles(T, S, G, MB, P, K, D, split_tokens)
     bqg = bq * G
     meta = query_blocks(cu_q_lens, T, bq)
     nblk = meta.shape[0]
