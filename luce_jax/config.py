@@ -9,7 +9,10 @@ from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on GPU, float32 on CPU
 CACHE_TYPES = {"auto": None, "bf16": "bfloat16", "f16": "float16", "f32": "float32"}
-# auto: the Pallas kernel on GPU; the XLA reference elsewhere (Pallas interpret mode is slow)
+# auto is xla for now, on GPU too: the Pallas kernel is 2-24x faster for prompt chunks and long
+# contexts but 0.3x the XLA path for 8 decode rows at 512 tokens on the H200
+# (bench/results/2026-11-30_attention_kernel_split_h200.md); it becomes the GPU default once it
+# wins every case end to end. On CPU it runs only in interpret mode.
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 
 
@@ -120,9 +123,7 @@ class EngineConfig:
             self.dtype if self.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
         )
         short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
-        attention = self.attention_backend
-        if attention == "auto":
-            attention = "pallas" if backend == "gpu" else "xla"
+        attention = "xla" if self.attention_backend == "auto" else self.attention_backend
         return self.replace(
             dtype=dtype,
             attention_backend=attention,

@@ -59,3 +59,5 @@ def test_bad_arguments_are_clear(llm, tiny_gguf):
         LLM(model=tiny_gguf, max_concurrency=0)
     with pytest.raises(ValueError, match="model"):
         LLM(model="/nonexistent.gguf")
+    with pytest.raises(ValueError, match="attention_backend='flash'"):
+        LLM(model=tiny_gguf, attention_backend="flash")

@@ -130,3 +130,11 @@ def test_engine_greedy_tokens_equal_with_pallas_and_xla(tiny_gguf, compile_cache
         with LLM(tiny_gguf, **kw) as llm:
             out[backend] = [c.token_ids for c in llm.generate(prompts, sp)]
     assert out["pallas"] == out["xla"]
+
+
+def test_attention_backend_auto_resolves_to_xla_until_the_kernel_wins_everywhere():
+    from luce_jax.config import EngineConfig
+
+    for backend in ("cpu", "gpu"):
+        assert EngineConfig().resolved(backend).attention_backend == "xla"
+    assert EngineConfig(attention_backend="pallas").resolved("gpu").attention_backend == "pallas"
