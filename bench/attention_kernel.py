@@ -12,9 +12,7 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import sys
 import time
 
 import jax
@@ -24,7 +22,7 @@ import numpy as np
 from luce_jax.models.attention import paged_attention_xla
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
-from meta import meta_line, run_meta
+from meta import meta_line, run_meta, write_result
 from roofline import copy_bandwidth
 
 log = logging.getLogger("attention_kernel")
@@ -143,16 +141,8 @@ def main():
             f"{r['of_copy_bw']:.0%} | {r['max_diff_vs_xla']:.3g} | {ref} |"
         )
     md = "\n".join(lines) + "\n\n" + meta_line(meta) + "\n"
-    sys.stdout.write(md)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(
-                {"bench": "attention_kernel", **meta, "copy_GB_s": bw / 1e9, "rows": rows},
-                f,
-                indent=1,
-            )
-        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write(md)
+    res = {"bench": "attention_kernel", **meta, "copy_GB_s": bw / 1e9, "rows": rows}
+    write_result(res, md, a.out)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,11 @@ import shlex
 import socket
 import statistics
 import subprocess
-import sys
 import time
 
 import httpx
 
-from meta import meta_line, run_meta
+from meta import meta_line, run_meta, write_result
 
 log = logging.getLogger("concurrency")
 
@@ -292,14 +291,9 @@ def main():
         "slot_groups": [g for g, _ in groups],
     }
     md = markdown(summary, a.title) + "\n" + meta_line(meta) + "\n"
-    sys.stdout.write(md)
+    write_result(result, md, a.out)
     if a.out:
-        stem = a.out.rsplit(".", 1)[0]
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(md)
-        plot(summary, stem + ".png", a.title)
+        plot(summary, a.out.rsplit(".", 1)[0] + ".png", a.title)
 
 
 if __name__ == "__main__":

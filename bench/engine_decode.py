@@ -10,7 +10,6 @@ gives the roofline: bytes a decode step must move (all weights + every row's KV)
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -20,6 +19,7 @@ import time
 
 import numpy as np
 
+from meta import write_result
 from roofline import copy_bandwidth
 
 log = logging.getLogger("engine_decode")
@@ -204,12 +204,7 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     res = run(a)
     md = markdown(res, {1: 133, 8: 994, 32: 2297})
-    sys.stdout.write(md)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write(md)
+    write_result(res, md, a.out)
 
 
 if __name__ == "__main__":

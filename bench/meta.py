@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,3 +29,13 @@ def run_meta() -> dict:
 
 def meta_line(m: dict) -> str:
     return f"{m['device']}, {m['date']}, commit {m['commit'] or '?'}. Command: `{m['command']}`"
+
+
+def write_result(res: dict, md: str, out: str | None) -> None:
+    """Print the markdown; with `out`, write the JSON there and the markdown beside it."""
+    sys.stdout.write(md)
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+        with open(out.rsplit(".", 1)[0] + ".md", "w") as f:
+            f.write(md)

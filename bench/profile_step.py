@@ -18,14 +18,13 @@ import json
 import logging
 import os
 import re
-import sys
 import tempfile
 import time
 from collections import defaultdict
 
 import numpy as np
 
-from meta import run_meta
+from meta import run_meta, write_result
 
 log = logging.getLogger("profile_step")
 
@@ -255,12 +254,7 @@ def main():
 def write(results: list[dict], a) -> None:
     res = {"bench": "profile_step", **run_meta(), "results": results}
     md = markdown(results, a.title)
-    sys.stdout.write(md)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write(md)
+    write_result(res, md, a.out)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import random
 import statistics
-import sys
 import time
 
 import httpx
 
 from concurrency import free_port, one_request, start_server, stop_server
-from meta import meta_line, run_meta
+from meta import meta_line, run_meta, write_result
 
 log = logging.getLogger("retrieval")
 
@@ -206,12 +204,7 @@ def main():
         "rows": rows,
     }
     md = markdown(rows, a.title) + "\n" + meta_line(meta) + "\n"
-    sys.stdout.write(md)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-        with open(a.out.rsplit(".", 1)[0] + ".md", "w") as f:
-            f.write(md)
+    write_result(res, md, a.out)
 
 
 if __name__ == "__main__":
