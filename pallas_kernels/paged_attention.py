@@ -5,7 +5,7 @@ Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas op
 Work split. The packed query axis is cut into query blocks of BQ rows of one sequence
 (`query_blocks`). Program (i, k, s) takes query block i, kv head k and kv split s: the G query
 heads of kv head k for those rows are packed into one [BQ*G, D] operand, and the program walks
-the sequence's block table in logical order over splits s's blocks (at most BPS of them, never
+the sequence's block table in logical order over split s's blocks (at most BPS of them, never
 past the sequence's kv length) with an online softmax, causal per query position. A long
 context is thus spread over several programs; their (max, sum, accumulator) partials are
 combined in jnp afterwards. Nothing past a sequence's kv length is read.
@@ -13,8 +13,9 @@ combined in jnp afterwards. Nothing past a sequence's kv length is read.
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
 tables, kv lengths and the query-block list are ordinary inputs read inside the kernel, and the
 KV caches are whole-array refs indexed by physical block. Tile sizes (BQ*G, P, D) are powers of
-two, as Triton requires. ROCm notes: a wavefront is 64 lanes, so num_warps=4 means 256 threads;
-keep num_stages at 1 or 2 there (the LDS is smaller). On CPU the kernel runs in interpret mode.
+two, as Triton requires. Not yet run on ROCm: there a wavefront is 64 lanes (num_warps=4 is 256
+threads) and a CU has less shared memory, so num_stages may have to drop to 1. On CPU the
+kernel runs in interpret mode.
 
 Shapes: T packed query rows, S segments (sequences in the step), H query heads, K kv heads,
 G = H / K, D head dim, P block size, NB blocks in the pool, MB blocks per sequence.
