@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import platform
-import subprocess
-import sys
 import time
 
 import numpy as np
 
-from meta import write_result
+from meta import run_meta, write_result
 from roofline import copy_bandwidth
 
 log = logging.getLogger("engine_decode")
@@ -148,17 +145,10 @@ def run(args) -> dict:
     dev = jax.devices()[0]
     return {
         "bench": "engine_decode",
-        "date": time.strftime("%Y-%m-%d"),
-        # the device copy of the tree has no .git: the caller passes LUCE_COMMIT there
-        "commit": os.environ.get("LUCE_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        or None,
+        **run_meta(),
         "device": getattr(dev, "device_kind", str(dev)),
         "jax": jax.__version__,
         "python": platform.python_version(),
-        "command": " ".join(sys.argv),
         "model": args.model,
         "ctx": args.ctx,
         "steps": args.steps,

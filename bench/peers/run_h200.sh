@@ -39,7 +39,9 @@ step_build() {
 }
 
 step_models() {  # $@ weight types (default bf16 q8_0)
-  for t in "${@:-bf16}" $([ $# -eq 0 ] && echo q8_0); do
+  local types=("$@")
+  [ $# -gt 0 ] || types=(bf16 q8_0)
+  for t in "${types[@]}"; do
     python3 bench/make_model.py --shape qwen3-8b --type $t \
       --vocab .bench_data/ggml-vocab-qwen2.gguf --out "$M/qwen3-8b-$t.gguf" 2>&1 | tail -1
   done
