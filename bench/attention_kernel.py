@@ -1,12 +1,12 @@
 """Paged attention on the GPU: the Pallas kernel against the XLA reference, one layer.
 
-Qwen3-8B attention shape (H 32, K 8, D 128, bf16 KV, 16-token blocks). Decode steps of R rows
-at a context length each, and a mixed step (a 256-token prompt chunk plus decode rows). For
-each: max abs difference to the float32 jnp reference (where it fits), time per call of both
-implementations, and the KV bytes the step must read over that time against the copy bandwidth
-measured in the same run.
+Qwen3-8B attention shape (H 32, K 8, D 128, 16-token blocks), bf16, q8_0 or q4_0 KV. Decode
+steps of R rows at a context length each, and a mixed step (a 256-token prompt chunk plus decode
+rows). For each: max abs difference to the float32 jnp reference (where it fits), time per call
+of both implementations (one per kernel tiling variant), and the KV bytes the step must read
+over that time against the copy bandwidth measured in the same run.
 
-    python bench/attention_kernel.py --out attention.json
+    python bench/attention_kernel.py --variants 64:1024:4 128:512:8 --out attention.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from luce_jax.models import kv_cache
 from luce_jax.models.attention import paged_attention_xla
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
@@ -29,7 +30,10 @@ log = logging.getLogger("attention_kernel")
 H, K, D, P = 32, 8, 128, 16
 
 
-def step(segs, seed=0):
+KV_BYTES = {"bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # per cached value, scales included
+
+
+def step(segs, kv_type="bf16", seed=0):
     """Device arrays for a packed step: segs = [(rows, kv length)], tables in shuffled blocks."""
     rng = np.random.default_rng(seed)
     MB = max(-(-kv // P) for _, kv in segs)
@@ -49,6 +53,8 @@ def step(segs, seed=0):
     key = jax.random.key(seed)
     k = jax.random.normal(key, (NB, P, K, D), jnp.bfloat16)
     v = jax.random.normal(jax.random.fold_in(key, 1), (NB, P, K, D), jnp.bfloat16)
+    if kv_type != "bf16":
+        k, v = kv_cache.quantize(k, kv_type), kv_cache.quantize(v, kv_type)
     q = jax.random.normal(jax.random.fold_in(key, 2), (T, H, D), jnp.bfloat16)
     args = (
         q,
@@ -59,7 +65,7 @@ def step(segs, seed=0):
         jnp.asarray(tables),
         jnp.asarray([kv for _, kv in segs], jnp.int32),
     )
-    kv_bytes = sum(kv for _, kv in segs) * K * D * 2 * 2
+    kv_bytes = sum(kv for _, kv in segs) * K * D * 2 * KV_BYTES[kv_type]
     return args, jnp.asarray(cu, jnp.int32), cu[-1], kv_bytes
 
 
@@ -72,73 +78,97 @@ def timed(f, args, n=20) -> float:
     return (time.perf_counter() - t) / n
 
 
-def run_case(name, segs, bw, check_ref, split_tokens=1024) -> dict:
-    args, cu, real, kv_bytes = step(segs)
+def max_diff(a, b, real) -> float:
+    return float(jnp.max(jnp.abs(a[:real].astype(jnp.float32) - b[:real].astype(jnp.float32))))
+
+
+def run_case(name, segs, bw, check_ref, kv_type, variants) -> list[dict]:
+    """One step shape: the XLA path once, the kernel once per (block_k, split, warps) variant."""
+    args, cu, real, kv_bytes = step(segs, kv_type)
     scale = D**-0.5
-    fp = jax.jit(
-        lambda *a: paged_attention(*a, scale=scale, cu_q_lens=cu, split_tokens=split_tokens)
-    )
     fx = jax.jit(lambda *a: paged_attention_xla(*a, scale=scale))
-    out_p, out_x = fp(*args), fx(*args)
-    row = {
-        "case": f"{name}, split {split_tokens}",
-        "T": int(args[0].shape[0]),
-        "kv_MB": kv_bytes / 1e6,
-    }
-    row["max_diff_vs_xla"] = float(
-        jnp.max(jnp.abs(out_p[:real].astype(jnp.float32) - out_x[:real].astype(jnp.float32)))
+    out_x, tx = fx(*args), timed(fx, args)
+    ref = (
+        jax.jit(lambda *a: paged_attention_reference(*a, scale=scale))(*args) if check_ref else None
     )
-    if check_ref:
-        ref = jax.jit(lambda *a: paged_attention_reference(*a, scale=scale))(*args)
-        row["max_diff_vs_f32_ref"] = float(
-            jnp.max(jnp.abs(out_p[:real].astype(jnp.float32) - ref[:real].astype(jnp.float32)))
+    rows = []
+    for bk, split, warps in variants:
+        row = {"case": name, "kv": kv_type, "block_k": bk, "split": split, "warps": warps}
+        row.update(T=int(args[0].shape[0]), kv_MB=kv_bytes / 1e6, xla_us=tx * 1e6)
+        kw = dict(scale=scale, cu_q_lens=cu, block_k=bk, split_tokens=split, num_warps=warps)
+        try:
+            fp = jax.jit(lambda *a, kw=kw: paged_attention(*a, **kw))
+            out_p = fp(*args)
+            row["max_diff_vs_xla"] = max_diff(out_p, out_x, real)
+            if ref is not None:
+                row["max_diff_vs_f32_ref"] = max_diff(out_p, ref, real)
+            tp = timed(fp, args)
+        except Exception as e:  # a variant Triton cannot build is recorded, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log.warning("%s", row)
+            rows.append(row)
+            continue
+        row.update(
+            pallas_us=tp * 1e6,
+            speedup=tx / tp,
+            pallas_GB_s=kv_bytes / tp / 1e9,
+            of_copy_bw=kv_bytes / tp / bw,
         )
-    tp, tx = timed(fp, args), timed(fx, args)
-    row.update(
-        pallas_us=tp * 1e6,
-        xla_us=tx * 1e6,
-        speedup=tx / tp,
-        pallas_GB_s=kv_bytes / tp / 1e9,
-        of_copy_bw=kv_bytes / tp / bw,
-    )
-    log.info("%s", row)
-    return row
+        log.info("%s", row)
+        rows.append(row)
+    return rows
+
+
+def variant(s: str) -> tuple[int, int, int]:
+    bk, split, warps = (int(x) for x in s.split(":"))
+    return bk, split, warps
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 4096, 32768])
-    ap.add_argument("--split-tokens", type=int, nargs="+", default=[1024])
+    ap.add_argument("--kv-types", nargs="+", default=["bf16", "q8_0", "q4_0"], choices=KV_BYTES)
+    ap.add_argument(
+        "--variants",
+        type=variant,
+        nargs="+",
+        default=[(64, 1024, 4)],
+        help="kernel tilings block_k:split_tokens:num_warps",
+    )
     ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bw = copy_bandwidth()
-    rows = []
-    for ctx in a.ctx:
-        for r in a.rows:
-            for sp in a.split_tokens:
-                rows.append(run_case(f"decode {r}x{ctx}", [(1, ctx)] * r, bw, r * ctx <= 65536, sp))
+    cases = [(f"decode {r}x{ctx}", [(1, ctx)] * r) for ctx in a.ctx for r in a.rows]
     if not a.no_mixed:
-        mixed = [(256, 4096)] + [(1, 4096)] * 8
-        for sp in a.split_tokens:
-            rows.append(run_case("prefill 256 @4096 + 8 decode @4096", mixed, bw, True, sp))
+        cases.append(("prefill 256 @4096 + 8 decode @4096", [(256, 4096)] + [(1, 4096)] * 8))
+    rows = []
+    for kv_type in a.kv_types:
+        for name, segs in cases:
+            small = sum(kv for _, kv in segs) * (1 + len(segs) // 8) <= 65536 * 2
+            rows += run_case(name, segs, bw, small, kv_type, a.variants)
     meta = run_meta()
     lines = [
-        f"Paged attention, one layer of Qwen3-8B shape (H {H}, K {K}, D {D}, P {P}, bf16 KV); "
-        f"copy bandwidth {bw / 1e9:.0f} GB/s.",
+        f"Paged attention, one layer of Qwen3-8B shape (H {H}, K {K}, D {D}, P {P}); "
+        f"copy bandwidth {bw / 1e9:.0f} GB/s. KV MB counts the cache type's bytes (q8_0 34 and "
+        "q4_0 18 bytes per 32 values); the XLA path reads the same cache, dequantizing in XLA.",
         "",
-        "| case | T | KV MB | Pallas us | XLA us | speedup | Pallas KV GB/s | of copy BW | "
-        "max diff vs XLA | vs f32 ref |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | KV | block_k:split:warps | T | KV MB | Pallas us | XLA us | speedup | "
+        "Pallas KV GB/s | of copy BW | max diff vs XLA | vs f32 ref |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        tiling = f"{r['block_k']}:{r['split']}:{r['warps']}"
+        head = f"| {r['case']} | {r['kv']} | {tiling} | {r['T']} | {r['kv_MB']:.1f} |"
+        if "error" in r:
+            lines.append(f"{head} failed: {r['error'][:80]} | | | | | | |")
+            continue
         ref = f"{r['max_diff_vs_f32_ref']:.3g}" if "max_diff_vs_f32_ref" in r else "-"
         lines.append(
-            f"| {r['case']} | {r['T']} | {r['kv_MB']:.1f} | {r['pallas_us']:.0f} | "
-            f"{r['xla_us']:.0f} | {r['speedup']:.1f}x | {r['pallas_GB_s']:.0f} | "
-            f"{r['of_copy_bw']:.0%} | {r['max_diff_vs_xla']:.3g} | {ref} |"
+            f"{head} {r['pallas_us']:.0f} | {r['xla_us']:.0f} | {r['speedup']:.1f}x | "
+            f"{r['pallas_GB_s']:.0f} | {r['of_copy_bw']:.0%} | {r['max_diff_vs_xla']:.3g} | {ref} |"
         )
     md = "\n".join(lines) + "\n\n" + meta_line(meta) + "\n"
     res = {"bench": "attention_kernel", **meta, "copy_GB_s": bw / 1e9, "rows": rows}

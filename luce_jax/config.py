@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on GPU, float32 on CPU
-CACHE_TYPES = {"auto": None, "bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+FLOAT_CACHE_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+# q8_0 / q4_0: int8 or packed 4-bit values with an f16 scale per 32 (models/kv_cache.py).
+CACHE_TYPES = ("auto", *FLOAT_CACHE_TYPES, "q8_0", "q4_0")
 # auto is xla for now, on GPU too: the Pallas kernel is 2-24x faster for prompt chunks and long
 # contexts but 0.3x the XLA path for 8 decode rows at 512 tokens on the H200
 # (bench/results/2026-11-30_attention_kernel_split_h200.md); it becomes the GPU default once it
@@ -92,7 +94,7 @@ class EngineConfig:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
-                bad(name, f"must be one of {tuple(CACHE_TYPES)}")
+                bad(name, f"must be one of {CACHE_TYPES}")
         for name in (
             "max_concurrency",
             "max_ctx",

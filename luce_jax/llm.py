@@ -6,7 +6,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from .config import CACHE_TYPES, DEFAULT_MODEL, EngineConfig
+from .config import DEFAULT_MODEL, FLOAT_CACHE_TYPES, EngineConfig
 from .request import Event
 from .sampling_params import SamplingParams
 
@@ -27,6 +27,7 @@ def load_engine(config: EngineConfig):
 
     from .engine import DenseEngine
     from .gguf import GGUFFile, load_params, model_config
+    from .models import kv_cache
     from .runner import Runner, enable_compile_cache
     from .tokenizer import GGUFTokenizer, GGUFVocab
 
@@ -40,11 +41,19 @@ def load_engine(config: EngineConfig):
     tokenizer = GGUFTokenizer(GGUFVocab.from_metadata(f.metadata), template)
     mc, params = load_params(f, model_config(f.metadata), config.dtype)
     config = fit_to_model(config, mc)
-    kv_dtypes = (
-        jnp.dtype(CACHE_TYPES[config.cache_type_k]),
-        jnp.dtype(CACHE_TYPES[config.cache_type_v]),
+    # Float cache types become dtypes; q8_0 / q4_0 stay names (models/kv_cache.py).
+    kv_types = tuple(
+        jnp.dtype(FLOAT_CACHE_TYPES[t]) if t in FLOAT_CACHE_TYPES else t
+        for t in (config.cache_type_k, config.cache_type_v)
     )
-    per_token = mc.n_layers * mc.kv_size * sum(d.itemsize for d in kv_dtypes)
+    per_token = mc.n_layers * mc.kv_size * sum(kv_cache.bytes_per_value(t) for t in kv_types)
+    quantized = {config.cache_type_k, config.cache_type_v} & set(kv_cache.QUANT_TYPES)
+    if quantized and mc.head_dim % kv_cache.GROUP:
+        raise ValueError(
+            f"cache_type_k={config.cache_type_k!r}, cache_type_v={config.cache_type_v!r}: "
+            f"quantized KV needs a head dim divisible by {kv_cache.GROUP}; the model's is "
+            f"{mc.head_dim}"
+        )
     num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token)
     log.info(
         "KV pool: %d blocks of %d tokens (%.2f GiB)",
@@ -59,7 +68,7 @@ def load_engine(config: EngineConfig):
         config.kv_block_size,
         config.max_concurrency,
         config.max_blocks_per_seq,
-        kv_dtypes,
+        kv_types,
         attention_fn(config.attention_backend),
     )
     engine = DenseEngine(config, runner, num_blocks)

@@ -50,7 +50,7 @@ class Runner:
         block_size: int,
         max_slots: int,
         max_blocks_per_seq: int,
-        kv_dtypes,
+        kv_types,
         attention_fn=None,
     ):
         self.cfg = cfg
@@ -58,7 +58,7 @@ class Runner:
         self.block_size = block_size
         self.max_slots = max_slots
         self.max_blocks = max_blocks_per_seq
-        self.kv = dense.init_kv(cfg, num_blocks, block_size, *kv_dtypes)
+        self.kv = dense.init_kv(cfg, num_blocks, block_size, *kv_types)
         V = cfg.vocab_size
         # Penalty state per slot: output token counts and prompt membership ([S_max, V]).
         self.state = {

@@ -5,17 +5,24 @@ Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas op
 Work split. The packed query axis is cut into query blocks of BQ rows of one sequence
 (`query_blocks`). Program (i, k, s) takes query block i, kv head k and kv split s: the G query
 heads of kv head k for those rows are packed into one [BQ*G, D] operand, and the program walks
-the sequence's block table in logical order over split s's blocks (at most BPS of them, never
-past the sequence's kv length) with an online softmax, causal per query position. A long
-context is thus spread over several programs; their (max, sum, accumulator) partials are
-combined in jnp afterwards. Nothing past a sequence's kv length is read.
+the sequence's keys in logical order over split s (TPS tiles of BK tokens, never past the keys
+the block needs) with an online softmax, causal per query position. A tile gathers its BK
+tokens through the block table, so BK is independent of the block size P: one iteration moves
+enough bytes to keep the memory system busy even for a single decode row. A long context is
+spread over several programs; their (max, sum, accumulator) partials are combined in jnp
+afterwards. Tokens past a sequence's kv length are masked loads, never read.
+
+KV types: plain float caches, and q8_0 / q4_0 (luce_jax/models/kv_cache.py), dequantized in
+registers: a tile is loaded as column pieces of one scale group (q8_0) or one nibble half-group
+(q4_0), and each piece's dot product is scaled per key, so no scale is ever broadcast.
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
 tables, kv lengths and the query-block list are ordinary inputs read inside the kernel, and the
-KV caches are whole-array refs indexed by physical block. Tile sizes (BQ*G, P, D) are powers of
-two, as Triton requires. Not yet run on ROCm: there a wavefront is 64 lanes (num_warps=4 is 256
-threads) and a CU has less shared memory, so num_stages may have to drop to 1. On CPU the
-kernel runs in interpret mode.
+KV caches are whole-array refs indexed by physical block and offset. Tile sizes (BQ*G, BK, D)
+are powers of two, as Triton requires; a group of G heads that is not is padded with zero
+queries. Not yet run on ROCm: there a wavefront is 64 lanes (num_warps=4 is 256 threads) and a
+CU has less shared memory, so num_stages may have to drop to 1. On CPU the kernel runs in
+interpret mode.
 
 Shapes: T packed query rows, S segments (sequences in the step), H query heads, K kv heads,
 G = H / K, D head dim, P block size, NB blocks in the pool, MB blocks per sequence.
@@ -28,6 +35,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from luce_jax.models import kv_cache
+from luce_jax.models.kv_cache import GROUP
 
 MASK_VALUE = -1e30  # finite: a fully masked row keeps m finite and contributes nothing
 
@@ -46,10 +57,12 @@ def paged_attention_reference(
     """
     del cu_q_lens
     T, H, D = q.shape
-    _, P, K, _ = k_cache.shape
-    L = block_tables.shape[1] * P
-    k = k_cache[block_tables[seg_ids]].reshape(T, L, K, D).astype(jnp.float32)
-    v = v_cache[block_tables[seg_ids]].reshape(T, L, K, D).astype(jnp.float32)
+    blocks = block_tables[seg_ids]  # [T, MB]
+    k = kv_cache.values(kv_cache.gather(k_cache, blocks), jnp.float32)  # [T, MB, P, K, D]
+    v = kv_cache.values(kv_cache.gather(v_cache, blocks), jnp.float32)
+    _, MB, P, K, _ = k.shape
+    L = MB * P
+    k, v = k.reshape(T, L, K, D), v.reshape(T, L, K, D)
     qg = q.reshape(T, K, H // K, D).astype(jnp.float32)
     s = jnp.einsum("tkgd,tlkd->tkgl", qg, k) * scale
     limit = jnp.minimum(positions, kv_lens[seg_ids] - 1)
@@ -81,63 +94,105 @@ def query_blocks(cu_q_lens, T: int, block_q: int):
     return jnp.stack([seg, start, n], axis=1).astype(jnp.int32)
 
 
-def _kernel(
-    meta_ref,
-    bt_ref,
-    kvlen_ref,
-    q_ref,
-    qpos_ref,
-    k_ref,
-    v_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
-    *,
-    scale,
-    P,
-    BQG,
-    G,
-    BPS,
-):
+def _piece_cols(kind: str, D: int) -> list[tuple[int, int]]:
+    """(first column, width) of the column pieces a tile of this cache type is loaded in: one
+    piece for plain caches, one per scale group for q8_0, one per nibble half-group for q4_0."""
+    if kind == "plain":
+        return [(0, D)]
+    w = GROUP if kind == "q8_0" else GROUP // 2
+    return [(c, w) for c in range(0, D, w)]
+
+
+def _load_tile(data_ref, scale_ref, kind, phys, off, kh, ok, cdt, D):
+    """One KV tile of BK tokens as column pieces [(values [BK, W] in cdt, scale [BK] f32|None)].
+
+    Tokens are gathered by physical block and offset; tokens past the needed length (ok False)
+    are masked loads, so nothing past a sequence's kv length is read.
+    """
+    BK = phys.shape[0]
+
+    def load(ref, col, w):
+        # All-array indices (a gather): interpret mode cannot mix array indices with slices.
+        cols = col + jnp.arange(w)[None, :]
+        mask = jnp.broadcast_to(ok[:, None], (BK, w))
+        return plgpu.load(ref.at[phys[:, None], off[:, None], kh, cols], mask=mask, other=0)
+
+    if kind == "plain":
+        return [(load(data_ref, 0, D).astype(cdt), None)]
+    pieces = []
+    for g in range(D // GROUP):
+        s = plgpu.load(scale_ref.at[phys, off, kh, g], mask=ok, other=0).astype(jnp.float32)
+        if kind == "q8_0":
+            pieces.append((load(data_ref, g * GROUP, GROUP).astype(cdt), s))
+        else:  # byte i of a group: value i (low nibble) and value i + 16 (high nibble)
+            b = load(data_ref, g * GROUP // 2, GROUP // 2).astype(jnp.int32)
+            pieces += [(((b & 15) - 8).astype(cdt), s), (((b >> 4) - 8).astype(cdt), s)]
+    return pieces
+
+
+def _dot(a, b, contract_b: int):
+    return jax.lax.dot_general(
+        a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
+def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, BK, TPS, kinds):
+    k_kind, v_kind = kinds
+    refs = list(refs)
+    k_data = refs.pop(0)
+    k_scale = refs.pop(0) if k_kind != "plain" else None
+    v_data = refs.pop(0)
+    v_scale = refs.pop(0) if v_kind != "plain" else None
+    acc_ref, m_ref, l_ref = refs
+    P, MB, D = k_data.shape[1], bt_ref.shape[1], acc_ref.shape[-1]
+    cdt = q_ref.dtype
+
     i, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seg, start, n = meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2]
-    kv_len = kvlen_ref[seg]
-    q = q_ref[kh, pl.ds(start * G, BQG), :]  # [BQG, D]: BQ rows x G heads
-    qpos = qpos_ref[pl.ds(start * G, BQG)]  # [BQG]
+    qpos = qpos_ref[pl.ds(start * G, BQG)]  # [BQG]: BQ rows x G heads
     row_ok = jnp.arange(BQG) < n * G
-    n_blocks = jnp.where(n > 0, (kv_len + P - 1) // P, 0)
-    lo = sp * BPS
-    hi = jnp.minimum(lo + BPS, n_blocks)
+    # Keys this block needs: causal up to its last row's position, within the kv length.
+    last = qpos_ref[jnp.maximum(start + n - 1, 0) * G]
+    need = jnp.where(n > 0, jnp.minimum(kvlen_ref[seg], last + 1), 0)
+    lo = sp * TPS
+    hi = jnp.minimum(lo + TPS, (need + BK - 1) // BK)
+    q_pieces = [q_ref[kh, pl.ds(start * G, BQG), pl.ds(c, w)] for c, w in _piece_cols(k_kind, D)]
+    v_cols = _piece_cols(v_kind, D)
 
     def body(j, carry):
-        m, den, acc = carry
-        phys = bt_ref[seg, j]
-        kb = k_ref[phys, :, kh, :]  # [P, D]
-        vb = v_ref[phys, :, kh, :]
-        s = (
-            jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            * scale
-        )
-        kpos = j * P + jnp.arange(P)
-        mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < kv_len) & row_ok[:, None]
-        s = jnp.where(mask, s, MASK_VALUE)
+        m, den, accs = carry
+        kpos = j * BK + jnp.arange(BK)
+        ok = kpos < need
+        phys = bt_ref[seg, jnp.minimum(kpos // P, MB - 1)]  # [BK] physical block per token
+        off = kpos % P
+        s = 0.0
+        for qp, (kv, ks) in zip(
+            q_pieces, _load_tile(k_data, k_scale, k_kind, phys, off, kh, ok, cdt, D), strict=True
+        ):
+            d = _dot(qp, kv, 1)  # [BQG, BK]
+            s = s + (d if ks is None else d * ks[None, :])
+        mask = (kpos[None, :] <= qpos[:, None]) & ok[None, :] & row_ok[:, None]
+        s = jnp.where(mask, s * scale, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         den = den * alpha + jnp.sum(p, axis=1)
-        pv = jax.lax.dot_general(
-            p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        return m_new, den, acc * alpha[:, None] + pv
+        new = []
+        for a, (vv, vs) in zip(
+            accs, _load_tile(v_data, v_scale, v_kind, phys, off, kh, ok, cdt, D), strict=True
+        ):
+            pw = p if vs is None else p * vs[None, :]
+            new.append(a * alpha[:, None] + _dot(pw.astype(cdt), vv, 0))
+        return m_new, den, tuple(new)
 
-    D = acc_ref.shape[-1]
     init = (
         jnp.full((BQG,), MASK_VALUE, jnp.float32),
         jnp.zeros((BQG,), jnp.float32),
-        jnp.zeros((BQG, D), jnp.float32),
+        tuple(jnp.zeros((BQG, w), jnp.float32) for _, w in v_cols),
     )
-    m, den, acc = jax.lax.fori_loop(lo, hi, body, init)
-    acc_ref[...] = acc
+    m, den, accs = jax.lax.fori_loop(lo, hi, body, init)
+    for (c, w), a in zip(v_cols, accs, strict=True):
+        acc_ref[:, pl.ds(c, w)] = a
     m_ref[...] = m
     l_ref[...] = den
 
@@ -151,9 +206,10 @@ def plan_tiles(
     K: int,
     D: int,
     split_tokens: int = 1024,
+    block_k: int = 64,
     partial_budget: int = 64 << 20,
 ):
-    """(BQ, BPS, NS): rows per query block, kv blocks per split, splits.
+    """(BQ, TPS, NS): rows per query block, kv tiles of block_k tokens per split, splits.
 
     Small steps (decode rows) get 16-row operands; larger steps 64, so a prompt chunk reuses
     each KV tile across more queries. Splits of `split_tokens` spread long contexts over
@@ -162,12 +218,13 @@ def plan_tiles(
     bqg = max(16 if T <= 64 else 64, G)
     bq = bqg // G
     nblk = -(-T // bq) + S
-    bps = max(1, split_tokens // P)
+    tiles = -(-MB * P // block_k)
+    tps = max(1, split_tokens // block_k)
     while True:
-        ns = -(-MB // bps)
+        ns = -(-tiles // tps)
         if ns == 1 or nblk * K * ns * bqg * (D + 2) * 4 <= partial_budget:
-            return bq, bps, ns
-        bps *= 2
+            return bq, tps, ns
+        tps *= 2
 
 
 def paged_attention(
@@ -185,28 +242,39 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     split_tokens: int = 1024,
+    block_k: int = 64,
 ):
     """Pallas ragged paged attention with paged_attention_reference's signature.
 
     Args:
-      q: [T, H, D]; k_cache, v_cache: [NB, P, K, D] (already holding this step's K/V);
+      q: [T, H, D]; k_cache, v_cache: [NB, P, K, D] arrays or kv_cache.Quantized (q8_0 / q4_0),
+        already holding this step's K/V;
       seg_ids: [T] int32 (unused: rows are found from cu_q_lens); positions: [T] int32;
       block_tables: [S, MB] int32; kv_lens: [S] int32; scale: softmax scale;
       cu_q_lens: [S+1] int32 row offsets of the segments.
       interpret: run the kernel in interpret mode (default: when the backend is the CPU).
+      split_tokens, block_k: kv tokens per program and per loop iteration (BK).
     Returns:
       [T, H, D] in q's dtype; rows outside every segment are zero.
     """
     del seg_ids
     T, H, D = q.shape
-    NB, P, K, Dk = k_cache.shape
+    kinds = (kv_cache.kind(k_cache), kv_cache.kind(v_cache))
+    k_in = tuple(k_cache) if kinds[0] != "plain" else (k_cache,)
+    v_in = tuple(v_cache) if kinds[1] != "plain" else (v_cache,)
+    NB, P, K = k_in[0].shape[:3]
     S, MB = block_tables.shape
-    if Dk != D or v_cache.shape != k_cache.shape:
-        raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
+    for c, kind in zip((k_in, v_in), kinds, strict=True):
+        want = D if kind in ("plain", "q8_0") else D // 2
+        if c[0].shape != (NB, P, K, want) or (kind != "plain" and D % GROUP):
+            raise ValueError(
+                f"{kind} cache shape {c[0].shape} does not fit q {q.shape} and blocks {(NB, P, K)}"
+            )
     if H % K:
         raise ValueError(f"{H} query heads are not a multiple of {K} kv heads")
     G = H // K
-    for name, n in (("block size", P), ("head dim", D), ("group size", G)):
+    Gp = 1 << (G - 1).bit_length()  # a group is padded with zero queries to a power of two
+    for name, n in (("block size", P), ("head dim", D), ("block_k", block_k)):
         if n & (n - 1):
             raise ValueError(f"{name} {n} is not a power of two (Triton tiles)")
     if cu_q_lens.shape != (S + 1,) or kv_lens.shape != (S,) or positions.shape != (T,):
@@ -216,25 +284,26 @@ def paged_attention(
         )
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    bq, bps, ns = plan_tiles(T, S, G, MB, P, K, D, split_tokens)
-    bqg = bq * G
+    bq, tps, ns = plan_tiles(T, S, Gp, MB, P, K, D, split_tokens, block_k)
+    bqg = bq * Gp
     meta = query_blocks(cu_q_lens, T, bq)
     nblk = meta.shape[0]
-    # [K, (T + BQ) * G, D]: a block's rows x heads are contiguous; padded so the last block's
+    cdt = kv_cache.compute_dtype(k_cache, q.dtype)
+    # [K, (T + BQ) * Gp, D]: a block's rows x heads are contiguous; padded so the last block's
     # fixed-size load stays in bounds.
-    qk = jnp.pad(q, ((0, bq), (0, 0), (0, 0))).reshape(T + bq, K, G, D)
-    qk = qk.transpose(1, 0, 2, 3).reshape(K, (T + bq) * G, D).astype(k_cache.dtype)
-    qpos = jnp.repeat(jnp.pad(positions, (0, bq)), G)
+    qk = jnp.pad(q.reshape(T, K, G, D), ((0, bq), (0, 0), (0, Gp - G), (0, 0)))
+    qk = qk.transpose(1, 0, 2, 3).reshape(K, (T + bq) * Gp, D).astype(cdt)
+    qpos = jnp.repeat(jnp.pad(positions, (0, bq)), Gp)
 
     def full(x):
         return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
-    inputs = (meta, block_tables, kv_lens, qk, qpos, k_cache, v_cache)
-    kernel = functools.partial(_kernel, scale=scale, P=P, BQG=bqg, G=G, BPS=bps)
+    inputs = (meta, block_tables, kv_lens, qk, qpos, *k_in, *v_in)
+    kernel = functools.partial(
+        _kernel, scale=scale, BQG=bqg, G=Gp, BK=block_k, TPS=tps, kinds=kinds
+    )
     params = {}
     if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     acc, m, den = pl.pallas_call(
         kernel,
@@ -258,7 +327,8 @@ def paged_attention(
     w = jnp.where(den > 0, jnp.exp(m - mx), 0.0)
     denom = jnp.sum(w * den, axis=2)
     o = jnp.sum(w[..., None] * acc, axis=2) / jnp.maximum(denom, 1e-30)[..., None]
-    o = o.reshape(nblk, K, bq, G, D).transpose(0, 2, 1, 3, 4).reshape(nblk * bq, H, D)
+    o = o.reshape(nblk, K, bq, Gp, D)[:, :, :, :G]
+    o = o.transpose(0, 2, 1, 3, 4).reshape(nblk * bq, H, D)
     r = jnp.arange(bq)
     rows = jnp.where(r[None, :] < meta[:, 2:3], meta[:, 1:2] + r[None, :], T).reshape(-1)
     out = jnp.zeros((T + 1, H, D), q.dtype).at[rows].set(o.astype(q.dtype), mode="drop")

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from luce_jax.models import kv_cache
 from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,
@@ -53,10 +54,16 @@ def make_step(segs, *, H, K, D, P, pad_rows=3, dtype=jnp.float32, seed=0, extra_
     return args, jnp.asarray(cu, jnp.int32), cu[-1]
 
 
-def check(segs, *, H, K, D, P, dtype=jnp.float32, tol=2e-5, **kw):
+def check(segs, *, H, K, D, P, dtype=jnp.float32, tol=2e-5, kv_types=None, kernel_kw=(), **kw):
+    """Kernel against the reference; kv_types (k, v) quantizes the caches first, and the
+    reference then reads the dequantized values."""
     args, cu, real = make_step(segs, H=H, K=K, D=D, P=P, dtype=dtype, **kw)
+    if kv_types:
+        args = list(args)
+        for i, t in zip((1, 2), kv_types, strict=True):
+            args[i] = kv_cache.quantize(args[i], t) if t != "plain" else args[i]
     scale = D**-0.5
-    got = paged_attention(*args, scale=scale, cu_q_lens=cu, interpret=True)
+    got = paged_attention(*args, scale=scale, cu_q_lens=cu, interpret=True, **dict(kernel_kw))
     ref = paged_attention_reference(*args, scale=scale)
     assert got.shape == ref.shape and got.dtype == args[0].dtype
     g, r = np.asarray(got[:real], np.float32), np.asarray(ref[:real], np.float32)
@@ -77,14 +84,30 @@ def test_kernel_matches_reference_on_mixed_steps(D, H, K, P):
     check(MIXED, H=H, K=K, D=D, P=P)
 
 
+@pytest.mark.parametrize("block_k", [16, 32, 128])
+def test_kv_tiles_smaller_and_larger_than_blocks(block_k):
+    """Tiles gather tokens across block boundaries; the last tile may run past the table."""
+    check(MIXED, H=8, K=2, D=64, P=32, kernel_kw={"block_k": block_k, "split_tokens": 32})
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kv_types", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0")])
+def test_quantized_kv_matches_reference_on_dequantized_kv(D, kv_types):
+    check(MIXED, H=8, K=2, D=D, P=16, kv_types=kv_types, tol=1e-4)
+
+
+def test_quantized_kv_with_bf16_queries():
+    check(MIXED, H=8, K=2, D=128, P=16, dtype=jnp.bfloat16, kv_types=("q8_0", "q4_0"), tol=2e-2)
+
+
 def test_bf16_within_bf16_tolerance():
     check(MIXED, H=8, K=2, D=128, P=16, dtype=jnp.bfloat16, tol=2e-2)
 
 
 def test_long_context_is_split_and_combined():
     """A 1500-token decode row spans several kv splits of 1024 tokens; chunked prefill too."""
-    _, bps, ns = plan_tiles(T=8, S=2, G=4, MB=-(-1500 // 16) + 1, P=16, K=2, D=64)
-    assert ns >= 2 and bps * 16 == 1024
+    _, tps, ns = plan_tiles(T=8, S=2, G=4, MB=-(-1500 // 16) + 1, P=16, K=2, D=64, block_k=64)
+    assert ns >= 2 and tps * 64 == 1024
     check([(1, 1500), (7, 1300)], H=8, K=2, D=64, P=16, pad_rows=0)
 
 

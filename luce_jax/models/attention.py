@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import kv_cache
+
 # Query rows gathered per pass: bounds the [tile, L, K, D] KV gather of long prefills.
 QUERY_TILE = 32
 # Finite, so padding rows with nothing to attend to stay finite and never write NaN into the
@@ -26,7 +28,8 @@ def paged_attention_xla(
 
     Args:
       q: [T, H, D] queries.
-      k_cache, v_cache: [NB, P, K, D] KV blocks (already holding this step's K/V).
+      k_cache, v_cache: [NB, P, K, D] KV blocks (already holding this step's K/V), or
+        kv_cache.Quantized caches, dequantized here to q's dtype.
       seg_ids: [T] int32 segment (row of block_tables) of each query row.
       positions: [T] int32 absolute position of each query row.
       block_tables: [S, MB] int32 physical block of each logical block.
@@ -37,7 +40,8 @@ def paged_attention_xla(
     """
     del cu_q_lens
     T, H, D = q.shape
-    _, P, K, _ = k_cache.shape
+    _, P, K = (k_cache.data if kv_cache.kind(k_cache) != "plain" else k_cache).shape[:3]
+    cdt = kv_cache.compute_dtype(k_cache, q.dtype)
     MB = block_tables.shape[1]
     L = MB * P
     G = H // K
@@ -47,8 +51,8 @@ def paged_attention_xla(
     def one(qt, st, pt):
         n = qt.shape[0]
         blocks = block_tables[st]  # [n, MB]
-        k = k_cache[blocks].reshape(n, L, K, D)
-        v = v_cache[blocks].reshape(n, L, K, D)
+        k = kv_cache.values(kv_cache.gather(k_cache, blocks), cdt).reshape(n, L, K, D)
+        v = kv_cache.values(kv_cache.gather(v_cache, blocks), cdt).reshape(n, L, K, D)
         qg = qt.reshape(n, K, G, D).astype(k.dtype)
         s = jnp.einsum("tkgd,tlkd->tkgl", qg, k, preferred_element_type=jnp.float32) * scale
         limit = jnp.minimum(pt, kv_lens[st] - 1)

@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
+from . import kv_cache
 from .attention import paged_attention_xla
 
-KV = list[tuple[jax.Array, jax.Array]]  # per layer (k, v), each [NB, P, K, D]
+KV = list[tuple]  # per layer (k, v): [NB, P, K, D] arrays or kv_cache.Quantized
 
 
 def rms_norm(x, w, eps):
@@ -47,13 +48,6 @@ def apply_rope(x, cos, sin, cfg: ModelConfig):
     return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
 
 
-def write_kv(cache, write_idx, new):
-    """Scatter new [T, K, D] rows into cache [NB, P, K, D] at flat slots write_idx [T]."""
-    nb, p, k, d = cache.shape
-    flat = cache.reshape(nb * p, k, d).at[write_idx].set(new.astype(cache.dtype))
-    return flat.reshape(nb, p, k, d)
-
-
 def _mm(x, w):
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
@@ -63,7 +57,8 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
 
     Args:
       params: pytree from gguf.load_params.
-      kv: per-layer (k, v) caches [NB, P, K, D]; block 0 is the sink padding rows write to.
+      kv: per-layer (k, v) caches [NB, P, K, D] (or kv_cache.Quantized); block 0 is the sink
+        padding rows write to.
       batch: dict of fixed-width int32 arrays:
         tokens [T], positions [T], seg_ids [T] (row into block_tables), write_idx [T]
         (flat KV slot block*P + offset), block_tables [S, MB], kv_lens [S], cu_q_lens [S+1],
@@ -98,11 +93,11 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
             q = apply_rope(q, cos, sin, cfg)
             k = apply_rope(k, cos, sin, cfg)
         with jax.named_scope("kv_write"):
-            kc = write_kv(kc, batch["write_idx"], k)
-            vc = write_kv(vc, batch["write_idx"], v)
+            kc = kv_cache.write(kc, batch["write_idx"], k)
+            vc = kv_cache.write(vc, batch["write_idx"], v)
         with jax.named_scope("attention"):
             o = attn(
-                q.astype(kc.dtype),
+                q.astype(kv_cache.compute_dtype(kc, lp["wqkv"].dtype)),
                 kc,
                 vc,
                 batch["seg_ids"],
@@ -131,8 +126,11 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
     return logits, new_kv
 
 
-def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, v_dtype=None) -> KV:
-    """Zeroed per-layer (k, v) caches [NB, P, K, D]; V may have its own dtype."""
+def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=None) -> KV:
+    """Zeroed per-layer (k, v) caches [NB, P, K, D]; a type is a dtype or "q8_0" / "q4_0",
+    and V may have its own."""
     shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-    v_dtype = v_dtype or dtype
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, v_dtype)) for _ in range(cfg.n_layers)]
+    v_type = k_type if v_type is None else v_type
+    return [
+        (kv_cache.init(shape, k_type), kv_cache.init(shape, v_type)) for _ in range(cfg.n_layers)
+    ]
