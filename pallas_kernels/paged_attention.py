@@ -13,8 +13,7 @@ spread over several programs; their (max, sum, accumulator) partials are combine
 afterwards. Tokens past a sequence's kv length are masked loads, never read.
 
 KV types: plain float caches, and q8_0 / q4_0 (luce_jax/models/kv_cache.py), dequantized in
-registers: a tile is loaded as column pieces of one scale group (q8_0) or one nibble half-group
-(q4_0), and each piece's dot product is scaled per key, so no scale is ever broadcast.
+registers: a tile's bytes and scales are gathered per value column, then one dot per tile.
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
 tables, kv lengths and the query-block list are ordinary inputs read inside the kernel, and the
@@ -94,40 +93,31 @@ def query_blocks(cu_q_lens, T: int, block_q: int):
     return jnp.stack([seg, start, n], axis=1).astype(jnp.int32)
 
 
-def _piece_cols(kind: str, D: int) -> list[tuple[int, int]]:
-    """(first column, width) of the column pieces a tile of this cache type is loaded in: one
-    piece for plain caches, one per scale group for q8_0, one per nibble half-group for q4_0."""
-    if kind == "plain":
-        return [(0, D)]
-    w = GROUP if kind == "q8_0" else GROUP // 2
-    return [(c, w) for c in range(0, D, w)]
-
-
 def _load_tile(data_ref, scale_ref, kind, phys, off, kh, ok, cdt, D):
-    """One KV tile of BK tokens as column pieces [(values [BK, W] in cdt, scale [BK] f32|None)].
+    """One KV tile of BK tokens as values [BK, D] in cdt, dequantized in registers.
 
-    Tokens are gathered by physical block and offset; tokens past the needed length (ok False)
-    are masked loads, so nothing past a sequence's kv length is read.
+    Tokens are gathered by physical block and offset (all-array indices: interpret mode cannot
+    mix array indices with slices). Tokens past the needed length (ok False) are masked loads,
+    so nothing past a sequence's kv length is read. Quantized tiles index their bytes and
+    scales per value column, so no reshape or broadcast of a scale group is needed: repeated
+    addresses (the two nibbles of a byte, the 32 values of a scale) hit the L1 cache.
     """
     BK = phys.shape[0]
+    d = jnp.arange(D)[None, :]
+    mask = jnp.broadcast_to(ok[:, None], (BK, D))
 
-    def load(ref, col, w):
-        # All-array indices (a gather): interpret mode cannot mix array indices with slices.
-        cols = col + jnp.arange(w)[None, :]
-        mask = jnp.broadcast_to(ok[:, None], (BK, w))
+    def load(ref, cols):
         return plgpu.load(ref.at[phys[:, None], off[:, None], kh, cols], mask=mask, other=0)
 
     if kind == "plain":
-        return [(load(data_ref, 0, D).astype(cdt), None)]
-    pieces = []
-    for g in range(D // GROUP):
-        s = plgpu.load(scale_ref.at[phys, off, kh, g], mask=ok, other=0).astype(jnp.float32)
-        if kind == "q8_0":
-            pieces.append((load(data_ref, g * GROUP, GROUP).astype(cdt), s))
-        else:  # byte i of a group: value i (low nibble) and value i + 16 (high nibble)
-            b = load(data_ref, g * GROUP // 2, GROUP // 2).astype(jnp.int32)
-            pieces += [(((b & 15) - 8).astype(cdt), s), (((b >> 4) - 8).astype(cdt), s)]
-    return pieces
+        return load(data_ref, d).astype(cdt)
+    scale = load(scale_ref, d // GROUP).astype(jnp.float32)
+    if kind == "q8_0":
+        vals = load(data_ref, d).astype(jnp.float32)
+    else:  # byte i of a group of 32: value i (low nibble) and value i + 16 (high nibble)
+        b = load(data_ref, d // GROUP * (GROUP // 2) + d % (GROUP // 2)).astype(jnp.int32)
+        vals = ((b >> (d % GROUP // (GROUP // 2) * 4)) & 15).astype(jnp.float32) - 8
+    return (vals * scale).astype(cdt)
 
 
 def _dot(a, b, contract_b: int):
@@ -156,43 +146,32 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
     need = jnp.where(n > 0, jnp.minimum(kvlen_ref[seg], last + 1), 0)
     lo = sp * TPS
     hi = jnp.minimum(lo + TPS, (need + BK - 1) // BK)
-    q_pieces = [q_ref[kh, pl.ds(start * G, BQG), pl.ds(c, w)] for c, w in _piece_cols(k_kind, D)]
-    v_cols = _piece_cols(v_kind, D)
+    q = q_ref[kh, pl.ds(start * G, BQG), :]  # [BQG, D]
 
     def body(j, carry):
-        m, den, accs = carry
+        m, den, acc = carry
         kpos = j * BK + jnp.arange(BK)
         ok = kpos < need
         phys = bt_ref[seg, jnp.minimum(kpos // P, MB - 1)]  # [BK] physical block per token
         off = kpos % P
-        s = 0.0
-        for qp, (kv, ks) in zip(
-            q_pieces, _load_tile(k_data, k_scale, k_kind, phys, off, kh, ok, cdt, D), strict=True
-        ):
-            d = _dot(qp, kv, 1)  # [BQG, BK]
-            s = s + (d if ks is None else d * ks[None, :])
+        kt = _load_tile(k_data, k_scale, k_kind, phys, off, kh, ok, cdt, D)
+        s = _dot(q, kt, 1) * scale  # [BQG, BK]
         mask = (kpos[None, :] <= qpos[:, None]) & ok[None, :] & row_ok[:, None]
-        s = jnp.where(mask, s * scale, MASK_VALUE)
+        s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         den = den * alpha + jnp.sum(p, axis=1)
-        new = []
-        for a, (vv, vs) in zip(
-            accs, _load_tile(v_data, v_scale, v_kind, phys, off, kh, ok, cdt, D), strict=True
-        ):
-            pw = p if vs is None else p * vs[None, :]
-            new.append(a * alpha[:, None] + _dot(pw.astype(cdt), vv, 0))
-        return m_new, den, tuple(new)
+        vt = _load_tile(v_data, v_scale, v_kind, phys, off, kh, ok, cdt, D)
+        return m_new, den, acc * alpha[:, None] + _dot(p.astype(cdt), vt, 0)
 
     init = (
         jnp.full((BQG,), MASK_VALUE, jnp.float32),
         jnp.zeros((BQG,), jnp.float32),
-        tuple(jnp.zeros((BQG, w), jnp.float32) for _, w in v_cols),
+        jnp.zeros((BQG, D), jnp.float32),
     )
-    m, den, accs = jax.lax.fori_loop(lo, hi, body, init)
-    for (c, w), a in zip(v_cols, accs, strict=True):
-        acc_ref[:, pl.ds(c, w)] = a
+    m, den, acc = jax.lax.fori_loop(lo, hi, body, init)
+    acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = den
 
@@ -205,7 +184,7 @@ def plan_tiles(
     P: int,
     K: int,
     D: int,
-    split_tokens: int = 1024,
+    split_tokens: int = 256,
     block_k: int = 64,
     partial_budget: int = 64 << 20,
 ):
@@ -241,7 +220,7 @@ def paged_attention(
     interpret: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
-    split_tokens: int = 1024,
+    split_tokens: int = 256,
     block_k: int = 64,
 ):
     """Pallas ragged paged attention with paged_attention_reference's signature.
