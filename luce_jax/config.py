@@ -11,10 +11,10 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on GPU, fl
 FLOAT_CACHE_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 # q8_0 / q4_0: int8 or packed 4-bit values with an f16 scale per 32 (models/kv_cache.py).
 CACHE_TYPES = ("auto", *FLOAT_CACHE_TYPES, "q8_0", "q4_0")
-# auto is xla for now, on GPU too: the Pallas kernel is 2-24x faster for prompt chunks and long
-# contexts but 0.3x the XLA path for 8 decode rows at 512 tokens on the H200
-# (bench/results/2026-11-30_attention_kernel_split_h200.md); it becomes the GPU default once it
-# wins every case end to end. On CPU it runs only in interpret mode.
+# auto: the Pallas kernel on GPU (1.47x to 1.85x the XLA path's decode tok/s at 4k-token
+# contexts, C1 to C32, and 13x to 15x faster prefill on the H200:
+# bench/results/2026-11-30_engine_decode_4k_qwen3-8b-bf16.md); xla on CPU, where the kernel
+# runs only in interpret mode.
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 
 
@@ -120,12 +120,14 @@ class EngineConfig:
 
     def resolved(self, backend: str) -> EngineConfig:
         """Replace "auto" values for a backend: XLA's CPU backend emulates bfloat16 slowly, and
-        the Pallas kernel runs on CPU only in interpret mode."""
+        the Pallas kernel runs on CPU only in interpret mode (and needs Triton: GPU)."""
         dtype = (
             self.dtype if self.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
         )
         short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
-        attention = "xla" if self.attention_backend == "auto" else self.attention_backend
+        attention = self.attention_backend
+        if attention == "auto":
+            attention = "pallas" if backend in ("gpu", "cuda", "rocm") else "xla"
         return self.replace(
             dtype=dtype,
             attention_backend=attention,

@@ -27,7 +27,9 @@ HELP = {
     "kv_block_size": "tokens per KV block (a power of two)",
     "cache_type_k": f"K cache element type: {', '.join(CACHE_TYPES)}",
     "cache_type_v": f"V cache element type: {', '.join(CACHE_TYPES)}",
-    "attention_backend": f"paged attention: {', '.join(ATTENTION_BACKENDS)} (auto: xla for now)",
+    "attention_backend": (
+        f"paged attention: {', '.join(ATTENTION_BACKENDS)} (auto: pallas on GPU, xla on CPU)"
+    ),
     "prefill_chunk": "prompt tokens one sequence appends per step",
     "prefill_token_budget": "tokens per step, decode rows included",
     "max_concurrent_prefills": "prompts advanced in one step",
