@@ -86,7 +86,8 @@ def query_blocks(cu_q_lens, T: int, block_q: int):
     nb = (q_lens + block_q - 1) // block_q
     ends = jnp.cumsum(nb)
     i = jnp.arange(-(-T // block_q) + S)
-    seg = jnp.minimum(jnp.searchsorted(ends, i, side="right"), S - 1)
+    # compare_all: the default method is a while loop, which on GPU syncs with the host each turn.
+    seg = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), S - 1)
     local = i - (ends[seg] - nb[seg])
     start = cu_q_lens[seg] + local * block_q
     n = jnp.where(i < ends[-1], jnp.clip(q_lens[seg] - local * block_q, 0, block_q), 0)
