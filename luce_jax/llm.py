@@ -23,11 +23,9 @@ def load_engine(config: EngineConfig):
       (GGUFTokenizer, DenseEngine), ready to be driven by a Scheduler.
     """
     import jax
-    import jax.numpy as jnp
 
     from .engine import DenseEngine
     from .gguf import GGUFFile, load_params, model_config
-    from .models import kv_cache
     from .runner import Runner, enable_compile_cache
     from .tokenizer import GGUFTokenizer, GGUFVocab
 
@@ -41,19 +39,7 @@ def load_engine(config: EngineConfig):
     tokenizer = GGUFTokenizer(GGUFVocab.from_metadata(f.metadata), template)
     mc, params = load_params(f, model_config(f.metadata), config.dtype)
     config = fit_to_model(config, mc)
-    # Float cache types become dtypes; q8_0 / q4_0 stay names (models/kv_cache.py).
-    kv_types = tuple(
-        jnp.dtype(FLOAT_CACHE_TYPES[t]) if t in FLOAT_CACHE_TYPES else t
-        for t in (config.cache_type_k, config.cache_type_v)
-    )
-    per_token = mc.n_layers * mc.kv_size * sum(kv_cache.bytes_per_value(t) for t in kv_types)
-    quantized = {config.cache_type_k, config.cache_type_v} & set(kv_cache.QUANT_TYPES)
-    if quantized and mc.head_dim % kv_cache.GROUP:
-        raise ValueError(
-            f"cache_type_k={config.cache_type_k!r}, cache_type_v={config.cache_type_v!r}: "
-            f"quantized KV needs a head dim divisible by {kv_cache.GROUP}; the model's is "
-            f"{mc.head_dim}"
-        )
+    kv_types, per_token = kv_cache_types(config, mc)
     num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token)
     log.info(
         "KV pool: %d blocks of %d tokens (%.2f GiB)",
@@ -74,6 +60,28 @@ def load_engine(config: EngineConfig):
     engine = DenseEngine(config, runner, num_blocks)
     runner.warmup(engine.bucket_pairs())
     return tokenizer, engine
+
+
+def kv_cache_types(config: EngineConfig, mc):
+    """The runner's (k, v) cache types and the KV bytes one token takes over all layers.
+
+    Float types become dtypes; q8_0 / q4_0 stay names (models/kv_cache.py) and count their
+    scales, so kv_pool_tokens=0 fits about 1.9x (q8_0) or 3.6x (q4_0) the bf16 tokens.
+    """
+    import jax.numpy as jnp
+
+    from .models import kv_cache
+
+    names = (config.cache_type_k, config.cache_type_v)
+    quantized = [n for n in names if n in kv_cache.QUANT_TYPES]
+    if quantized and mc.head_dim % kv_cache.GROUP:
+        raise ValueError(
+            f"cache_type_k={names[0]!r}, cache_type_v={names[1]!r}: quantized KV needs a head "
+            f"dim divisible by {kv_cache.GROUP}; the model's is {mc.head_dim}"
+        )
+    types = tuple(jnp.dtype(FLOAT_CACHE_TYPES[n]) if n in FLOAT_CACHE_TYPES else n for n in names)
+    per_token = mc.n_layers * mc.kv_size * sum(kv_cache.bytes_per_value(t) for t in types)
+    return types, per_token
 
 
 def attention_fn(backend: str):
