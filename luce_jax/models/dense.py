@@ -92,6 +92,11 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
                 k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
             q = apply_rope(q, cos, sin, cfg)
             k = apply_rope(k, cos, sin, cfg)
+        # The KV write stays a separate scatter rather than fused into the attention kernel: it
+        # took 1.6% (C1) and 1.8% (C8) of a Qwen3-8B step in the H200 profile
+        # (bench/results/2026-11-30_profile_qwen3-8b-bf16.md), which bounds what fusing saves,
+        # and a fused write would have to land before other programs of the same sequence read
+        # it, an ordering Triton programs of one grid do not have.
         with jax.named_scope("kv_write"):
             kc = kv_cache.write(kc, batch["write_idx"], k)
             vc = kv_cache.write(vc, batch["write_idx"], v)
