@@ -242,7 +242,7 @@ def paged_attention(
     kinds = (kv_cache.kind(k_cache), kv_cache.kind(v_cache))
     k_in = tuple(k_cache) if kinds[0] != "plain" else (k_cache,)
     v_in = tuple(v_cache) if kinds[1] != "plain" else (v_cache,)
-    NB, P, K = k_in[0].shape[:3]
+    NB, P, K = kv_cache.leading_shape(k_cache)
     S, MB = block_tables.shape
     for c, kind in zip((k_in, v_in), kinds, strict=True):
         want = D if kind in ("plain", "q8_0") else D // 2

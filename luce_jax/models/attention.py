@@ -40,7 +40,7 @@ def paged_attention_xla(
     """
     del cu_q_lens
     T, H, D = q.shape
-    _, P, K = (k_cache.data if kv_cache.kind(k_cache) != "plain" else k_cache).shape[:3]
+    _, P, K = kv_cache.leading_shape(k_cache)
     cdt = kv_cache.compute_dtype(k_cache, q.dtype)
     MB = block_tables.shape[1]
     L = MB * P

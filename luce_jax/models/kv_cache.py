@@ -34,6 +34,11 @@ def kind(cache) -> str:
     return "q8_0" if cache.data.dtype == jnp.int8 else "q4_0"
 
 
+def leading_shape(cache) -> tuple[int, int, int]:
+    """(NB, P, K): blocks, block size and kv heads of either kind."""
+    return (cache.data if isinstance(cache, Quantized) else cache).shape[:3]
+
+
 def bytes_per_value(cache_type) -> float:
     """Bytes one cached value of cache_type ("q8_0", "q4_0" or a dtype) takes, scales included."""
     if isinstance(cache_type, str) and cache_type in QUANT_TYPES:
