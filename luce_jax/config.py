@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a dense decoder (llama / qwen2 / qwen3)."""
+    """Shape and numerics of a decoder (llama / qwen2 / qwen3, and qwen3moe's experts)."""
 
     arch: str
     vocab_size: int
@@ -40,6 +40,11 @@ class ModelConfig:
     attn_bias: bool = False
     tied_embeddings: bool = False
     context_length: int = 4096
+    # Mixture of experts (qwen3moe); 0 experts = a dense FFN.
+    n_experts: int = 0  # E
+    n_experts_used: int = 0  # experts per token (top-k)
+    expert_ffn_dim: int = 0
+    expert_weights_norm: bool = False  # renormalize the top-k router weights to sum to 1
 
     @property
     def q_size(self) -> int:

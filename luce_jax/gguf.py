@@ -21,7 +21,7 @@ from .config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # GGUF value types -> (struct format, numpy dtype) for fixed-size scalars.
 _SCALARS = {
     0: ("<B", np.uint8),
@@ -144,7 +144,7 @@ def model_config(md: dict) -> ModelConfig:
         n_heads=n_heads,
         n_kv_heads=int(n_kv[0] if isinstance(n_kv, list) else n_kv),
         head_dim=head_dim,
-        ffn_dim=int(get("feed_forward_length")),
+        ffn_dim=int(get("feed_forward_length", 0)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_base=float(get("rope.freq_base", 10000.0)),
         rope_dim=int(get("rope.dimension_count", head_dim)),
@@ -153,18 +153,31 @@ def model_config(md: dict) -> ModelConfig:
         rope_neox=arch != "llama",
         rope_scaling=scaling,
         rope_scaling_factor=float(get("rope.scaling.factor", 1.0)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe"),
         attn_bias=arch == "qwen2",
         context_length=int(get("context_length", 4096)),
+        **(_moe_config(get) if arch == "qwen3moe" else {}),
+    )
+
+
+def _moe_config(get) -> dict:
+    """Expert fields of ModelConfig. llama.cpp renormalizes qwen3moe's top-k router weights
+    unless the file says otherwise (expert_weights_norm), as Qwen3-MoE's norm_topk_prob does."""
+    return dict(
+        n_experts=int(get("expert_count")),
+        n_experts_used=int(get("expert_used_count")),
+        expert_ffn_dim=int(get("expert_feed_forward_length")),
+        expert_weights_norm=bool(get("expert_weights_norm", True)),
     )
 
 
 def load_params(f: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16") -> tuple[ModelConfig, dict]:
-    """Copy the dense model's tensors to the device, dequantized to `dtype`.
+    """Copy the model's tensors to the device, dequantized to `dtype`.
 
     Returns:
       (cfg with tied_embeddings set, params). Linear weights are stored [in, out] and the
-      q/k/v and gate/up projections are fused: wqkv [d, (H+2K)*D], w_gu [d, 2F].
+      q/k/v and gate/up projections are fused: wqkv [d, (H+2K)*D], w_gu [d, 2F]; MoE layers
+      hold router [d, E], w_gu_exps [E, d, 2F] and w_down_exps [E, F, d] instead.
     """
     import jax.numpy as jnp
 
@@ -200,11 +213,19 @@ def load_params(f: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16") -> tuple
             "wqkv": jnp.concatenate([wq, wk, wv], axis=1),
             "wo": tensor(p + "attn_output.weight", True),
             "ffn_norm": tensor(p + "ffn_norm.weight", out_dtype=f32),
-            "w_gu": jnp.concatenate(
-                [tensor(p + "ffn_gate.weight", True), tensor(p + "ffn_up.weight", True)], axis=1
-            ),
-            "w_down": tensor(p + "ffn_down.weight", True),
         }
+        if cfg.n_experts:  # router [d, E]; experts [E, d, 2F] (gate | up) and [E, F, d]
+            layer["router"] = tensor(p + "ffn_gate_inp.weight", True, out_dtype=f32)
+            layer["w_gu_exps"] = jnp.concatenate(
+                [tensor(p + "ffn_gate_exps.weight", True), tensor(p + "ffn_up_exps.weight", True)],
+                axis=2,
+            )
+            layer["w_down_exps"] = tensor(p + "ffn_down_exps.weight", True)
+        else:
+            layer["w_gu"] = jnp.concatenate(
+                [tensor(p + "ffn_gate.weight", True), tensor(p + "ffn_up.weight", True)], axis=1
+            )
+            layer["w_down"] = tensor(p + "ffn_down.weight", True)
         if cfg.attn_bias:
             layer["bqkv"] = jnp.concatenate(
                 [tensor(p + f"attn_{x}.bias", out_dtype=f32) for x in "qkv"]

@@ -109,7 +109,7 @@ DEQUANTIZERS = {
 def _jitted(qtype: GGMLQuantizationType, shape: tuple[int, ...], dtype, transpose: bool):
     def f(blocks):
         x = DEQUANTIZERS[qtype](blocks).reshape(shape).astype(dtype)
-        return x.T if transpose else x
+        return jnp.swapaxes(x, -1, -2) if transpose else x
 
     return jax.jit(f)
 
@@ -129,9 +129,10 @@ def dequantize(
       shape: logical (numpy order) shape of the result; its last axis is a multiple of the
         type's block size.
       dtype: result dtype (values are computed in float32 first).
-      transpose: return the 2-D result transposed ([in, out] for a linear weight).
+      transpose: swap the last two axes ([in, out] for a linear weight, per expert for a
+        stacked [E, out, in] expert tensor).
     Returns:
-      array of `shape` (reversed if transposed).
+      array of `shape` (last two axes swapped if transposed).
     """
     if qtype not in DEQUANTIZERS:
         raise ValueError(

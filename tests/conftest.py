@@ -21,10 +21,11 @@ def fixtures_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """arch -> (HF model, GGUF path) for llama, qwen2 (biases, tied) and qwen3 (QK-norm)."""
+    """arch -> (HF model, GGUF path) for llama, qwen2 (biases, tied), qwen3 (QK-norm) and
+    qwen3moe (experts)."""
     d = tmp_path_factory.mktemp("models")
     out = {}
-    for arch in ("llama", "qwen2", "qwen3"):
+    for arch in ("llama", "qwen2", "qwen3", "qwen3moe"):
         m = make_hf_model(arch, seed=1)
         out[arch] = (m, hf_to_gguf(m, arch, d / f"{arch}.gguf"))
     return out

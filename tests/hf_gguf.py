@@ -39,7 +39,7 @@ def make_hf_model(
     tie: bool | None = None,
     rope_scaling: dict | None = None,
 ):
-    """A small random-weight HF model of `arch` (llama, qwen2, qwen3), float32, eval mode."""
+    """A small random-weight HF model of `arch` (llama, qwen2, qwen3, qwen3moe), float32."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -48,6 +48,8 @@ def make_hf_model(
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -75,6 +77,18 @@ def make_hf_model(
     elif arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=32, rope_theta=1e6, tie_word_embeddings=bool(tie))
         model = Qwen3ForCausalLM(cfg)
+    elif arch == "qwen3moe":  # 8 experts, 2 per token, renormalized as Qwen3-30B-A3B does
+        cfg = Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            rope_theta=1e6,
+            tie_word_embeddings=bool(tie),
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+        )
+        model = Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(arch)
     with torch.no_grad():  # default init is tiny; widen it so differences would show
@@ -112,6 +126,11 @@ def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_temp
     w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
     if cfg.rope_parameters.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(cfg.rope_parameters["factor"]))
@@ -150,11 +169,19 @@ def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_temp
         for x in "qkv":
             if p + f"self_attn.{x}_proj.bias" in sd:
                 put(g + f"attn_{x}.bias", sd[p + f"self_attn.{x}_proj.bias"])
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             put(g + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
             put(g + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
         put(g + "attn_norm.weight", sd[p + "input_layernorm.weight"])
         put(g + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        if arch == "qwen3moe":  # experts stacked [E, out, in], as llama.cpp's converter writes
+            F = cfg.moe_intermediate_size
+            gate_up = sd[p + "mlp.experts.gate_up_proj"]
+            put(g + "ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
+            put(g + "ffn_gate_exps.weight", gate_up[:, :F])
+            put(g + "ffn_up_exps.weight", gate_up[:, F:])
+            put(g + "ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
+            continue
         put(g + "ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
         put(g + "ffn_up.weight", sd[p + "mlp.up_proj.weight"])
         put(g + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])

@@ -39,7 +39,7 @@ def linear_rope_llama(tmp_path_factory):
     return m, hf_to_gguf(m, "llama", tmp_path_factory.mktemp("rope") / "llama-linear.gguf")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama-linear-rope"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "llama-linear-rope"])
 def test_logits_match_hf_over_prompt_and_16_greedy_steps(tiny_models, linear_rope_llama, arch):
     hf, path = linear_rope_llama if arch == "llama-linear-rope" else tiny_models[arch]
     cfg, params = load(path)

@@ -1,4 +1,5 @@
-"""Dense decoder (llama / qwen2 / qwen3) as a pure function over a packed, paged token axis.
+"""Decoder (llama / qwen2 / qwen3; qwen3moe's FFN in moe.py) as a pure function over a packed,
+paged token axis.
 
 Shapes: T packed tokens, S segments (sequence rows), R logits rows, H query heads, K kv
 heads, D head dim, P block size, NB KV blocks, MB blocks per sequence, V vocabulary.
@@ -10,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from . import kv_cache
+from . import kv_cache, moe
 from .attention import paged_attention_xla
 
 KV = list[tuple]  # per layer (k, v): [NB, P, K, D] arrays or kv_cache.Quantized
@@ -116,8 +117,11 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
             x = x + _mm(o.reshape(T, H * D), lp["wo"])
         with jax.named_scope("mlp"):
             h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-            gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, axis=-1)
-            x = x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
+            if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
+                x = x + moe.ffn(lp, h, cfg)
+            else:
+                gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, axis=-1)
+                x = x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
         new_kv.append((kc, vc))
     with jax.named_scope("lm_head"):
         h = rms_norm(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)

@@ -1,0 +1,69 @@
+"""Mixture-of-experts FFN (qwen3moe): router softmax, top-k, grouped expert matmuls.
+
+The rest of a qwen3moe layer is the dense decoder's (models/dense.py calls `ffn` for layers
+whose params hold a router). Rows are grouped by expert with a stable sort, so each expert's
+rows are contiguous, and the grouped matmuls run over those groups (`jax.lax.ragged_dot`):
+no expert is padded to the largest group and empty experts cost nothing.
+
+Shapes: T tokens, d model width, E experts, k experts per token, F expert FFN width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+
+
+def route(h, router, cfg: ModelConfig):
+    """Top-k experts of each token and their weights.
+
+    Args:
+      h: [T, d] float32 normed hidden states; router: [d, E] float32.
+    Returns:
+      (weights [T, k] float32, experts [T, k] int32): softmax over all E, then the top k,
+      renormalized to sum to 1 when the architecture says so (expert_weights_norm).
+    """
+    probs = jax.nn.softmax(jnp.dot(h, router, preferred_element_type=jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, cfg.n_experts_used)
+    if cfg.expert_weights_norm:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w, idx.astype(jnp.int32)
+
+
+def group(experts, n_experts: int):
+    """Order the T*k (token, expert) pairs by expert.
+
+    Args:
+      experts: [T, k] int32.
+    Returns:
+      (order [T*k]: pair indices sorted stably by expert, sizes [E]: rows per expert).
+    """
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
+    return order, sizes
+
+
+def ffn(lp: dict, h, cfg: ModelConfig):
+    """The MoE FFN of one layer.
+
+    Args:
+      lp: layer params with router [d, E], w_gu_exps [E, d, 2F], w_down_exps [E, F, d].
+      h: [T, d] float32 normed hidden states.
+    Returns:
+      [T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up).
+    """
+    T, k = h.shape[0], cfg.n_experts_used
+    w, experts = route(h, lp["router"], cfg)
+    order, sizes = group(experts, cfg.n_experts)
+    tok = order // k  # token of each grouped row
+    wdt = lp["w_gu_exps"].dtype
+    x = h[tok].astype(wdt)  # [T*k, d], grouped by expert
+    gu = jax.lax.ragged_dot(x, lp["w_gu_exps"], sizes, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(gu, 2, axis=-1)
+    act = (jax.nn.silu(gate) * up).astype(wdt)
+    y = jax.lax.ragged_dot(act, lp["w_down_exps"], sizes, preferred_element_type=jnp.float32)
+    y = y * w.reshape(-1)[order][:, None]
+    return jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)
