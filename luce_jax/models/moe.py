@@ -46,24 +46,40 @@ def group(experts, n_experts: int):
     return order, sizes
 
 
-def ffn(lp: dict, h, cfg: ModelConfig):
+def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float32):
+    """XLA's grouped matmul, with the Pallas kernel's signature (pallas_kernels/moe_grouping.py).
+
+    Args:
+      x: [M, K] rows grouped by expert; w: [E, K, N] (with swiglu [E, K, 2N]: gate | up);
+      sizes: [E] int32 rows per expert.
+    Returns:
+      [M, N] in out_dtype: x @ w[expert], then silu(gate) * up with swiglu.
+    """
+    y = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    if swiglu:
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = jax.nn.silu(gate) * up
+    return y.astype(out_dtype)
+
+
+def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None):
     """The MoE FFN of one layer.
 
     Args:
       lp: layer params with router [d, E], w_gu_exps [E, d, 2F], w_down_exps [E, F, d].
       h: [T, d] float32 normed hidden states.
+      grouped_matmul: grouped_matmul_xla's signature (default: it).
     Returns:
       [T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up).
     """
+    gmm = grouped_matmul or grouped_matmul_xla
     T, k = h.shape[0], cfg.n_experts_used
     w, experts = route(h, lp["router"], cfg)
     order, sizes = group(experts, cfg.n_experts)
     tok = order // k  # token of each grouped row
     wdt = lp["w_gu_exps"].dtype
     x = h[tok].astype(wdt)  # [T*k, d], grouped by expert
-    gu = jax.lax.ragged_dot(x, lp["w_gu_exps"], sizes, preferred_element_type=jnp.float32)
-    gate, up = jnp.split(gu, 2, axis=-1)
-    act = (jax.nn.silu(gate) * up).astype(wdt)
-    y = jax.lax.ragged_dot(act, lp["w_down_exps"], sizes, preferred_element_type=jnp.float32)
+    act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, out_dtype=wdt)  # [T*k, F]
+    y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
     y = y * w.reshape(-1)[order][:, None]
     return jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)

@@ -1,0 +1,156 @@
+"""Grouped expert matmuls for mixture-of-experts layers, over rows sorted by expert.
+
+Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas ops.
+
+Work split. The M rows (token, expert) pairs, already grouped by expert (models/moe.py's stable
+sort), are cut into row tiles of BM rows of one expert (`query_blocks`, shared with the paged
+attention kernel: a tile never straddles two experts). Program (i, j) takes row tile i and
+column tile j of BN output columns and runs over the contraction in BK chunks with that
+expert's weights. An expert gets ceil(rows / BM) tiles, so nothing is padded to the largest
+group, and an expert with no rows gets none; the tile count is bounded by ceil(M / BM) + E
+(the static grid; tiles past the real ones have 0 rows and exit at once).
+
+The gate/up projection fuses SwiGLU: with `swiglu`, w holds [gate | up] along its columns and
+a program computes both column tiles and writes silu(gate) * up, so the [M, 2F] intermediate is
+never stored.
+
+Triton backend: expert ids and row offsets are ordinary inputs read inside the kernel (no scalar
+prefetch); rows, contraction and columns are gathered with masks, so widths that are not
+multiples of the tiles (or not powers of two, like an expert FFN of 768) need no padding of the
+weights. On CPU the kernel runs in interpret mode.
+
+Shapes: M grouped rows, K contraction width, N output columns, E experts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .paged_attention import query_blocks
+
+
+def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
+    """Row r times the weights of its expert, in float32.
+
+    Args:
+      x: [M, K] rows grouped by expert (expert e's rows follow expert e-1's).
+      w: [E, K, N] (with swiglu: [E, K, 2N], gate columns then up columns).
+      sizes: [E] int32 rows per expert; sum(sizes) <= M, rows past it belong to no expert.
+    Returns:
+      [M, N] float32; rows past sum(sizes) are zero.
+    """
+    M = x.shape[0]
+    ends = jnp.cumsum(sizes)
+    expert = jnp.searchsorted(ends, jnp.arange(M), side="right", method="compare_all")
+    real = jnp.arange(M) < ends[-1]
+    wr = w[jnp.minimum(expert, w.shape[0] - 1)].astype(jnp.float32)  # [M, K, N]
+    y = jnp.einsum("mk,mkn->mn", x.astype(jnp.float32), wr)
+    if swiglu:
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = jax.nn.silu(gate) * up
+    return jnp.where(real[:, None], y, 0.0)
+
+
+def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
+    i, j = pl.program_id(0), pl.program_id(1)
+    e, start, n = meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2]
+    M, K = x_ref.shape
+    rows = jnp.minimum(start + jnp.arange(BM), M - 1)
+    row_ok = jnp.arange(BM) < n
+    cols = j * BN + jnp.arange(BN)
+    col_ok = cols < N
+
+    def body(kk, accs):
+        ks = kk * BK + jnp.arange(BK)
+        k_ok = ks < K
+        xb = plgpu.load(
+            x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0
+        )
+        wmask = k_ok[:, None] & col_ok[None, :]
+        out = []
+        for a, c in zip(accs, (cols, cols + N)[: len(accs)], strict=True):
+            wb = plgpu.load(w_ref.at[e, ks[:, None], c[None, :]], mask=wmask, other=0)
+            wb = wb.astype(xb.dtype)
+            out.append(
+                a
+                + jax.lax.dot_general(
+                    xb, wb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                )
+            )
+        return tuple(out)
+
+    zero = jnp.zeros((BM, BN), jnp.float32)
+    n_k = jnp.where(n > 0, (K + BK - 1) // BK, 0)  # a tile with no rows skips the contraction
+    accs = jax.lax.fori_loop(0, n_k, body, (zero, zero) if swiglu else (zero,))
+    y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
+    o_ref[...] = y.astype(o_ref.dtype)
+
+
+def _tile(n: int, cap: int) -> int:
+    """The power of two nearest above n, at least 16 (Triton's smallest dot), at most cap."""
+    return max(16, min(cap, 1 << (n - 1).bit_length()))
+
+
+def grouped_matmul(
+    x,
+    w,
+    sizes,
+    *,
+    swiglu: bool = False,
+    out_dtype=jnp.float32,
+    block_m: int = 64,
+    block_n: int = 128,
+    block_k: int = 64,
+    interpret: bool | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """Pallas grouped matmul with grouped_matmul_reference's signature.
+
+    Args:
+      x: [M, K] rows grouped by expert; w: [E, K, N] or, with swiglu, [E, K, 2N];
+      sizes: [E] int32 rows per expert.
+      out_dtype: result dtype (accumulation is float32).
+      block_m, block_n, block_k: tile caps (BM rows, BN columns, BK contraction).
+      interpret: run in interpret mode (default: when the backend is the CPU).
+    Returns:
+      [M, N] in out_dtype; rows past sum(sizes) are zero.
+    """
+    M, K = x.shape
+    E, Kw, Nw = w.shape
+    if Kw != K or sizes.shape != (E,):
+        raise ValueError(f"x {x.shape}, w {w.shape} and sizes {sizes.shape} do not fit")
+    if swiglu and Nw % 2:
+        raise ValueError(f"swiglu needs [gate | up] columns; w has {Nw}")
+    N = Nw // 2 if swiglu else Nw
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    BM, BN, BK = _tile(M, block_m), _tile(N, block_n), _tile(K, block_k)
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes).astype(jnp.int32)])
+    meta = query_blocks(cu, M, BM)  # [NT, 3] (expert, first row, rows)
+    NT, NJ = meta.shape[0], -(-N // BN)
+    params = {}
+    if not interpret:
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+    def full(a):
+        return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+
+    tiles = pl.pallas_call(
+        functools.partial(_kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu),
+        grid=(NT, NJ),
+        in_specs=[full(meta), full(x), full(w)],
+        out_specs=pl.BlockSpec((None, BM, BN), lambda i, j: (i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((NT, BM, NJ * BN), out_dtype),
+        interpret=interpret,
+        **params,
+    )(meta, x, w)
+    r = jnp.arange(BM)
+    rows = jnp.where(r[None, :] < meta[:, 2:3], meta[:, 1:2] + r[None, :], M).reshape(-1)
+    out = jnp.zeros((M + 1, N), out_dtype)
+    return out.at[rows].set(tiles.reshape(NT * BM, -1)[:, :N], mode="drop")[:M]
