@@ -86,7 +86,9 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
 
     zero = jnp.zeros((BM, BN), jnp.float32)
     n_k = jnp.where(n > 0, (K + BK - 1) // BK, 0)  # a tile with no rows skips the contraction
-    accs = jax.lax.fori_loop(0, n_k, body, (zero, zero) if swiglu else (zero,))
+    accs = jax.lax.fori_loop(
+        jnp.int32(0), n_k.astype(jnp.int32), body, (zero, zero) if swiglu else (zero,)
+    )
     y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
     o_ref[...] = y.astype(o_ref.dtype)
 
