@@ -85,7 +85,9 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
         return tuple(out)
 
     zero = jnp.zeros((BM, BN), jnp.float32)
-    n_k = jnp.where(n > 0, (K + BK - 1) // BK, 0)  # a tile with no rows skips the contraction
+    # A tile with no rows skips the contraction; traced int32 bounds (Triton scf.for needs equal
+    # bound types, and a constant lower bound lowers as another type).
+    n_k = jnp.where(n > 0, (K + BK - 1) // BK, 0).astype(n.dtype)
     accs = jax.lax.fori_loop(
         jnp.int32(0), n_k.astype(jnp.int32), body, (zero, zero) if swiglu else (zero,)
     )
