@@ -88,9 +88,7 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
     # A tile with no rows skips the contraction; traced int32 bounds (Triton scf.for needs equal
     # bound types, and a constant lower bound lowers as another type).
     n_k = jnp.where(n > 0, (K + BK - 1) // BK, 0).astype(n.dtype)
-    accs = jax.lax.fori_loop(
-        jnp.int32(0), n_k.astype(jnp.int32), body, (zero, zero) if swiglu else (zero,)
-    )
+    accs = jax.lax.fori_loop(n * 0, n_k, body, (zero, zero) if swiglu else (zero,))
     y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
     o_ref[...] = y.astype(o_ref.dtype)
 
