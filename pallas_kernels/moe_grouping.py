@@ -85,9 +85,9 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
         return tuple(out)
 
     zero = jnp.zeros((BM, BN), jnp.float32)
-    # A tile with no rows skips the contraction; traced int32 bounds (Triton scf.for needs equal
-    # bound types, and a constant lower bound lowers as another type).
-    n_k = jnp.where(n > 0, (K + BK - 1) // BK, 0).astype(n.dtype)
+    # A tile with no rows skips the contraction. Bounds are int32 values computed in the kernel:
+    # Triton's scf.for needs equal bound types, and jnp.where(n > 0, 1, 0) lowered to i1.
+    n_k = (n > 0).astype(n.dtype) * ((K + BK - 1) // BK)
     accs = jax.lax.fori_loop(n * 0, n_k, body, (zero, zero) if swiglu else (zero,))
     y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
     o_ref[...] = y.astype(o_ref.dtype)
