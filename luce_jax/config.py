@@ -16,6 +16,9 @@ CACHE_TYPES = ("auto", *FLOAT_CACHE_TYPES, "q8_0", "q4_0")
 # bench/results/2026-11-30_engine_decode_4k_qwen3-8b-bf16.md); xla on CPU, where the kernel
 # runs only in interpret mode.
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
+# Grouped expert matmuls of MoE models: auto is xla (jax.lax.ragged_dot) everywhere until the
+# Pallas kernel (pallas_kernels/moe_grouping.py) is measured against it on the GPU.
+MOE_BACKENDS = ("auto", "pallas", "xla")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class EngineConfig:
     cache_type_k: str = "auto"  # auto: the weights' dtype
     cache_type_v: str = "auto"
     attention_backend: str = "auto"
+    moe_backend: str = "auto"
     prefill_chunk: int = 512
     prefill_token_budget: int = 512
     max_concurrent_prefills: int = 4
@@ -97,6 +101,8 @@ class EngineConfig:
             bad("dtype", f"must be one of {DTYPES}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        if self.moe_backend not in MOE_BACKENDS:
+            bad("moe_backend", f"must be one of {MOE_BACKENDS}")
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
                 bad(name, f"must be one of {CACHE_TYPES}")
@@ -136,6 +142,7 @@ class EngineConfig:
         return self.replace(
             dtype=dtype,
             attention_backend=attention,
+            moe_backend="xla" if self.moe_backend == "auto" else self.moe_backend,
             cache_type_k=short if self.cache_type_k == "auto" else self.cache_type_k,
             cache_type_v=short if self.cache_type_v == "auto" else self.cache_type_v,
         )

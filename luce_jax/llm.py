@@ -56,6 +56,7 @@ def load_engine(config: EngineConfig):
         config.max_blocks_per_seq,
         kv_types,
         attention_fn(config.attention_backend),
+        grouped_matmul_fn(config.moe_backend),
     )
     engine = DenseEngine(config, runner, num_blocks)
     runner.warmup(engine.bucket_pairs())
@@ -93,6 +94,17 @@ def attention_fn(backend: str):
     from .models.attention import paged_attention_xla
 
     return paged_attention_xla
+
+
+def grouped_matmul_fn(backend: str):
+    """The grouped expert matmul of a resolved moe_backend."""
+    if backend == "pallas":
+        from pallas_kernels.moe_grouping import grouped_matmul
+
+        return grouped_matmul
+    from .models.moe import grouped_matmul_xla
+
+    return grouped_matmul_xla
 
 
 def fit_to_model(config: EngineConfig, mc) -> EngineConfig:

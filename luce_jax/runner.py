@@ -52,6 +52,7 @@ class Runner:
         max_blocks_per_seq: int,
         kv_types,
         attention_fn=None,
+        grouped_matmul_fn=None,
     ):
         self.cfg = cfg
         self.params = params
@@ -67,6 +68,7 @@ class Runner:
         }
         self.compiles = 0  # executables built; after warmup this must not move
         self._attention = attention_fn
+        self._grouped_matmul = grouped_matmul_fn
         self._exec: dict[tuple[int, int], object] = {}
         self._lock = threading.Lock()
 
@@ -108,7 +110,9 @@ class Runner:
           [S, 20], top logprobs [S, 20], kv, state).
         """
         batch, sp = self._unpack(ints, floats, T, S)
-        logits, kv = dense.forward(params, kv, batch, self.cfg, self._attention)
+        logits, kv = dense.forward(
+            params, kv, batch, self.cfg, self._attention, self._grouped_matmul
+        )
         with jax.named_scope("sampling"):  # penalty state, sampling, logprobs
             oob = self.max_slots  # rows with slot -1 (padding) index past the end and are dropped
             slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])

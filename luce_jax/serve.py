@@ -13,7 +13,14 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import ATTENTION_BACKENDS, CACHE_TYPES, DEFAULT_MODEL, DTYPES, EngineConfig
+from .config import (
+    ATTENTION_BACKENDS,
+    CACHE_TYPES,
+    DEFAULT_MODEL,
+    DTYPES,
+    MOE_BACKENDS,
+    EngineConfig,
+)
 
 log = logging.getLogger("luce_jax.serve")
 
@@ -30,6 +37,7 @@ HELP = {
     "attention_backend": (
         f"paged attention: {', '.join(ATTENTION_BACKENDS)} (auto: pallas on GPU, xla on CPU)"
     ),
+    "moe_backend": f"MoE grouped expert matmuls: {', '.join(MOE_BACKENDS)} (auto: xla for now)",
     "prefill_chunk": "prompt tokens one sequence appends per step",
     "prefill_token_budget": "tokens per step, decode rows included",
     "max_concurrent_prefills": "prompts advanced in one step",

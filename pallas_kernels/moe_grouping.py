@@ -17,7 +17,8 @@ never stored.
 Triton backend: expert ids and row offsets are ordinary inputs read inside the kernel (no scalar
 prefetch); rows, contraction and columns are gathered with masks, so widths that are not
 multiples of the tiles (or not powers of two, like an expert FFN of 768) need no padding of the
-weights. On CPU the kernel runs in interpret mode.
+weights. On CPU the kernel runs in interpret mode, and its Triton module is verified by
+tests/test_triton_lowering.py; it has not yet been timed on a GPU (bench/moe_kernel.py).
 
 Shapes: M grouped rows, K contraction width, N output columns, E experts.
 """

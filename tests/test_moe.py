@@ -105,3 +105,21 @@ def test_moe_batched_equals_one_at_a_time(moe_engine, chunk, budget):
     batched, _ = run_schedule(engine, tok, arrivals, cfg)
     assert batched == alone
     assert all(len(t) == GREEDY.max_tokens for t in alone)
+
+
+def test_engine_greedy_tokens_equal_with_pallas_and_xla_grouping(tiny_models, compile_cache):
+    """The whole engine on the tiny MoE model: the kernel (interpret mode) changes no token."""
+    from luce_jax import LLM, SamplingParams
+    from luce_jax.config import EngineConfig
+
+    from conftest import TINY_ENGINE
+
+    assert EngineConfig().resolved("gpu").moe_backend == "xla"  # until measured on the GPU
+    prompts = ["def add(a, b):", "import os\n", "x = [1, 2, 3]\nfor i in x:"]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = {}
+    for backend in ("xla", "pallas"):
+        kw = dict(TINY_ENGINE, moe_backend=backend, compile_cache_dir=compile_cache)
+        with LLM(str(tiny_models["qwen3moe"][1]), **kw) as llm:
+            out[backend] = [c.token_ids for c in llm.generate(prompts, sp)]
+    assert out["pallas"] == out["xla"]

@@ -53,7 +53,9 @@ def _mm(x, w):
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=None):
+def forward(
+    params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=None, grouped_matmul=None
+):
     """One model step over packed tokens; writes this step's K/V and returns requested logits.
 
     Args:
@@ -66,6 +68,7 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
         logit_rows [R] (indices into T whose logits are wanted).
       cfg: static model config.
       attention_fn: paged attention with paged_attention_xla's signature.
+      grouped_matmul: MoE layers' grouped expert matmul (moe.grouped_matmul_xla's signature).
     Returns:
       (logits [R, V] float32, new kv).
     """
@@ -118,7 +121,7 @@ def forward(params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=No
         with jax.named_scope("mlp"):
             h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
             if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
-                x = x + moe.ffn(lp, h, cfg)
+                x = x + moe.ffn(lp, h, cfg, grouped_matmul)
             else:
                 gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, axis=-1)
                 x = x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
