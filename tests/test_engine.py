@@ -48,10 +48,15 @@ def prompts(n, seed=0):
 )
 def test_batched_equals_one_at_a_time(loaded, engine_config, chunk, budget):
     tok, engine = loaded
-    cfg = engine_config.replace(prefill_chunk=chunk, prefill_token_budget=budget)
+    check_batched_equals_alone(tok, engine, engine_config, chunk, budget)
+
+
+def check_batched_equals_alone(tok, engine, config, chunk, budget):
+    """8 prompts alone, then 8 requests on 4 slots arriving at different steps (queueing and
+    slot reuse): every request's greedy tokens are the same."""
+    cfg = config.replace(prefill_chunk=chunk, prefill_token_budget=budget)
     ps = prompts(8)
     alone = [run_schedule(engine, tok, [(0, p, GREEDY)], cfg)[0][0] for p in ps]
-    # 8 requests, 4 slots: arrivals at different steps, queueing and slot reuse
     arrivals = [(i // 2 * 3, p, GREEDY) for i, p in enumerate(ps)]
     batched, _ = run_schedule(engine, tok, arrivals, cfg)
     assert batched == alone

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_engine import GREEDY, prompts, run_schedule
+from test_engine import check_batched_equals_alone
 
 from luce_jax.config import ModelConfig
 from luce_jax.llm import load_engine
@@ -98,13 +98,7 @@ def moe_engine(tiny_models, engine_config):
 def test_moe_batched_equals_one_at_a_time(moe_engine, chunk, budget):
     config, (tok, engine) = moe_engine
     assert engine.runner.cfg.n_experts == 8
-    cfg = config.replace(prefill_chunk=chunk, prefill_token_budget=budget)
-    ps = prompts(8)
-    alone = [run_schedule(engine, tok, [(0, p, GREEDY)], cfg)[0][0] for p in ps]
-    arrivals = [(i // 2 * 3, p, GREEDY) for i, p in enumerate(ps)]
-    batched, _ = run_schedule(engine, tok, arrivals, cfg)
-    assert batched == alone
-    assert all(len(t) == GREEDY.max_tokens for t in alone)
+    check_batched_equals_alone(tok, engine, config, chunk, budget)
 
 
 def test_engine_greedy_tokens_equal_with_pallas_and_xla_grouping(tiny_models, compile_cache):
