@@ -67,6 +67,9 @@ class Runner:
             "prompt_mask": jnp.zeros((max_slots, V), jnp.bool_),
         }
         self.compiles = 0  # executables built; after warmup this must not move
+        # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
+        # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
+        self.last_stats: dict = {}
         self._attention = attention_fn
         self._grouped_matmul = grouped_matmul_fn
         self._exec: dict[tuple[int, int], object] = {}
@@ -107,10 +110,10 @@ class Runner:
         Args: params; kv and state (donated); ints: int32 [N] packed per _int_layout; floats:
           float32 [6, S] sampling parameters (FLOAT_FIELDS).
         Returns: (packed int32 [2, S]: tokens and the bitcast float32 logprob of each, top ids
-          [S, 20], top logprobs [S, 20], kv, state).
+          [S, 20], top logprobs [S, 20], kv, state, model stats (dense.forward's)).
         """
         batch, sp = self._unpack(ints, floats, T, S)
-        logits, kv = dense.forward(
+        logits, kv, stats = dense.forward(
             params, kv, batch, self.cfg, self._attention, self._grouped_matmul
         )
         with jax.named_scope("sampling"):  # penalty state, sampling, logprobs
@@ -143,7 +146,7 @@ class Runner:
                 logp,
             )
         packed = jnp.stack([tokens, jax.lax.bitcast_convert_type(chosen, jnp.int32)])
-        return packed, top_ids, top_lp, kv, {"counts": counts, "prompt_mask": pmask}
+        return packed, top_ids, top_lp, kv, {"counts": counts, "prompt_mask": pmask}, stats
 
     def step_function(self, T: int, S: int):
         """The step for bucket (T, S) and abstract arguments to trace or lower it with."""
@@ -200,7 +203,7 @@ class Runner:
         if exe is None:
             log.warning("compiling bucket T=%d S=%d while serving (missed at warmup)", T, S)
             exe = self._compile(T, S)
-        packed, top_ids, top_lp, self.kv, self.state = exe(
+        packed, top_ids, top_lp, self.kv, self.state, self.last_stats = exe(
             self.params, self.kv, self.state, ints, floats
         )
         n = len(rows)

@@ -2,7 +2,8 @@
 
 tracer = StepTracer(llm.engine)          # records every step the scheduler runs
 llm.generate(prompts, sp)
-tracer.rows()                             # per step: slots, rows, bucket, milliseconds
+tracer.rows()                             # per step: slots, rows, bucket, milliseconds, and
+                                          # for MoE models tokens per expert in each layer
 compiled_buckets(llm.engine)              # every compiled (T, S) with XLA's cost analysis
 step_jaxpr(llm.engine, 16), step_hlo(llm.engine, 16)
 """
@@ -13,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import jax
+import numpy as np
 
 from .batch import pick_bucket
 
@@ -27,6 +29,7 @@ class StepRecord:
     token_bucket: int
     row_bucket: int
     ms: float
+    expert_tokens: tuple[tuple[int, ...], ...] | None = None  # MoE: [layer][expert] tokens
 
 
 class StepTracer:
@@ -53,9 +56,14 @@ class StepTracer:
                 token_bucket=t_bucket,
                 row_bucket=self.engine.rows_for(t_bucket),
                 ms=(time.perf_counter() - t0) * 1e3,
+                expert_tokens=self._expert_tokens(),
             )
         )
         return result
+
+    def _expert_tokens(self):
+        counts = self.engine.runner.last_stats.get("expert_counts")
+        return None if counts is None else tuple(map(tuple, np.asarray(counts).tolist()))
 
     def rows(self) -> list[dict]:
         return [asdict(r) for r in self.records]

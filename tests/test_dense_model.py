@@ -27,7 +27,7 @@ def run(cfg, params, kv, rows, tables, t_bucket=None, s_bucket=None, max_blocks=
     n_tok = sum(len(r.tokens) for r in rows)
     batch = lower(rows, arr, P, t_bucket or n_tok, s_bucket or len(rows))
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    logits, kv = jax.jit(dense.forward, static_argnums=(3,))(params, kv, batch, cfg)
+    logits, kv, _ = jax.jit(dense.forward, static_argnums=(3,))(params, kv, batch, cfg)
     return np.asarray(logits)[: len(rows)], kv
 
 

@@ -81,7 +81,7 @@ def test_ffn_equals_every_expert_on_every_token(T, norm):
     cfg, lp = config(norm), layer(seed=T)
     h = jnp.asarray(np.random.default_rng(T).standard_normal((T, 16)), jnp.float32)
     np.testing.assert_allclose(
-        np.asarray(moe.ffn(lp, h, cfg)),
+        np.asarray(moe.ffn(lp, h, cfg)[0]),
         np.asarray(dense_reference(lp, h, cfg)),
         atol=1e-5,
         rtol=1e-5,
@@ -117,3 +117,24 @@ def test_engine_greedy_tokens_equal_with_pallas_and_xla_grouping(tiny_models, co
         with LLM(str(tiny_models["qwen3moe"][1]), **kw) as llm:
             out[backend] = [c.token_ids for c in llm.generate(prompts, sp)]
     assert out["pallas"] == out["xla"]
+
+
+def test_step_tracer_records_tokens_per_expert_of_real_rows_only(moe_engine):
+    """Each MoE layer routes every real token (not bucket padding) to k experts."""
+    from test_engine import GREEDY, prompts, run_schedule
+
+    from luce_jax.trace import StepTracer
+
+    config, (tok, engine) = moe_engine
+    tracer = StepTracer(engine)
+    try:
+        run_schedule(engine, tok, [(0, p, GREEDY) for p in prompts(3)], config)
+    finally:
+        tracer.detach()
+    assert tracer.records
+    for r in tracer.records:
+        tokens = r.decode_rows + r.prefill_tokens
+        assert len(r.expert_tokens) == 2  # one row per MoE layer, 8 experts each
+        assert all(len(layer) == 8 and sum(layer) == 2 * tokens for layer in r.expert_tokens)
+    # some steps were padded to their bucket, so padding rows were left out of the counts
+    assert any(r.token_bucket > r.decode_rows + r.prefill_tokens for r in tracer.records)

@@ -70,7 +70,8 @@ def forward(
       attention_fn: paged attention with paged_attention_xla's signature.
       grouped_matmul: MoE layers' grouped expert matmul (moe.grouped_matmul_xla's signature).
     Returns:
-      (logits [R, V] float32, new kv).
+      (logits [R, V] float32, new kv, stats): stats holds expert_counts [L_moe, E] int32
+      (real tokens routed to each expert in each MoE layer) for MoE models, else nothing.
     """
     attn = attention_fn or paged_attention_xla
     T = batch["tokens"].shape[0]
@@ -79,7 +80,8 @@ def forward(
         x = params["embed"][batch["tokens"]].astype(jnp.float32)  # residual stream in f32
         cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
     scale = 1.0 / (D**0.5)
-    new_kv = []
+    new_kv, counts = [], []
+    real = jnp.arange(T) < batch["cu_q_lens"][-1]  # rows past the last segment are padding
     # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
     # (bench/profile_step.py); they change no computation.
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
@@ -121,7 +123,9 @@ def forward(
         with jax.named_scope("mlp"):
             h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
             if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
-                x = x + moe.ffn(lp, h, cfg, grouped_matmul)
+                y, experts = moe.ffn(lp, h, cfg, grouped_matmul)
+                x = x + y
+                counts.append(moe.expert_counts(experts, real, cfg.n_experts))
             else:
                 gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, axis=-1)
                 x = x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
@@ -135,7 +139,8 @@ def forward(
             logits = jnp.einsum(
                 "rd,vd->rv", h.astype(emb.dtype), emb, preferred_element_type=jnp.float32
             )
-    return logits, new_kv
+    stats = {"expert_counts": jnp.stack(counts)} if counts else {}
+    return logits, new_kv, stats
 
 
 def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=None) -> KV:

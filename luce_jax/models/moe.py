@@ -70,7 +70,8 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None):
       h: [T, d] float32 normed hidden states.
       grouped_matmul: grouped_matmul_xla's signature (default: it).
     Returns:
-      [T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up).
+      ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
+       experts [T, k] int32: each token's experts, for the step's expert statistics).
     """
     gmm = grouped_matmul or grouped_matmul_xla
     T, k = h.shape[0], cfg.n_experts_used
@@ -82,4 +83,16 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None):
     act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, out_dtype=wdt)  # [T*k, F]
     y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
     y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)
+    return jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y), experts
+
+
+def expert_counts(experts, real, n_experts: int):
+    """Tokens routed to each expert, counting real tokens only.
+
+    Args:
+      experts: [T, k] int32; real: [T] bool (False for bucket padding).
+    Returns:
+      [E] int32.
+    """
+    weight = jnp.broadcast_to(real[:, None], experts.shape).astype(jnp.int32)
+    return jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(weight.reshape(-1))
