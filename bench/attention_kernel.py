@@ -32,7 +32,7 @@ log = logging.getLogger("attention_kernel")
 H, K, D, P = 32, 8, 128, 16
 
 
-KV_BYTES = {"bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # per cached value, scales included
+KV_TYPES = ("bf16", *kv_cache.QUANT_TYPES)
 
 
 def step(segs, kv_type="bf16", seed=0):
@@ -67,7 +67,8 @@ def step(segs, kv_type="bf16", seed=0):
         jnp.asarray(tables),
         jnp.asarray([kv for _, kv in segs], jnp.int32),
     )
-    kv_bytes = sum(kv for _, kv in segs) * K * D * 2 * KV_BYTES[kv_type]
+    per_value = kv_cache.bytes_per_value("bfloat16" if kv_type == "bf16" else kv_type)
+    kv_bytes = sum(kv for _, kv in segs) * K * D * 2 * per_value
     return args, jnp.asarray(cu, jnp.int32), cu[-1], kv_bytes
 
 
@@ -146,7 +147,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 4096, 32768])
-    ap.add_argument("--kv-types", nargs="+", default=["bf16", "q8_0", "q4_0"], choices=KV_BYTES)
+    ap.add_argument("--kv-types", nargs="+", default=list(KV_TYPES), choices=KV_TYPES)
     ap.add_argument(
         "--variants",
         type=variant,

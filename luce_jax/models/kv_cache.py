@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 GROUP = 32  # values per scale, as in ggml's q8_0 / q4_0 blocks
-QUANT_TYPES = ("q8_0", "q4_0")
+QUANT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32}  # per value: 32 values + an f16 scale
+QUANT_TYPES = tuple(QUANT_BYTES)
 
 
 class Quantized(NamedTuple):
@@ -39,16 +40,18 @@ def leading_shape(cache) -> tuple[int, int, int]:
     return (cache.data if isinstance(cache, Quantized) else cache).shape[:3]
 
 
+def _is_quant(cache_type) -> bool:
+    return isinstance(cache_type, str) and cache_type in QUANT_BYTES
+
+
 def bytes_per_value(cache_type) -> float:
     """Bytes one cached value of cache_type ("q8_0", "q4_0" or a dtype) takes, scales included."""
-    if isinstance(cache_type, str) and cache_type in QUANT_TYPES:
-        return {"q8_0": 34 / 32, "q4_0": 18 / 32}[cache_type]
-    return jnp.dtype(cache_type).itemsize
+    return QUANT_BYTES[cache_type] if _is_quant(cache_type) else jnp.dtype(cache_type).itemsize
 
 
 def init(shape: tuple[int, ...], cache_type):
     """A zeroed cache of `shape` [NB, P, K, D]: cache_type is "q8_0", "q4_0" or a dtype."""
-    if not (isinstance(cache_type, str) and cache_type in QUANT_TYPES):
+    if not _is_quant(cache_type):
         return jnp.zeros(shape, cache_type)
     *lead, D = shape
     if D % GROUP:
