@@ -6,12 +6,18 @@ gives the roofline: bytes a decode step must move (all weights + every row's KV)
 
     python bench/engine_decode.py --model qwen3-8b-bf16.gguf --ctx 1024 --concurrency 1 8 32 \
         --attention-backends xla pallas --cache-type bf16
+
+For a mixture-of-experts file, `--moe-backends xla pallas` compares the grouped expert matmuls,
+the weight bytes count only the experts that C rows touch (roofline.decode_step), and each row
+records how many experts the last step's tokens reached per layer (routing on random weights
+must spread like real routing for the roofline to hold).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import logging
 import platform
 import time
@@ -19,7 +25,7 @@ import time
 import numpy as np
 
 from meta import run_meta, write_result
-from roofline import copy_bandwidth
+from roofline import copy_bandwidth, decode_step, model_bytes
 
 log = logging.getLogger("engine_decode")
 
@@ -46,13 +52,26 @@ def device_step_time(runner, exe, args, n: int) -> float:
     return (time.perf_counter() - t) / n
 
 
+def expert_spread(stats: dict, n_experts: int) -> dict:
+    """Experts the last step reached per MoE layer (mean, min) and the busiest expert's tokens."""
+    if not n_experts:
+        return {}
+    counts = np.asarray(stats["expert_counts"])  # [L_moe, E]
+    reached = (counts > 0).sum(1)
+    return {
+        "experts_reached_mean": float(reached.mean()),
+        "experts_reached_min": int(reached.min()),
+        "expert_tokens_max": int(counts.max()),
+    }
+
+
 def param_bytes(params) -> int:
     import jax
 
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 
 
-def run(args, backend: str) -> dict:
+def run(args, backend: str, moe_backend: str) -> dict:
     import jax
 
     from luce_jax.config import EngineConfig
@@ -78,6 +97,7 @@ def run(args, backend: str) -> dict:
         cache_type_k=args.cache_type,
         cache_type_v=args.cache_type,
         attention_backend=backend,
+        moe_backend=moe_backend,
         compile_cache_dir=args.compile_cache_dir,
     )
     bw = copy_bandwidth()
@@ -88,6 +108,7 @@ def run(args, backend: str) -> dict:
     mc = engine.runner.cfg
     warm_compiles_at_load = engine.runner.compiles
     wbytes = param_bytes(engine.runner.params)
+    mb = model_bytes(args.model)
     kv_per_token = (
         2
         * mc.n_layers
@@ -141,9 +162,13 @@ def run(args, backend: str) -> dict:
         for r in reqs:
             sched.cancel(r)
         ctx_avg = args.ctx + args.warm + args.steps / 2
-        step_bytes = wbytes + C * ctx_avg * kv_per_token
+        weights = wbytes
+        if mb.n_experts:  # only the experts C rows reach, with uniform routing
+            weights = decode_step(mb, C, 0, held_bits=16).weight_bytes
+        step_bytes = weights + C * ctx_avg * kv_per_token
         row = {
             "backend": backend,
+            "moe_backend": moe_backend if mb.n_experts else None,
             "C": C,
             "tok_s": C / dt,
             "step_ms": dt * 1e3,
@@ -156,6 +181,7 @@ def run(args, backend: str) -> dict:
             "achieved_GB_s": step_bytes / dt / 1e9,
             "roofline_frac": step_bytes / dt / bw,
             "roofline_tok_s": C * bw / step_bytes,
+            **expert_spread(runner.last_stats, mb.n_experts),
         }
         log.info("%s", row)
         rows.append(row)
@@ -177,28 +203,36 @@ def run(args, backend: str) -> dict:
     }
 
 
+def _label(r: dict) -> str:
+    return r["backend"] + (f" / {r['moe_backend']}" if r.get("moe_backend") else "")
+
+
 def markdown(res: dict, reference: dict | None = None) -> str:
-    by = {(r["backend"], r["C"]): r for r in res["rows"]}
-    both = {"xla", "pallas"} <= {b for b, _ in by}
+    labels = list(dict.fromkeys(_label(r) for r in res["rows"]))  # in run order
+    by = {(_label(r), r["C"]): r for r in res["rows"]}
+    vs = labels[0] if len(labels) > 1 else None
+    moe = any(r.get("moe_backend") for r in res["rows"])
     lines = [
         f"Engine decode, {res['model']}, {res['ctx']}-token contexts, {res['cache_type']} KV, "
         f"{res['device']}, {res['date']}, commit {res['commit']}; copy bandwidth "
         f"{res['copy_GB_s']:.0f} GB/s.",
         "",
-        "| attention | C | tok/s | step ms | device step ms | prefill s | GB/s moved | of copy BW "
+        ("| attention / moe" if moe else "| attention")
+        + " | C | tok/s | step ms | device step ms | prefill s | GB/s moved | of copy BW "
         "| roofline tok/s |"
-        + (" vs xla |" if both else "")
+        + (f" vs {vs} |" if vs else "")
+        + (" experts reached per layer |" if moe else "")
         + (" plain XLA tok/s |" if reference else ""),
-        "| --- " * (9 + both + bool(reference)) + "|",
+        "| --- " * (9 + bool(vs) + moe + bool(reference)) + "|",
     ]
     for r in res["rows"]:
-        x = by.get(("xla", r["C"]))
-        ratio = f" {r['tok_s'] / x['tok_s']:.2f}x |" if both else ""
+        ratio = f" {r['tok_s'] / by[(vs, r['C'])]['tok_s']:.2f}x |" if vs else ""
+        spread = f" {r['experts_reached_mean']:.1f} |" if moe else ""
         ref = f" {reference.get(r['C'], '-')} |" if reference else ""
         lines.append(
-            f"| {r['backend']} | {r['C']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | "
+            f"| {_label(r)} | {r['C']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | "
             f"{r['device_step_ms']:.2f} | {r['prefill_s']:.2f} | {r['achieved_GB_s']:.0f} | "
-            f"{r['roofline_frac']:.0%} | {r['roofline_tok_s']:.0f} |{ratio}{ref}"
+            f"{r['roofline_frac']:.0%} | {r['roofline_tok_s']:.0f} |{ratio}{spread}{ref}"
         )
     lines += [
         "",
@@ -220,14 +254,16 @@ def main():
     ap.add_argument("--warm", type=int, default=4)
     ap.add_argument("--budget", type=int, default=256, help="prefill token budget per step")
     ap.add_argument("--attention-backends", nargs="+", default=["xla"], choices=["xla", "pallas"])
+    ap.add_argument("--moe-backends", nargs="+", default=["xla"], choices=["xla", "pallas"])
     ap.add_argument("--cache-type", default="bf16", choices=["bf16", "q8_0", "q4_0"])
     ap.add_argument("--compile-cache-dir", default=None)
     ap.add_argument("--out", default=None, help="write JSON here and markdown beside it")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     res = None
-    for backend in a.attention_backends:  # one engine at a time, in the same process and call
-        r = run(a, backend)
+    # One engine at a time, in the same process and call (moe backends matter for MoE files only).
+    for backend, moe_backend in itertools.product(a.attention_backends, a.moe_backends):
+        r = run(a, backend, moe_backend)
         res = r if res is None else {**res, "rows": res["rows"] + r["rows"]}
         gc.collect()
     reference = {1: 133, 8: 994, 32: 2297} if a.ctx == 1024 and a.cache_type == "bf16" else None

@@ -1,8 +1,8 @@
 """Random-weight GGUFs at real model shapes, with a real tokenizer copied from a vocab GGUF.
 
 Speed does not depend on weight values, so benchmarks run on these files; their text is
-meaningless. Rows are drawn from a small random pool and tiled, so an 8B file is written in
-seconds.
+meaningless. Rows are drawn from a small random pool and tiled, and tensors of one shape are
+shared by all layers, so an 8B file is written in seconds and a 30B one in little memory.
 
     python bench/make_model.py --shape qwen3-8b --type bf16 \
         --vocab ../shared/fixtures/tokenizers/ggml-vocab-qwen2.gguf --out qwen3-8b-bf16.gguf
@@ -86,12 +86,16 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
     if "tokenizer.chat_template" in md:
         w.add_chat_template(md["tokenizer.chat_template"])
 
+    # One draw per distinct tensor shape, shared by every layer: the writer holds its arrays
+    # until the file is written, so a 61 GB file needs one layer's worth of memory, not 61 GB.
+    drawn = {}
+
     def mat(name, rows, cols, experts=0):
-        if not experts:
-            w.add_tensor(name, random_rows(rows, cols, qtype, rng), raw_dtype=qtype)
-            return
-        data = random_rows(experts * rows, cols, qtype, rng).reshape(experts, rows, -1)
-        w.add_tensor(name, data, raw_dtype=qtype)
+        key = (rows, cols, experts)
+        if key not in drawn:
+            data = random_rows(max(experts, 1) * rows, cols, qtype, rng)
+            drawn[key] = data.reshape(experts, rows, -1) if experts else data
+        w.add_tensor(name, drawn[key], raw_dtype=qtype)
 
     def norm(name, n):
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))

@@ -1,12 +1,13 @@
 """Grouped expert matmuls on the GPU: the Pallas kernel against jax.lax.ragged_dot.
 
 Rows are routed uniformly at random to k of E experts and grouped by expert, as models/moe.py
-does. For each case: max abs difference between the two, time per call inside one executable
-of 48 dependent calls (as the layers of a step run), TFLOP/s, and GB/s of the bytes a call must
+does. For each case and Pallas tiling: max abs difference between the two, time per call inside
+one executable of 48 dependent calls over distinct weight buffers (as the layers of a step run),
+TFLOP/s, and GB/s of the bytes a call must
 move (the weights of every expert with rows, the rows in and out) against the copy bandwidth
 measured in the same run.
 
-    python bench/moe_kernel.py --out moe_kernel.json
+    python bench/moe_kernel.py --variants 64:128:64:4:2 16:128:128:4:3 --out moe_kernel.json
 """
 
 from __future__ import annotations
@@ -32,77 +33,122 @@ LAYERS = 48
 # Qwen3-30B-A3B gate/up (d 2048 -> 2 x 768, fused SwiGLU) and down projections.
 CASES = [
     ("DESIGN 9: T 4096, K 2048, N 768, E 64", 4096, 1, 2048, 768, 64, False),
+    ("30B-A3B gate/up, 1 token", 1, 8, 2048, 768, 128, True),
     ("30B-A3B gate/up, 8 tokens", 8, 8, 2048, 768, 128, True),
+    ("30B-A3B gate/up, 32 tokens", 32, 8, 2048, 768, 128, True),
     ("30B-A3B gate/up, 64 tokens", 64, 8, 2048, 768, 128, True),
     ("30B-A3B gate/up, 512 tokens", 512, 8, 2048, 768, 128, True),
-    ("30B-A3B down, 64 tokens", 64, 8, 768, 2048, 128, False),
+    ("30B-A3B down, 8 tokens", 8, 8, 768, 2048, 128, False),
+    ("30B-A3B down, 32 tokens", 32, 8, 768, 2048, 128, False),
     ("30B-A3B down, 512 tokens", 512, 8, 768, 2048, 128, False),
 ]
 
 
-def timed(fn, x, w, sizes, n=5) -> float:
-    def layers(x):
-        def one(_, x):
-            y = fn(x, w, sizes)
-            return x + (y[0, 0] * 0).astype(x.dtype)  # dependent calls: no overlap
+def timed(fn, x, ws, sizes, n=5) -> float:
+    """Seconds per call in one executable of LAYERS dependent calls cycling over `ws`.
 
-        return jax.lax.fori_loop(0, LAYERS, one, x)
+    Each call reads other weights than the last few (len(ws) distinct buffers, together far over
+    the 60 MB L2), as the layers of a step do; one buffer reused would be served from L2.
+    """
+
+    def layers(x, ws):
+        for i in range(LAYERS):
+            y = fn(x, ws[i % len(ws)], sizes)
+            x = x + (y[0, 0] * 0).astype(x.dtype)  # dependent calls: no overlap
+        return x
 
     f = jax.jit(layers)
-    jax.block_until_ready(f(x))
+    jax.block_until_ready(f(x, ws))
     t = time.perf_counter()
     for _ in range(n):
-        out = f(x)
+        out = f(x, ws)
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / n / LAYERS
 
 
-def run_case(name, tokens, k, K, N, E, swiglu, bw) -> dict:
+def parse_variant(v: str) -> dict:
+    bm, bn, bk, warps, stages = (int(p) for p in v.split(":"))
+    return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
+
+def run_case(name, tokens, k, K, N, E, swiglu, bw, variants, n_weights) -> list[dict]:
     r = np.random.default_rng(0)
     experts = np.stack([r.choice(E, k, replace=False) for _ in range(tokens)]).reshape(-1)
     sizes = jnp.asarray(np.bincount(experts, minlength=E), jnp.int32)
     M = tokens * k
     x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
     Nw = 2 * N if swiglu else N
-    w = (jax.random.normal(jax.random.key(1), (E, K, Nw), jnp.float32) * 0.05).astype(jnp.bfloat16)
-    fx = functools.partial(grouped_matmul_xla, swiglu=swiglu, out_dtype=jnp.bfloat16)
-    fp = functools.partial(grouped_matmul, swiglu=swiglu, out_dtype=jnp.bfloat16)
-    ox, op = jax.jit(fx)(x, w, sizes), jax.jit(fp)(x, w, sizes)
-    diff = float(jnp.max(jnp.abs(ox.astype(jnp.float32) - op.astype(jnp.float32))))
-    tx, tp = timed(fx, x, w, sizes), timed(fp, x, w, sizes)
+    ws = [
+        (jax.random.normal(jax.random.key(1 + i), (E, K, Nw), jnp.float32) * 0.05).astype(
+            jnp.bfloat16
+        )
+        for i in range(n_weights)
+    ]
     used = int(np.count_nonzero(np.asarray(sizes)))
     nbytes = used * K * Nw * 2 + M * K * 2 + M * N * 2
     flops = 2 * M * K * Nw
-    row = dict(
-        case=name, M=M, K=K, N=N, E=E, experts_with_rows=used, swiglu=swiglu, max_diff=diff,
-        xla_us=tx * 1e6, pallas_us=tp * 1e6, speedup=tx / tp,
-        xla_TFLOP_s=flops / tx / 1e12, pallas_TFLOP_s=flops / tp / 1e12,
-        xla_GB_s=nbytes / tx / 1e9, pallas_GB_s=nbytes / tp / 1e9,
-        pallas_of_copy_bw=nbytes / tp / bw,
-    )  # fmt: skip
-    log.info("%s", row)
-    return row
+    fx = functools.partial(grouped_matmul_xla, swiglu=swiglu, out_dtype=jnp.bfloat16)
+    ox = jax.jit(fx)(x, ws[0], sizes).astype(jnp.float32)
+    tx = timed(fx, x, ws, sizes)
+    rows = []
+    for v in variants:
+        fp = functools.partial(
+            grouped_matmul, swiglu=swiglu, out_dtype=jnp.bfloat16, **parse_variant(v)
+        )
+        try:
+            op = jax.jit(fp)(x, ws[0], sizes).astype(jnp.float32)
+            diff = float(jnp.max(jnp.abs(ox - op)))
+            tp = timed(fp, x, ws, sizes)
+        except Exception as e:  # a variant Triton cannot build is recorded, not fatal
+            log.warning("%s %s failed: %s", name, v, str(e).splitlines()[0][:200])
+            rows.append(dict(case=name, variant=v, error=str(e).splitlines()[0][:200]))
+            continue
+        row = dict(
+            case=name, variant=v, M=M, K=K, N=N, E=E, experts_with_rows=used, swiglu=swiglu,
+            max_diff=diff, xla_us=tx * 1e6, pallas_us=tp * 1e6, speedup=tx / tp,
+            xla_TFLOP_s=flops / tx / 1e12, pallas_TFLOP_s=flops / tp / 1e12,
+            xla_GB_s=nbytes / tx / 1e9, pallas_GB_s=nbytes / tp / 1e9,
+            pallas_of_copy_bw=nbytes / tp / bw,
+        )  # fmt: skip
+        log.info("%s", row)
+        rows.append(row)
+    del ws
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["64:128:64:4:2"],
+        help="Pallas tilings block_m:block_n:block_k:num_warps:num_stages (block_m is a cap)",
+    )
+    ap.add_argument("--weights", type=int, default=8, help="distinct weight buffers cycled")
+    ap.add_argument("--cases", type=int, nargs="+", default=None, help="indices into CASES")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bw = copy_bandwidth()
-    rows = [run_case(*c, bw) for c in CASES]
+    cases = [CASES[i] for i in a.cases] if a.cases is not None else CASES
+    rows = [r for c in cases for r in run_case(*c, bw, a.variants, a.weights)]
     meta = run_meta()
     lines = [
         f"Grouped expert matmuls, bf16, random uniform routing; copy bandwidth {bw / 1e9:.0f} "
-        "GB/s. Time per call inside one executable of 48 dependent calls.",
+        f"GB/s. Time per call inside one executable of {LAYERS} dependent calls cycling over "
+        f"{a.weights} weight buffers. Variant: block_m:block_n:block_k:warps:stages.",
         "",
-        "| case | M | experts with rows | ragged_dot us | Pallas us | speedup | ragged_dot "
-        "TFLOP/s | Pallas TFLOP/s | Pallas GB/s | of copy BW | max diff |",
-        "| --- " * 11 + "|",
+        "| case | variant | M | experts with rows | ragged_dot us | Pallas us | speedup | "
+        "ragged_dot TFLOP/s | Pallas TFLOP/s | Pallas GB/s | of copy BW | max diff |",
+        "| --- " * 12 + "|",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['variant']} | failed: {r['error']} |")
+            continue
         lines.append(
-            f"| {r['case']} | {r['M']} | {r['experts_with_rows']} | {r['xla_us']:.0f} | "
+            f"| {r['case']} | {r['variant']} | {r['M']} | {r['experts_with_rows']} | "
+            f"{r['xla_us']:.0f} | "
             f"{r['pallas_us']:.0f} | {r['speedup']:.2f}x | {r['xla_TFLOP_s']:.1f} | "
             f"{r['pallas_TFLOP_s']:.1f} | {r['pallas_GB_s']:.0f} | {r['pallas_of_copy_bw']:.0%} | "
             f"{r['max_diff']:.3g} |"

@@ -119,7 +119,8 @@ def grouped_matmul(
       x: [M, K] rows grouped by expert; w: [E, K, N] or, with swiglu, [E, K, 2N];
       sizes: [E] int32 rows per expert.
       out_dtype: result dtype (accumulation is float32).
-      block_m, block_n, block_k: tile caps (BM rows, BN columns, BK contraction).
+      block_m, block_n, block_k: tile caps (BM rows, BN columns, BK contraction); BM is
+        the mean rows per expert rounded up to a power of two, at least 16, at most block_m.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype; rows past sum(sizes) are zero.
@@ -133,7 +134,9 @@ def grouped_matmul(
     N = Nw // 2 if swiglu else Nw
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    BM, BN, BK = _tile(M, block_m), _tile(N, block_n), _tile(K, block_k)
+    # Row tiles sized to the mean rows per expert: a decode step puts a few rows on each expert,
+    # and a 64-row tile would spend its matrix work on masked rows.
+    BM, BN, BK = _tile(-(-M // E), block_m), _tile(N, block_n), _tile(K, block_k)
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes).astype(jnp.int32)])
     meta = query_blocks(cu, M, BM)  # [NT, 3] (expert, first row, rows)
     NT, NJ = meta.shape[0], -(-N // BN)

