@@ -90,10 +90,10 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
     # until the file is written, so a 61 GB file needs one layer's worth of memory, not 61 GB.
     drawn = {}
 
-    def mat(name, rows, cols, experts=0):
+    def mat(name, rows, cols, experts=0, pool=64):
         key = (rows, cols, experts)
         if key not in drawn:
-            data = random_rows(max(experts, 1) * rows, cols, qtype, rng)
+            data = random_rows(max(experts, 1) * rows, cols, qtype, rng, pool)
             drawn[key] = data.reshape(experts, rows, -1) if experts else data
         w.add_tensor(name, drawn[key], raw_dtype=qtype)
 
@@ -101,7 +101,10 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
 
     d, H, K, D, F = s["d"], s["H"], s["K"], s["D"], s["F"]
-    mat("token_embd.weight", V, d)
+    # Every token its own embedding and every layer its own router rows, so that routing
+    # spreads over the experts as a trained router's does (a tiled pool made tokens share
+    # embeddings and experts share router rows, and routing collapsed onto a few experts).
+    mat("token_embd.weight", V, d, pool=V)
     norm("output_norm.weight", d)
     if not s["tied"]:
         mat("output.weight", V, d)
@@ -117,7 +120,8 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
         norm(p + "ffn_norm.weight", d)
         if moe:
             E, Fe = s["E"], s["Fe"]
-            w.add_tensor(p + "ffn_gate_inp.weight", random_rows(E, d, F32, rng).view(np.float32))
+            router = random_rows(E, d, F32, rng, pool=E).view(np.float32)
+            w.add_tensor(p + "ffn_gate_inp.weight", router)
             mat(p + "ffn_gate_exps.weight", Fe, d, E)
             mat(p + "ffn_up_exps.weight", Fe, d, E)
             mat(p + "ffn_down_exps.weight", d, Fe, E)

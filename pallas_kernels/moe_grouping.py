@@ -4,21 +4,27 @@ Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas op
 
 Work split. The M rows (token, expert) pairs, already grouped by expert (models/moe.py's stable
 sort), are cut into row tiles of BM rows of one expert (`query_blocks`, shared with the paged
-attention kernel: a tile never straddles two experts). Program (i, j) takes row tile i and
-column tile j of BN output columns and runs over the contraction in BK chunks with that
-expert's weights. An expert gets ceil(rows / BM) tiles, so nothing is padded to the largest
-group, and an expert with no rows gets none; the tile count is bounded by ceil(M / BM) + E
-(the static grid; tiles past the real ones have 0 rows and exit at once).
+attention kernel: a tile never straddles two experts). Program (i, j, s) takes row tile i,
+column tile j of BN output columns and contraction split s, and runs over that split in BK
+chunks with that expert's weights. An expert gets ceil(rows / BM) tiles, so nothing is padded
+to the largest group, and an expert with no rows gets none; the tile count is bounded by
+min(ceil(M / BM) + E, M) (the static grid; tiles past the real ones have 0 rows and exit at
+once).
 
-The gate/up projection fuses SwiGLU: with `swiglu`, w holds [gate | up] along its columns and
-a program computes both column tiles and writes silu(gate) * up, so the [M, 2F] intermediate is
-never stored.
+Splits: a decode step has few rows, so few tiles, and each tile's program would walk the whole
+contraction as one chain of dependent loads; the H200 ran such steps at 6-38% of the copy
+bandwidth (bench/results/2026-11-30_moe_kernel_h200.md). With S splits the pieces of the chain
+run in parallel and their float32 partial sums are added afterwards.
+
+The gate/up projection fuses SwiGLU when there is one split: with `swiglu`, w holds [gate | up]
+along its columns and a program computes both column tiles and writes silu(gate) * up, so the
+[M, 2F] intermediate is never stored. With splits, SwiGLU follows the sum of the partials.
 
 Triton backend: expert ids and row offsets are ordinary inputs read inside the kernel (no scalar
 prefetch); rows, contraction and columns are gathered with masks, so widths that are not
 multiples of the tiles (or not powers of two, like an expert FFN of 768) need no padding of the
 weights. On CPU the kernel runs in interpret mode, and its Triton module is verified by
-tests/test_triton_lowering.py; it has not yet been timed on a GPU (bench/moe_kernel.py).
+tests/test_triton_lowering.py; bench/moe_kernel.py times it against ragged_dot on the GPU.
 
 Shapes: M grouped rows, K contraction width, N output columns, E experts.
 """
@@ -57,8 +63,8 @@ def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
     return jnp.where(real[:, None], y, 0.0)
 
 
-def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
-    i, j = pl.program_id(0), pl.program_id(1)
+def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, KS, N, swiglu):
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e, start, n = meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2]
     M, K = x_ref.shape
     rows = jnp.minimum(start + jnp.arange(BM), M - 1)
@@ -86,10 +92,12 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
         return tuple(out)
 
     zero = jnp.zeros((BM, BN), jnp.float32)
-    # A tile with no rows skips the contraction. Bounds are int32 values computed in the kernel:
-    # Triton's scf.for needs equal bound types, and jnp.where(n > 0, 1, 0) lowered to i1.
-    n_k = (n > 0).astype(n.dtype) * ((K + BK - 1) // BK)
-    accs = jax.lax.fori_loop(n * 0, n_k, body, (zero, zero) if swiglu else (zero,))
+    # Split s runs BK chunks [s * KS, (s + 1) * KS) of the contraction; a tile with no rows skips
+    # it. Bounds are int32 values computed in the kernel: Triton's scf.for needs equal bound
+    # types, and jnp.where(n > 0, 1, 0) lowered to i1.
+    lo = n * 0 + s * KS
+    hi = (n > 0).astype(n.dtype) * jnp.minimum(lo + KS, (K + BK - 1) // BK)
+    accs = jax.lax.fori_loop(lo, hi, body, (zero, zero) if swiglu else (zero,))
     y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
     o_ref[...] = y.astype(o_ref.dtype)
 
@@ -99,6 +107,14 @@ def _tile(n: int, cap: int) -> int:
     return max(16, min(cap, 1 << (n - 1).bit_length()))
 
 
+def _splits(programs: int, k_chunks: int, target: int = 1024) -> int:
+    """Contraction splits that bring the programs near `target`, each split >= 2 BK chunks."""
+    splits = 1
+    while programs * splits < target and splits * 4 <= k_chunks:
+        splits *= 2
+    return splits
+
+
 def grouped_matmul(
     x,
     w,
@@ -106,12 +122,13 @@ def grouped_matmul(
     *,
     swiglu: bool = False,
     out_dtype=jnp.float32,
-    block_m: int = 64,
+    block_m: int = 16,
     block_n: int = 128,
-    block_k: int = 64,
+    block_k: int = 128,
+    split_k: int | None = None,
     interpret: bool | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ):
     """Pallas grouped matmul with grouped_matmul_reference's signature.
 
@@ -121,6 +138,11 @@ def grouped_matmul(
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n, block_k: tile caps (BM rows, BN columns, BK contraction); BM is
         the mean rows per expert rounded up to a power of two, at least 16, at most block_m.
+        The defaults (16, 128, 128, 4 warps, 3 stages) were the fastest of five tilings on
+        the H200 from 8 to 32768 rows (bench/results/2026-11-30_moe_kernel_h200.md).
+      split_k: programs per tile along the contraction (default: enough for ~1024 programs).
+        Few rows (decode) give few tiles, each a long chain of dependent loads; splits run
+        the chain's pieces in parallel and add their float32 partial sums afterwards.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype; rows past sum(sizes) are zero.
@@ -138,8 +160,15 @@ def grouped_matmul(
     # and a 64-row tile would spend its matrix work on masked rows.
     BM, BN, BK = _tile(-(-M // E), block_m), _tile(N, block_n), _tile(K, block_k)
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes).astype(jnp.int32)])
-    meta = query_blocks(cu, M, BM)  # [NT, 3] (expert, first row, rows)
-    NT, NJ = meta.shape[0], -(-N // BN)
+    # Every tile with rows holds at least one of the M rows, so at most M tiles have rows.
+    meta = query_blocks(cu, M, BM, max_blocks=M)  # [NT, 3] (expert, first row, rows)
+    NT, n_chunks = meta.shape[0], -(-K // BK)
+    S = split_k or _splits(NT * -(-N // BN), n_chunks)
+    if S > 1:  # float32 partial sums over all Nw columns; SwiGLU after they are added
+        N, out_dt, fuse = Nw, jnp.float32, False
+    else:
+        out_dt, fuse = out_dtype, swiglu
+    NJ, KS = -(-N // BN), -(-n_chunks // S)
     params = {}
     if not interpret:
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -148,15 +177,20 @@ def grouped_matmul(
         return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
     tiles = pl.pallas_call(
-        functools.partial(_kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu),
-        grid=(NT, NJ),
+        functools.partial(_kernel, BM=BM, BN=BN, BK=BK, KS=KS, N=N, swiglu=fuse),
+        grid=(NT, NJ, S),
         in_specs=[full(meta), full(x), full(w)],
-        out_specs=pl.BlockSpec((None, BM, BN), lambda i, j: (i, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((NT, BM, NJ * BN), out_dtype),
+        out_specs=pl.BlockSpec((None, None, BM, BN), lambda i, j, s: (s, i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((S, NT, BM, NJ * BN), out_dt),
         interpret=interpret,
         **params,
     )(meta, x, w)
+    y = tiles.sum(0)[:, :, :N] if S > 1 else tiles[0, :, :, :N]  # [NT, BM, N]
+    if S > 1 and swiglu:
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = jax.nn.silu(gate) * up
+    N = y.shape[-1]
     r = jnp.arange(BM)
     rows = jnp.where(r[None, :] < meta[:, 2:3], meta[:, 1:2] + r[None, :], M).reshape(-1)
     out = jnp.zeros((M + 1, N), out_dtype)
-    return out.at[rows].set(tiles.reshape(NT * BM, -1)[:, :N], mode="drop")[:M]
+    return out.at[rows].set(y.reshape(NT * BM, N).astype(out_dtype), mode="drop")[:M]

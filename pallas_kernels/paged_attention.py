@@ -71,21 +71,23 @@ def paged_attention_reference(
     return jnp.einsum("tkgl,tlkd->tkgd", p, v).reshape(T, H, D).astype(q.dtype)
 
 
-def query_blocks(cu_q_lens, T: int, block_q: int):
+def query_blocks(cu_q_lens, T: int, block_q: int, max_blocks: int | None = None):
     """Query blocks of up to block_q rows, each within one segment.
 
     Args:
       cu_q_lens: [S+1] int32 row offsets of the segments on the packed axis.
       T: packed rows; block_q: BQ.
+      max_blocks: a tighter static bound on the blocks with rows, if the caller has one.
     Returns:
-      [NBLK, 3] int32 (segment, first row, rows) with NBLK = ceil(T / BQ) + S, a bound on
-      sum(ceil(q_len / BQ)); unused entries have 0 rows.
+      [NBLK, 3] int32 (segment, first row, rows), blocks with rows first, with NBLK =
+      ceil(T / BQ) + S (or max_blocks if smaller), a bound on sum(ceil(q_len / BQ)); unused
+      entries have 0 rows.
     """
     S = cu_q_lens.shape[0] - 1
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     nb = (q_lens + block_q - 1) // block_q
     ends = jnp.cumsum(nb)
-    i = jnp.arange(-(-T // block_q) + S)
+    i = jnp.arange(min(-(-T // block_q) + S, max_blocks or T + S))
     # compare_all: the default method is a while loop, which on GPU syncs with the host each turn.
     seg = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), S - 1)
     local = i - (ends[seg] - nb[seg])

@@ -101,7 +101,7 @@ step_compare() {  # $1 weight type: both servers on the same file in one call, t
 
 step_moe_kernel() {  # the grouped expert matmul against ragged_dot, tilings as arguments
   local v=("$@")
-  [ $# -gt 0 ] || v=(64:128:64:4:2)
+  [ $# -gt 0 ] || v=(16:128:128:4:3)
   python3 bench/moe_kernel.py --variants "${v[@]}" --out "$RES/${DAY}_moe_kernel_h200.json" \
     2>&1 | grep -v "^WARNING"
 }
