@@ -7,7 +7,7 @@ TFLOP/s, and GB/s of the bytes a call must
 move (the weights of every expert with rows, the rows in and out) against the copy bandwidth
 measured in the same run.
 
-    python bench/moe_kernel.py --variants 16:128:128:4:3 16:128:128:4:3:1 --out moe_kernel.json
+    python bench/moe_kernel.py --variants 16:128:128:4:3 64:128:64:4:2 --out moe_kernel.json
 """
 
 from __future__ import annotations
@@ -67,12 +67,8 @@ def timed(fn, x, ws, sizes, n=5) -> float:
 
 
 def parse_variant(v: str) -> dict:
-    """block_m:block_n:block_k:warps:stages[:split_k] (no split_k: the kernel's own choice)."""
-    bm, bn, bk, warps, stages, *split = (int(p) for p in v.split(":"))
-    return dict(
-        block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-        split_k=split[0] if split else None,
-    )  # fmt: skip
+    bm, bn, bk, warps, stages = (int(p) for p in v.split(":"))
+    return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
 
 
 def run_case(name, tokens, k, K, N, E, swiglu, bw, variants, n_weights) -> list[dict]:
@@ -127,8 +123,7 @@ def main():
         "--variants",
         nargs="+",
         default=["16:128:128:4:3"],
-        help="Pallas tilings block_m:block_n:block_k:num_warps:num_stages[:split_k] (block_m "
-        "is a cap; without split_k the kernel chooses)",
+        help="Pallas tilings block_m:block_n:block_k:num_warps:num_stages (block_m is a cap)",
     )
     ap.add_argument("--weights", type=int, default=8, help="distinct weight buffers cycled")
     ap.add_argument("--cases", type=int, nargs="+", default=None, help="indices into CASES")
@@ -141,7 +136,7 @@ def main():
     lines = [
         f"Grouped expert matmuls, bf16, random uniform routing; copy bandwidth {bw / 1e9:.0f} "
         f"GB/s. Time per call inside one executable of {LAYERS} dependent calls cycling over "
-        f"{a.weights} weight buffers. Variant: block_m:block_n:block_k:warps:stages[:split_k].",
+        f"{a.weights} weight buffers. Variant: block_m:block_n:block_k:warps:stages.",
         "",
         "| case | variant | M | experts with rows | ragged_dot us | Pallas us | speedup | "
         "ragged_dot TFLOP/s | Pallas TFLOP/s | Pallas GB/s | of copy BW | max diff |",

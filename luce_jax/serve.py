@@ -37,7 +37,9 @@ HELP = {
     "attention_backend": (
         f"paged attention: {', '.join(ATTENTION_BACKENDS)} (auto: pallas on GPU, xla on CPU)"
     ),
-    "moe_backend": f"MoE grouped expert matmuls: {', '.join(MOE_BACKENDS)} (auto: xla for now)",
+    "moe_backend": (
+        f"MoE grouped expert matmuls: {', '.join(MOE_BACKENDS)} (auto: pallas on GPU, xla on CPU)"
+    ),
     "prefill_chunk": "prompt tokens one sequence appends per step",
     "prefill_token_budget": "tokens per step, decode rows included",
     "max_concurrent_prefills": "prompts advanced in one step",

@@ -4,21 +4,18 @@ Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas op
 
 Work split. The M rows (token, expert) pairs, already grouped by expert (models/moe.py's stable
 sort), are cut into row tiles of BM rows of one expert (`query_blocks`, shared with the paged
-attention kernel: a tile never straddles two experts). Program (i, j, s) takes row tile i,
-column tile j of BN output columns and contraction split s, and runs over that split in BK
-chunks with that expert's weights. An expert gets ceil(rows / BM) tiles, so nothing is padded
-to the largest group, and an expert with no rows gets none; the tile count is bounded by
+attention kernel: a tile never straddles two experts). Program (i, j) takes row tile i and
+column tile j of BN output columns and runs over the contraction in BK chunks with that
+expert's weights. An expert gets ceil(rows / BM) tiles, so nothing is padded to the largest
+group, and an expert with no rows gets none; the tile count is bounded by
 min(ceil(M / BM) + E, M) (the static grid; tiles past the real ones have 0 rows and exit at
-once).
+once). The bound M matters at decode: one token's 8 rows over 128 experts made a grid of 129
+row tiles, 121 of them empty, and the call took 196 us on the H200; with 8 tiles it took 27 us
+(bench/results/2026-11-30_moe_kernel_grid_h200.md).
 
-Splits: a decode step has few rows, so few tiles, and each tile's program would walk the whole
-contraction as one chain of dependent loads; the H200 ran such steps at 6-38% of the copy
-bandwidth (bench/results/2026-11-30_moe_kernel_h200.md). With S splits the pieces of the chain
-run in parallel and their float32 partial sums are added afterwards.
-
-The gate/up projection fuses SwiGLU when there is one split: with `swiglu`, w holds [gate | up]
-along its columns and a program computes both column tiles and writes silu(gate) * up, so the
-[M, 2F] intermediate is never stored. With splits, SwiGLU follows the sum of the partials.
+The gate/up projection fuses SwiGLU: with `swiglu`, w holds [gate | up] along its columns and
+a program computes both column tiles and writes silu(gate) * up, so the [M, 2F] intermediate is
+never stored.
 
 Triton backend: expert ids and row offsets are ordinary inputs read inside the kernel (no scalar
 prefetch); rows, contraction and columns are gathered with masks, so widths that are not
@@ -63,8 +60,8 @@ def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
     return jnp.where(real[:, None], y, 0.0)
 
 
-def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, KS, N, swiglu):
-    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
+    i, j = pl.program_id(0), pl.program_id(1)
     e, start, n = meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2]
     M, K = x_ref.shape
     rows = jnp.minimum(start + jnp.arange(BM), M - 1)
@@ -92,12 +89,10 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, KS, N, swiglu):
         return tuple(out)
 
     zero = jnp.zeros((BM, BN), jnp.float32)
-    # Split s runs BK chunks [s * KS, (s + 1) * KS) of the contraction; a tile with no rows skips
-    # it. Bounds are int32 values computed in the kernel: Triton's scf.for needs equal bound
-    # types, and jnp.where(n > 0, 1, 0) lowered to i1.
-    lo = n * 0 + s * KS
-    hi = (n > 0).astype(n.dtype) * jnp.minimum(lo + KS, (K + BK - 1) // BK)
-    accs = jax.lax.fori_loop(lo, hi, body, (zero, zero) if swiglu else (zero,))
+    # A tile with no rows skips the contraction. Bounds are int32 values computed in the kernel:
+    # Triton's scf.for needs equal bound types, and jnp.where(n > 0, 1, 0) lowered to i1.
+    n_k = (n > 0).astype(n.dtype) * ((K + BK - 1) // BK)
+    accs = jax.lax.fori_loop(n * 0, n_k, body, (zero, zero) if swiglu else (zero,))
     y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
     o_ref[...] = y.astype(o_ref.dtype)
 
@@ -105,14 +100,6 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, KS, N, swiglu):
 def _tile(n: int, cap: int) -> int:
     """The power of two nearest above n, at least 16 (Triton's smallest dot), at most cap."""
     return max(16, min(cap, 1 << (n - 1).bit_length()))
-
-
-def _splits(programs: int, k_chunks: int, target: int = 1024) -> int:
-    """Contraction splits that bring the programs near `target`, each split >= 2 BK chunks."""
-    splits = 1
-    while programs * splits < target and splits * 4 <= k_chunks:
-        splits *= 2
-    return splits
 
 
 def grouped_matmul(
@@ -125,7 +112,6 @@ def grouped_matmul(
     block_m: int = 16,
     block_n: int = 128,
     block_k: int = 128,
-    split_k: int | None = None,
     interpret: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
@@ -140,9 +126,6 @@ def grouped_matmul(
         the mean rows per expert rounded up to a power of two, at least 16, at most block_m.
         The defaults (16, 128, 128, 4 warps, 3 stages) were the fastest of five tilings on
         the H200 from 8 to 32768 rows (bench/results/2026-11-30_moe_kernel_h200.md).
-      split_k: programs per tile along the contraction (default: enough for ~1024 programs).
-        Few rows (decode) give few tiles, each a long chain of dependent loads; splits run
-        the chain's pieces in parallel and add their float32 partial sums afterwards.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype; rows past sum(sizes) are zero.
@@ -162,13 +145,7 @@ def grouped_matmul(
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes).astype(jnp.int32)])
     # Every tile with rows holds at least one of the M rows, so at most M tiles have rows.
     meta = query_blocks(cu, M, BM, max_blocks=M)  # [NT, 3] (expert, first row, rows)
-    NT, n_chunks = meta.shape[0], -(-K // BK)
-    S = split_k or _splits(NT * -(-N // BN), n_chunks)
-    if S > 1:  # float32 partial sums over all Nw columns; SwiGLU after they are added
-        N, out_dt, fuse = Nw, jnp.float32, False
-    else:
-        out_dt, fuse = out_dtype, swiglu
-    NJ, KS = -(-N // BN), -(-n_chunks // S)
+    NT, NJ = meta.shape[0], -(-N // BN)
     params = {}
     if not interpret:
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -177,20 +154,16 @@ def grouped_matmul(
         return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
     tiles = pl.pallas_call(
-        functools.partial(_kernel, BM=BM, BN=BN, BK=BK, KS=KS, N=N, swiglu=fuse),
-        grid=(NT, NJ, S),
+        functools.partial(_kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu),
+        grid=(NT, NJ),
         in_specs=[full(meta), full(x), full(w)],
-        out_specs=pl.BlockSpec((None, None, BM, BN), lambda i, j, s: (s, i, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((S, NT, BM, NJ * BN), out_dt),
+        out_specs=pl.BlockSpec((None, BM, BN), lambda i, j: (i, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((NT, BM, NJ * BN), out_dtype),
         interpret=interpret,
         **params,
     )(meta, x, w)
-    y = tiles.sum(0)[:, :, :N] if S > 1 else tiles[0, :, :, :N]  # [NT, BM, N]
-    if S > 1 and swiglu:
-        gate, up = jnp.split(y, 2, axis=-1)
-        y = jax.nn.silu(gate) * up
-    N = y.shape[-1]
     r = jnp.arange(BM)
     rows = jnp.where(r[None, :] < meta[:, 2:3], meta[:, 1:2] + r[None, :], M).reshape(-1)
-    out = jnp.zeros((M + 1, N), out_dtype)
-    return out.at[rows].set(y.reshape(NT * BM, N).astype(out_dtype), mode="drop")[:M]
+    # Tile rows past a tile's rows get index M, out of bounds, and are dropped.
+    out = jnp.zeros((M, N), out_dtype)
+    return out.at[rows].set(tiles.reshape(NT * BM, -1)[:, :N], mode="drop")

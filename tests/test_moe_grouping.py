@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import moe_grouping
 from pallas_kernels.moe_grouping import grouped_matmul, grouped_matmul_reference
+from pallas_kernels.paged_attention import query_blocks
 
 
 def case(sizes, K, N, pad_rows=0, dtype=jnp.float32, seed=0):
@@ -16,12 +16,11 @@ def case(sizes, K, N, pad_rows=0, dtype=jnp.float32, seed=0):
     return x, w, jnp.asarray(sizes, jnp.int32)
 
 
-def check(sizes, K, N, *, swiglu=False, tol=1e-4, split_k=1, **kw):
+def check(sizes, K, N, *, swiglu=False, tol=1e-4, **kw):
     x, w, sz = case(sizes, K, 2 * N if swiglu else N, **kw)
     got = grouped_matmul(
-        x, w, sz, swiglu=swiglu, interpret=True, block_m=16, block_n=16, block_k=16,
-        split_k=split_k,
-    )  # fmt: skip
+        x, w, sz, swiglu=swiglu, interpret=True, block_m=16, block_n=16, block_k=16
+    )
     ref = grouped_matmul_reference(x, w, sz, swiglu=swiglu)
     assert got.shape == ref.shape == (x.shape[0], N)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=tol, rtol=tol)
@@ -38,22 +37,17 @@ def test_kernel_matches_reference(sizes, swiglu):
     check(sizes, K=40, N=24, swiglu=swiglu, pad_rows=3)
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("split_k", [2, 3, 8])
-def test_contraction_splits_add_up(split_k, swiglu):
-    """Splits that divide the 5 BK chunks unevenly, and more splits than chunks (empty ones)."""
-    check([5, 0, 17, 1], K=80, N=24, swiglu=swiglu, pad_rows=2, split_k=split_k)
-
-
-def test_decode_sized_steps_split_automatically():
-    """Few rows make few tiles: the default splits the contraction, with the same result."""
-    x, w, sz = case([1, 0, 2, 0, 0, 1, 0, 0], K=256, N=32, pad_rows=4)
-    got = grouped_matmul(x, w, sz, swiglu=True, interpret=True, block_k=16)
+def test_decode_sized_steps_use_a_grid_bounded_by_the_rows():
+    """Few rows over many experts: at most M row tiles (not ceil(M / BM) + E), same result."""
+    x, w, sz = case([1, 0, 2, 0, 0, 1, 0, 0] * 4, K=64, N=32, pad_rows=4)
+    got = grouped_matmul(x, w, sz, swiglu=True, interpret=True)
     np.testing.assert_allclose(
         np.asarray(got), np.asarray(grouped_matmul_reference(x, w, sz, swiglu=True)), atol=1e-4
     )
-    assert moe_grouping._splits(programs=8, k_chunks=16) == 8  # 2 chunks per split at least
-    assert moe_grouping._splits(programs=2048, k_chunks=16) == 1
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sz)])
+    meta = np.asarray(query_blocks(cu, x.shape[0], 16, max_blocks=x.shape[0]))
+    assert meta.shape[0] == x.shape[0] < 1 + 32  # 20 rows: 20 tiles, not 1 + 32
+    assert meta[:, 2].sum() == 16 and (meta[:, 2] > 0).sum() == 12  # 12 experts with rows
 
 
 def test_bf16_within_bf16_tolerance():
