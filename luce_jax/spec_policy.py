@@ -1,0 +1,147 @@
+"""How many proposals each decoding slot verifies this step, or none (pure Python, no jax).
+
+The policy maximizes expected emitted tokens per second of step time:
+
+1. Each slot keeps an estimate a of the probability that one proposal is accepted (an
+   exponential moving average of accepted / proposed, starting from a prior). With k
+   proposals a slot emits 1 + a + a^2 + ... + a^k tokens in expectation: the j-th proposal
+   counts only if all before it were kept, and the correction or bonus token always comes.
+2. For a fixed number of verify tokens, the best split gives them out in order of marginal
+   gain a_i^j, highest first; per slot these gains fall with j, so taking them greedily is
+   optimal. A proposal whose gain is under `min_gain` is never made: tokens inside a bucket
+   cost no step time, but each verify row still costs logits, sampling and host work.
+3. The step's cost is the measured step time of its token bucket (decode rows, verify tokens
+   and prompt tokens together). The policy tries each bucket from the one the step needs
+   without speculation up to the largest, fills it greedily, and keeps the one with the most
+   expected tokens per second. At high concurrency a bigger bucket costs more than the
+   accepted tokens return, so speculation turns itself down; a slot whose estimate is low
+   gets no proposals, because its gains never pay for the tokens.
+4. A slot that got no proposals for `probe_every` steps gets one, if that fits the chosen
+   bucket, so its estimate can recover when its text becomes predictable.
+
+Shapes: none; slots are ints, times are seconds per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _SlotStats:
+    rate: float  # estimated per-proposal acceptance probability
+    idle: int = 0  # steps since it last verified a proposal
+    proposed: int = 0
+    accepted: int = 0
+
+
+class SpecPolicy:
+    """Per-step proposal counts from acceptance estimates and the step-time table.
+
+    Args:
+      max_proposals: K, the most proposals one slot verifies in a step.
+      step_time: seconds of one step per token bucket (measured at warmup); its keys are the
+        token buckets, ascending.
+      prior: acceptance estimate of a new slot; smoothing: weight of the newest observation.
+      probe_every: steps without proposals after which a slot gets one.
+      min_gain: smallest probability of acceptance worth a proposal (see the module note).
+    """
+
+    def __init__(
+        self,
+        max_proposals: int,
+        step_time: dict[int, float],
+        prior: float = 0.5,
+        smoothing: float = 0.3,
+        probe_every: int = 16,
+        min_gain: float = 0.1,
+    ):
+        if max_proposals < 1:
+            raise ValueError(f"max_proposals must be >= 1: {max_proposals}")
+        if not step_time or any(t <= 0 for t in step_time.values()):
+            raise ValueError(f"step_time needs a positive time per bucket: {step_time}")
+        if not 0 <= prior <= 1 or not 0 < smoothing <= 1:
+            raise ValueError(f"prior in [0, 1] and smoothing in (0, 1]: {prior}, {smoothing}")
+        self.k = max_proposals
+        self.buckets = sorted(step_time)
+        self.step_time = dict(step_time)
+        self.prior, self.smoothing, self.probe_every = prior, smoothing, probe_every
+        self.min_gain = min_gain
+        self._slots: dict[int, _SlotStats] = {}
+
+    def start(self, slot: int) -> None:
+        self._slots[slot] = _SlotStats(self.prior)
+
+    def drop(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    def rate(self, slot: int) -> float:
+        return self._slots[slot].rate
+
+    def observe(self, slot: int, proposed: int, accepted: int) -> None:
+        """Record a verify result: `accepted` leading proposals of `proposed` were kept.
+
+        Proposals after the first rejection were never tested, so the observation is the
+        accepted ones plus the one rejection: accepted / (accepted + 1), or 1 if all were kept.
+        """
+        if proposed <= 0:
+            return
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"accepted {accepted} of {proposed} proposals")
+        s = self._slots[slot]
+        tried = accepted + (accepted < proposed)
+        s.rate += self.smoothing * (accepted / tried - s.rate)
+        s.proposed += proposed
+        s.accepted += accepted
+
+    def expected_tokens(self, slot: int, k: int) -> float:
+        """Tokens a slot emits in expectation when it verifies k proposals."""
+        a = self._slots[slot].rate
+        return 1.0 + sum(a**j for j in range(1, k + 1))
+
+    def plan(self, available: dict[int, int], other_tokens: int = 0) -> dict[int, int]:
+        """Proposals to verify per decoding slot this step.
+
+        Args:
+          available: decoding slot -> proposals its proposer can offer (<= K are used).
+          other_tokens: prompt tokens the step carries besides the decode rows.
+        Returns:
+          slot -> proposals to verify (0: an ordinary decode row).
+        """
+        base = len(available) + other_tokens
+        gains = sorted(
+            (
+                (g, s)
+                for s, n in available.items()
+                for j in range(1, min(n, self.k) + 1)
+                if (g := self._slots[s].rate ** j) >= self.min_gain
+            ),
+            key=lambda g: -g[0],
+        )  # a slot's gains fall with j, so its j-th comes after its (j-1)-th
+        best, best_rate = 0, -1.0
+        for b in self.buckets:
+            if b < base:
+                continue
+            extra = min(b - base, len(gains))
+            rate = (len(available) + sum(g for g, _ in gains[:extra])) / self.step_time[b]
+            if rate > best_rate + 1e-12:
+                best, best_rate = extra, rate
+            if extra == len(gains):
+                break  # bigger buckets only cost more
+        out = dict.fromkeys(available, 0)
+        for _, s in gains[:best]:
+            out[s] += 1
+        self._probe(out, available, base + best)
+        for s in available:
+            st = self._slots[s]
+            st.idle = 0 if out[s] else st.idle + 1
+        return out
+
+    def _probe(self, out: dict[int, int], available: dict[int, int], used: int) -> None:
+        """One proposal for long-idle slots, while the step stays in its bucket."""
+        room = next((b for b in self.buckets if b >= used), used) - used
+        for s, n in available.items():
+            if room <= 0:
+                return
+            if out[s] == 0 and n > 0 and self._slots[s].idle + 1 >= self.probe_every:
+                out[s], room = 1, room - 1

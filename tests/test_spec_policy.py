@@ -1,0 +1,108 @@
+"""The speculation policy: estimates, the tokens-per-second choice, turning down, probing."""
+
+import itertools
+import random
+
+import pytest
+
+from luce_jax.spec_policy import SpecPolicy
+
+FLAT = {8: 0.010, 16: 0.010, 32: 0.010, 64: 0.011}  # memory-bound: tokens are nearly free
+LINEAR = {8: 0.010, 16: 0.020, 32: 0.040, 64: 0.080}  # compute-bound: time grows with tokens
+
+
+def policy(step_time=FLAT, k=4, rates=None, **kw):
+    p = SpecPolicy(k, step_time, probe_every=kw.pop("probe_every", 10**9), **kw)
+    for s, a in (rates or {}).items():
+        p.start(s)
+        p._slots[s].rate = a
+    return p
+
+
+def test_expected_tokens_count_the_correction_and_each_kept_prefix():
+    p = policy(rates={0: 0.5})
+    assert p.expected_tokens(0, 0) == 1.0
+    assert p.expected_tokens(0, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_observations_move_the_estimate():
+    p = policy(prior=0.5, smoothing=0.5)
+    p.start(3)
+    p.observe(3, proposed=4, accepted=4)  # all kept: observation 1
+    assert p.rate(3) == pytest.approx(0.75)
+    p.observe(3, proposed=4, accepted=0)  # first rejected: observation 0
+    assert p.rate(3) == pytest.approx(0.375)
+    p.observe(3, proposed=4, accepted=1)  # one kept, one rejected, two never tested: 1/2
+    assert p.rate(3) == pytest.approx(0.4375)
+    with pytest.raises(ValueError, match="accepted 5 of 4"):
+        p.observe(3, proposed=4, accepted=5)
+
+
+def test_cheap_tokens_make_every_slot_speculate_fully():
+    p = policy(FLAT, k=4, rates={0: 0.6, 1: 0.8, 2: 0.9})
+    assert p.plan({0: 4, 1: 4, 2: 2}) == {0: 4, 1: 4, 2: 2}  # 3 + 10 tokens fit bucket 16
+    # ... but only proposals likelier than min_gain (0.1) to be kept: 0.3^2 is not
+    assert policy(FLAT, k=4, rates={0: 0.3}).plan({0: 4}) == {0: 1}
+
+
+def test_costly_tokens_turn_speculation_off_at_high_concurrency():
+    rates = {s: 0.7 for s in range(16)}
+    assert set(policy(LINEAR, rates=rates).plan(dict.fromkeys(range(16), 4)).values()) == {0}
+    # one slot alone still speculates: bucket 8 holds its proposals at no extra cost
+    assert policy(LINEAR, rates={0: 0.7}).plan({0: 4}) == {0: 4}
+
+
+def test_a_slot_with_poor_acceptance_stops_while_a_good_one_continues():
+    step_time = {8: 0.010, 16: 0.0125, 32: 0.016}
+    p = policy(step_time, k=4, rates={s: 0.9 if s < 4 else 0.05 for s in range(8)})
+    plan = p.plan(dict.fromkeys(range(8), 4))
+    assert all(plan[s] == 4 for s in range(4)) and all(plan[s] == 0 for s in range(4, 8))
+
+
+def test_prompt_tokens_in_the_step_leave_less_room():
+    p = policy(LINEAR, k=4, rates={0: 0.5, 1: 0.5})
+    assert p.plan({0: 4, 1: 4}) == {0: 3, 1: 3}  # 2 rows + 6 proposals fill bucket 8
+    # 6 prompt tokens fill bucket 8; 6 proposals would double the step for 1.75 more tokens
+    assert p.plan({0: 4, 1: 4}, other_tokens=6) == {0: 0, 1: 0}
+
+
+def test_an_idle_slot_is_probed_with_one_proposal_when_it_fits():
+    p = policy(LINEAR, k=4, rates={0: 0.0, 1: 0.0}, probe_every=3)
+    plans = [p.plan({0: 4, 1: 4}) for _ in range(3)]
+    assert plans[:2] == [{0: 0, 1: 0}] * 2 and plans[2] == {0: 1, 1: 1}
+    assert p.plan({0: 4, 1: 4}) == {0: 0, 1: 0}  # probed: idle again from zero
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_plan_maximizes_expected_tokens_per_second(seed):
+    r = random.Random(seed)
+    buckets = [8, 16, 32]
+    times = sorted(r.uniform(0.005, 0.05) for _ in buckets)
+    step_time = dict(zip(buckets, times, strict=True))
+    n = r.randint(1, 6)
+    rates = {s: r.random() for s in range(n)}
+    avail = {s: r.randint(0, 4) for s in range(n)}
+    other = r.randint(0, 8)
+    p = policy(step_time, k=3, rates=rates, min_gain=0.0)
+
+    def value(ks):
+        total = n + other + sum(ks.values())
+        b = next((b for b in buckets if b >= total), None)
+        if b is None:
+            return -1.0
+        return sum(p.expected_tokens(s, k) for s, k in ks.items()) / step_time[b]
+
+    best = max(
+        value(dict(zip(avail, ks, strict=True)))
+        for ks in itertools.product(*(range(min(a, 3) + 1) for a in avail.values()))
+    )
+    assert value(p.plan(avail, other)) == pytest.approx(best)
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="max_proposals"):
+        SpecPolicy(0, FLAT)
+    with pytest.raises(ValueError, match="step_time"):
+        SpecPolicy(2, {8: 0.0})
+    with pytest.raises(ValueError, match="smoothing"):
+        SpecPolicy(2, FLAT, smoothing=0)
