@@ -31,8 +31,6 @@ from dataclasses import dataclass
 class _SlotStats:
     rate: float  # estimated per-proposal acceptance probability
     idle: int = 0  # steps since it last verified a proposal
-    proposed: int = 0
-    accepted: int = 0
 
 
 class SpecPolicy:
@@ -91,8 +89,6 @@ class SpecPolicy:
         s = self._slots[slot]
         tried = accepted + (accepted < proposed)
         s.rate += self.smoothing * (accepted / tried - s.rate)
-        s.proposed += proposed
-        s.accepted += accepted
 
     def expected_tokens(self, slot: int, k: int) -> float:
         """Tokens a slot emits in expectation when it verifies k proposals."""

@@ -87,7 +87,8 @@ def query_blocks(cu_q_lens, T: int, block_q: int, max_blocks: int | None = None)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     nb = (q_lens + block_q - 1) // block_q
     ends = jnp.cumsum(nb)
-    i = jnp.arange(min(-(-T // block_q) + S, max_blocks or T + S))
+    n_blocks = -(-T // block_q) + S
+    i = jnp.arange(n_blocks if max_blocks is None else min(n_blocks, max_blocks))
     # compare_all: the default method is a while loop, which on GPU syncs with the host each turn.
     seg = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), S - 1)
     local = i - (ends[seg] - nb[seg])
