@@ -1,7 +1,8 @@
 """Lower one step's sequence rows to fixed-width packed arrays (bucketed), with segment metadata.
 
 Pure NumPy: the runner hands the result to the jitted step. Shapes: T tokens (bucket),
-S segment rows (bucket), MB blocks per sequence, R logits rows (= S: one per segment).
+S segment rows (bucket), MB blocks per sequence, R logits rows (>= S: one per sampling row,
+plus one per speculative proposal a verify row carries).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ SINK_BLOCK = 0  # padding rows write here; never part of a sequence's block tabl
 
 @dataclass(frozen=True)
 class Row:
-    """One sequence's contribution to a step: a prompt slice or a single decode token."""
+    """One sequence's contribution to a step: a prompt slice, a decode token, or a verify row
+    (the decode token followed by `draft` proposed tokens)."""
 
     slot: int
     tokens: tuple[int, ...]
     start: int  # position of tokens[0] (= KV length before this step)
     sample: bool  # take logits at the last token (decode rows, prompt slices that complete)
+    draft: int = 0  # trailing tokens that are proposals: logits at each of the last draft + 1
 
 
 def buckets(limit: int, smallest: int = 1) -> list[int]:
@@ -38,21 +41,33 @@ def pick_bucket(n: int, sizes: list[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
-def lower(rows: list[Row], tables: np.ndarray, block_size: int, t_bucket: int, s_bucket: int):
+def lower(
+    rows: list[Row],
+    tables: np.ndarray,
+    block_size: int,
+    t_bucket: int,
+    s_bucket: int,
+    r_bucket: int | None = None,
+):
     """Pack rows into the arrays models.dense.forward takes (vectorized over rows).
 
     Args:
       rows: the step's rows, in packing order.
       tables: int32 [slots, MB] block table of every slot (sink-padded), indexed by Row.slot;
         each row's table must already cover start + len(tokens).
+      r_bucket: logits rows R (default s_bucket); a sampling row takes 1 + draft of them.
     Padding tokens write the sink block at position 0 and belong to the last segment; padding
     segments have kv length 0 and an all-sink block table, so whatever they gather is block 0.
     Returns:
       dict of int32 arrays: tokens/positions/seg_ids/write_idx [T], block_tables [S, MB],
-      kv_lens [S], cu_q_lens [S+1], logit_rows [S], slots [S] (-1 for padding rows),
-      sample_mask [S] (1 where a token is sampled).
+      kv_lens [S], cu_q_lens [S+1], slots [S] (-1 for padding rows), sample_mask [S] (1 where
+      a token is sampled), n_draft [S], logit_start [S] (its first logits row); per logits
+      row: logit_rows [R] (token index), logit_seg [R] (segment), logit_off [R] (0 at the
+      decode token, j at the j-th proposal). Rows that sample nothing still own one logits
+      row (unused), so logits row i of a plain step is segment i, as before.
     """
     n = len(rows)
+    R = s_bucket if r_bucket is None else r_bucket
     lens = np.fromiter((len(r.tokens) for r in rows), np.int32, n)
     tot = int(lens.sum())
     if tot > t_bucket or n > s_bucket:
@@ -75,6 +90,17 @@ def lower(rows: list[Row], tables: np.ndarray, block_size: int, t_bucket: int, s
 
     block_tables = np.full((s_bucket, MB), SINK_BLOCK, np.int32)
     block_tables[:n] = bt
+    n_draft = np.fromiter((r.draft for r in rows), np.int32, n)
+    assert (n_draft < np.maximum(lens, 1)).all() and all(r.sample for r in rows if r.draft)
+    width = n_draft + 1
+    l_start = np.zeros(n, np.int32)
+    np.cumsum(width[:-1], out=l_start[1:])
+    n_logits = int(width.sum())
+    if n_logits > R:
+        raise ValueError(f"{n_logits} logits rows exceed bucket {R}")
+    l_seg = np.repeat(np.arange(n, dtype=np.int32), width)
+    l_off = np.arange(n_logits, dtype=np.int32) - l_start[l_seg]
+    l_tok = cu[1 : n + 1][l_seg] - 1 - n_draft[l_seg] + l_off
     return {
         "tokens": padded(
             np.fromiter((t for r in rows for t in r.tokens), np.int32, tot), t_bucket, 0
@@ -85,7 +111,11 @@ def lower(rows: list[Row], tables: np.ndarray, block_size: int, t_bucket: int, s
         "block_tables": block_tables,
         "kv_lens": padded(starts + lens, s_bucket, 0),
         "cu_q_lens": cu,
-        "logit_rows": padded(cu[1 : n + 1] - 1, s_bucket, 0),
         "slots": padded(slots, s_bucket, -1),
         "sample_mask": padded(np.fromiter((r.sample for r in rows), np.int32, n), s_bucket, 0),
+        "n_draft": padded(n_draft, s_bucket, 0),
+        "logit_start": padded(l_start, s_bucket, n_logits),
+        "logit_rows": padded(l_tok, R, 0),
+        "logit_seg": padded(l_seg, R, s_bucket - 1),
+        "logit_off": padded(l_off, R, -1),  # -1: a padding logits row
     }

@@ -21,6 +21,10 @@ ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 # Qwen3-30B-A3B-shaped file, 8x faster prefill, on the H200:
 # bench/results/2026-11-30_engine_decode_qwen3-30b-a3b-bf16.md); xla on CPU.
 MOE_BACKENDS = ("auto", "pallas", "xla")
+# Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
+# the sequence itself), verified by the target in the same packed step as everything else.
+SPEC_MODES = ("off", "ngram", "draft")
+MAX_DRAFT_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,9 @@ class EngineConfig:
     admission_coalesce_ms: float = 0.0
     max_queue: int = 256
     chat_template_file: str | None = None
+    spec_mode: str = "off"
+    draft: str | None = None  # draft GGUF for spec_mode=draft; None: the embedded draft
+    draft_tokens: int = 4  # K: most proposals one sequence verifies per step
     compile_cache_dir: str | None = field(default_factory=default_compile_cache_dir)
     seed: int = 0
 
@@ -105,6 +112,15 @@ class EngineConfig:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         if self.moe_backend not in MOE_BACKENDS:
             bad("moe_backend", f"must be one of {MOE_BACKENDS}")
+        if self.spec_mode not in SPEC_MODES:
+            bad("spec_mode", f"must be one of {SPEC_MODES}")
+        if self.draft is not None and not Path(self.draft).is_file():
+            bad("draft", "no such file")
+        if self.draft is not None and self.spec_mode != "draft":
+            bad("draft", f"is used only with spec_mode='draft' (spec_mode={self.spec_mode!r})")
+        own_model = self.model is not None and Path(self.model) != DEFAULT_MODEL
+        if self.spec_mode == "draft" and self.draft is None and own_model:
+            bad("draft", "spec_mode='draft' with a model of your own needs a draft GGUF")
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
                 bad(name, f"must be one of {CACHE_TYPES}")
@@ -116,10 +132,13 @@ class EngineConfig:
             "prefill_token_budget",
             "max_concurrent_prefills",
             "max_queue",
+            "draft_tokens",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 bad(name, "must be a positive integer")
+        if self.draft_tokens > MAX_DRAFT_TOKENS:
+            bad("draft_tokens", f"must be at most {MAX_DRAFT_TOKENS}")
         if self.kv_block_size & (self.kv_block_size - 1):
             bad("kv_block_size", "must be a power of two")
         if not isinstance(self.kv_pool_tokens, int) or self.kv_pool_tokens < 0:
@@ -154,6 +173,11 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def draft_model(self) -> str:
+        """The draft GGUF of spec_mode=draft (the embedded draft beside the embedded model)."""
+        return self.draft or str(DEFAULT_DRAFT)
 
     @property
     def max_blocks_per_seq(self) -> int:

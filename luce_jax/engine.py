@@ -48,7 +48,8 @@ class TokenOut:
 
 @dataclass
 class StepResult:
-    decoded: dict[int, TokenOut] = field(default_factory=dict)  # slot -> next token
+    # slot -> its next tokens, in order: one, or more when it verified accepted proposals
+    decoded: dict[int, list[TokenOut]] = field(default_factory=dict)
     completed: dict[int, TokenOut] = field(default_factory=dict)  # slot -> first token
     advanced: set[int] = field(default_factory=set)  # prefilling slots that are not done
     errors: dict[int, str] = field(default_factory=dict)  # slot -> message
@@ -110,6 +111,15 @@ class DenseEngine:
         self.token_buckets = buckets(max(config.prefill_token_budget, self.slot_count), 8)
         self._max_rows = buckets(self.slot_count, 1)[-1]
         self._rng = random.Random(config.seed)
+        self.spec = None  # speculation.Speculator once enable_speculation is called
+        self.last_bucket = (0, 0)  # (T, S) of the last step, for the trace
+
+    def enable_speculation(self, speculator) -> None:
+        """Verify proposals from `speculator` (built after warmup: its policy needs the
+        measured step times)."""
+        self.spec = speculator
+        for slot, s in self.slots.items():
+            speculator.start(slot, s.prompt, len(s.prompt) + s.sampling.max_tokens)
 
     def rows_for(self, t_bucket: int) -> int:
         return min(t_bucket, self._max_rows)
@@ -138,6 +148,8 @@ class DenseEngine:
         self._free_slots.remove(slot)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
         self.slots[slot] = Slot(request_id, list(prompt), sampling, seed & 0xFFFFFFFF)
+        if self.spec is not None:
+            self.spec.start(slot, list(prompt), need)
         return AdmitResult("admitted", slot)
 
     def step_limits(self, num_decode_rows: int) -> StepLimits:
@@ -150,13 +162,16 @@ class DenseEngine:
         )
 
     def step(self, plan: StepPlan) -> StepResult:
+        props = self._proposals(plan)
         rows, params, seeds, steps = [], [], [], []
         for slot, token in plan.decode:
             s = self.slots[slot]
             assert s.decoding, f"slot {slot} is not decoding"
-            start = s.kv_len
-            self.pool.ensure(slot, start + 1)
-            rows.append(Row(slot, (token,), start, True))
+            start, draft = s.kv_len, props.get(slot, [])
+            # Proposals go past kv_len and overwrite nothing of the sequence; rejected ones are
+            # rolled back by kv_len alone (it counts emitted tokens), and their blocks stay.
+            self.pool.ensure(slot, start + 1 + len(draft))
+            rows.append(Row(slot, (token, *draft), start, True, len(draft)))
             params.append(s.sampling), seeds.append(s.seed), steps.append(s.generated)
         for slot, n in plan.prefills:
             s = self.slots[slot]
@@ -170,30 +185,52 @@ class DenseEngine:
         n_tok = sum(len(r.tokens) for r in rows)
         t_bucket = pick_bucket(n_tok, self.token_buckets)
         s_bucket = self.rows_for(t_bucket)
+        self.last_bucket = (t_bucket, s_bucket)
         out = self.runner.run(rows, self.pool.block_array, t_bucket, s_bucket, params, seeds, steps)
         result = StepResult()
         for i, r in enumerate(rows):
             s = self.slots[r.slot]
-            tok = TokenOut(int(out["tokens"][i]), float(out["logprob"][i]), self._top(out, i))
+            first = int(out["logit_start"][i])
             if s.decoding:
-                s.generated += 1
-                result.decoded[r.slot] = tok
+                kept = int(out["accepted"][i])
+                toks = [self._token(out, first + j) for j in range(kept + 1)]
+                s.generated += len(toks)
+                result.decoded[r.slot] = toks
+                if self.spec is not None:
+                    self.spec.record(r.slot, r.draft, kept, [t.token for t in toks])
+                continue
+            s.prefilled += len(r.tokens)
+            if s.decoding:  # commit: the whole prompt is in the cache
+                s.generated = 1
+                result.completed[r.slot] = tok = self._token(out, first)
+                if self.spec is not None:
+                    self.spec.record(r.slot, 0, 0, [tok.token])
             else:
-                s.prefilled += len(r.tokens)
-                if s.decoding:  # commit: the whole prompt is in the cache
-                    s.generated = 1
-                    result.completed[r.slot] = tok
-                else:
-                    result.advanced.add(r.slot)
+                result.advanced.add(r.slot)
         return result
 
-    @staticmethod
-    def _top(out, i) -> tuple:
-        if "top_ids" not in out:
-            return ()
-        return tuple(zip(out["top_ids"][i].tolist(), out["top_logprobs"][i].tolist(), strict=True))
+    def _proposals(self, plan: StepPlan) -> dict[int, list[int]]:
+        """Speculative proposals per decoding slot, capped so a verify row never emits past
+        max_tokens (which also keeps its KV writes inside the slot's reservation)."""
+        if self.spec is None:
+            return {}
+        caps = {}
+        for slot, _ in plan.decode:
+            s = self.slots[slot]
+            caps[slot] = max(0, min(self.spec.k, s.sampling.max_tokens - s.generated - 1))
+        return self.spec.choose(caps, sum(n for _, n in plan.prefills))
+
+    def _token(self, out, i: int) -> TokenOut:
+        top = ()
+        if "top_ids" in out:
+            top = tuple(
+                zip(out["top_ids"][i].tolist(), out["top_logprobs"][i].tolist(), strict=True)
+            )
+        return TokenOut(int(out["tokens"][i]), float(out["logprob"][i]), top)
 
     def retire(self, slot: int) -> None:
         if self.slots.pop(slot, None) is not None:
             self._free_slots.append(slot)
         self.pool.release(slot)
+        if self.spec is not None:
+            self.spec.drop(slot)

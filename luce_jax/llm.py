@@ -24,9 +24,13 @@ def load_engine(config: EngineConfig):
     """
     import jax
 
+    from .draft import DraftProposer
     from .engine import DenseEngine
     from .gguf import GGUFFile, load_params, model_config
+    from .ngram import NgramProposer
     from .runner import Runner, enable_compile_cache
+    from .spec_policy import SpecPolicy
+    from .speculation import Speculator
     from .tokenizer import GGUFTokenizer, GGUFVocab
 
     config = config.resolved(jax.default_backend())
@@ -36,10 +40,15 @@ def load_engine(config: EngineConfig):
     if config.chat_template_file:
         with open(config.chat_template_file) as fh:
             template = fh.read()
-    tokenizer = GGUFTokenizer(GGUFVocab.from_metadata(f.metadata), template)
+    vocab = GGUFVocab.from_metadata(f.metadata)
+    tokenizer = GGUFTokenizer(vocab, template)
     mc, params = load_params(f, model_config(f.metadata), config.dtype)
     config = fit_to_model(config, mc)
     kv_types, per_token = kv_cache_types(config, mc)
+    draft = None
+    if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
+        draft = _load_draft(config, vocab)
+        per_token += kv_cache_types(config, draft[0])[1]
     num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token)
     log.info(
         "KV pool: %d blocks of %d tokens (%.2f GiB)",
@@ -47,20 +56,65 @@ def load_engine(config: EngineConfig):
         config.kv_block_size,
         num_blocks * config.kv_block_size * per_token / 2**30,
     )
-    runner = Runner(
-        mc,
-        params,
-        num_blocks,
-        config.kv_block_size,
-        config.max_concurrency,
-        config.max_blocks_per_seq,
-        kv_types,
-        attention_fn(config.attention_backend),
-        grouped_matmul_fn(config.moe_backend),
-    )
+
+    def runner_for(model_cfg, model_params, k):
+        return Runner(
+            model_cfg,
+            model_params,
+            num_blocks,
+            config.kv_block_size,
+            config.max_concurrency,
+            config.max_blocks_per_seq,
+            kv_cache_types(config, model_cfg)[0],
+            attention_fn(config.attention_backend),
+            grouped_matmul_fn(config.moe_backend),
+            max_proposals=k,
+        )
+
+    spec_k = config.draft_tokens if config.spec_mode != "off" else 0
+    runner = runner_for(mc, params, spec_k)
     engine = DenseEngine(config, runner, num_blocks)
     runner.warmup(engine.bucket_pairs())
+    if config.spec_mode == "off":
+        return tokenizer, engine
+    proposal_time = 0.0
+    if draft is None:
+        proposer = NgramProposer()
+    else:
+        d_runner = runner_for(*draft, 0)
+        d_runner.warmup(engine.bucket_pairs())
+        proposer = DraftProposer(
+            d_runner,
+            num_blocks,
+            config.kv_block_size,
+            config.max_concurrency,
+            config.max_blocks_per_seq,
+            engine.token_buckets,
+            engine.rows_for,
+            config.prefill_chunk,
+        )
+        proposal_time = min(d_runner.step_time.values())  # a decode step of the draft
+    step_time = {t: runner.step_time[(t, s)] for t, s in engine.bucket_pairs()}
+    policy = SpecPolicy(spec_k, step_time, proposal_time=proposal_time)
+    engine.enable_speculation(Speculator(proposer, policy, config.spec_mode))
+    log.info(
+        "speculation: %s, up to %d proposals per sequence; step ms by bucket %s",
+        config.spec_mode,
+        spec_k,
+        {t: round(v * 1e3, 2) for t, v in step_time.items()},
+    )
     return tokenizer, engine
+
+
+def _load_draft(config: EngineConfig, vocab):
+    """The draft model's (ModelConfig, params); its vocabulary must be the target's."""
+    from .gguf import GGUFFile, load_params, model_config
+    from .tokenizer import GGUFVocab
+
+    f = GGUFFile(config.draft_model)
+    if GGUFVocab.from_metadata(f.metadata).tokens != vocab.tokens:
+        raise ValueError(f"draft={config.draft_model!r}: its vocabulary differs from the model's")
+    return load_params(f, model_config(f.metadata), config.dtype)
 
 
 def kv_cache_types(config: EngineConfig, mc):

@@ -7,8 +7,8 @@ the up to k tokens that followed it there (as llama.cpp's lookup decoding and vL
 `ngram` speculator do). Index upkeep is O(n_max) per token, lookup O(n_max), so long
 contexts cost nothing per step.
 
-Proposers share one small interface (start, extend, propose, drop) so the engine can hold a
-draft model behind the same calls.
+Proposers share one small interface (start, extend, available, propose, drop); the engine holds
+a draft model (draft.py) behind the same calls.
 """
 
 from __future__ import annotations
@@ -19,10 +19,20 @@ from typing import Protocol
 class Proposer(Protocol):
     """Speculative proposals per slot; the engine calls it with slots it owns."""
 
-    def start(self, slot: int, prompt: list[int]) -> None: ...
-    def extend(self, slot: int, tokens: list[int]) -> None: ...
-    def propose(self, want: dict[int, int]) -> dict[int, list[int]]: ...
-    def drop(self, slot: int) -> None: ...
+    def start(self, slot: int, prompt: list[int], max_len: int) -> None:
+        """A slot was admitted; its sequence will hold at most max_len tokens."""
+
+    def extend(self, slot: int, tokens: list[int]) -> None:
+        """Tokens the slot's sequence accepted (after the prompt, in order)."""
+
+    def available(self, want: dict[int, int]) -> dict[int, int]:
+        """How many of want[slot] proposals each slot can have this step."""
+
+    def propose(self, want: dict[int, int]) -> dict[int, list[int]]:
+        """Up to want[slot] proposed tokens per slot (called once per engine step)."""
+
+    def drop(self, slot: int) -> None:
+        """The slot was retired."""
 
 
 class _Index:
@@ -66,7 +76,7 @@ class NgramProposer:
         self.n_min, self.n_max = n_min, n_max
         self._slots: dict[int, _Index] = {}
 
-    def start(self, slot: int, prompt: list[int]) -> None:
+    def start(self, slot: int, prompt: list[int], max_len: int = 0) -> None:
         """Index a newly admitted slot's prompt (replacing whatever the slot held before)."""
         self._slots[slot] = _Index(self.n_min, self.n_max)
         self._slots[slot].extend(prompt)
@@ -74,6 +84,9 @@ class NgramProposer:
     def extend(self, slot: int, tokens: list[int]) -> None:
         """Append tokens the slot's sequence has accepted."""
         self._slots[slot].extend(tokens)
+
+    def available(self, want: dict[int, int]) -> dict[int, int]:
+        return {slot: len(p) for slot, p in self.propose(want).items()}
 
     def propose(self, want: dict[int, int]) -> dict[int, list[int]]:
         """Up to want[slot] tokens per slot; an empty list where the suffix never occurred."""

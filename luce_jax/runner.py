@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
@@ -53,8 +54,12 @@ class Runner:
         kv_types,
         attention_fn=None,
         grouped_matmul_fn=None,
+        max_proposals: int = 0,
     ):
+        """Args: max_proposals: K, the most speculative proposals a verify row carries (0: no
+        speculation, one logits row per row)."""
         self.cfg = cfg
+        self.k = max_proposals
         self.params = params
         self.block_size = block_size
         self.max_slots = max_slots
@@ -67,6 +72,7 @@ class Runner:
             "prompt_mask": jnp.zeros((max_slots, V), jnp.bool_),
         }
         self.compiles = 0  # executables built; after warmup this must not move
+        self.step_time: dict[tuple[int, int], float] = {}  # seconds per bucket, from warmup
         # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
         # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
         self.last_stats: dict = {}
@@ -76,7 +82,13 @@ class Runner:
         self._lock = threading.Lock()
 
     # -- host <-> device packing: one int32 and one float32 buffer per step --------------------
+    def logit_width(self, T: int, S: int) -> int:
+        """Logits rows R of bucket (T, S): one per row, and room for every row's proposals."""
+        return S if self.k == 0 else min(T, S * (self.k + 1))
+
+    # -- host <-> device packing: one int32 and one float32 buffer per step --------------------
     def _int_layout(self, T: int, S: int) -> list[tuple[str, tuple[int, ...]]]:
+        R = self.logit_width(T, S)
         return [
             ("tokens", (T,)),
             ("positions", (T,)),
@@ -85,12 +97,16 @@ class Runner:
             ("block_tables", (S, self.max_blocks)),
             ("kv_lens", (S,)),
             ("cu_q_lens", (S + 1,)),
-            ("logit_rows", (S,)),
             ("slots", (S,)),
             ("sample_mask", (S,)),
+            ("n_draft", (S,)),
+            ("logit_start", (S,)),
             ("top_k", (S,)),
             ("seeds", (S,)),
             ("steps", (S,)),
+            ("logit_rows", (R,)),
+            ("logit_seg", (R,)),
+            ("logit_off", (R,)),
             ("want_logprobs", (1,)),
         ]
 
@@ -105,36 +121,62 @@ class Runner:
         return arrays, sp
 
     def _step_fn(self, params, kv, state, ints, floats, *, T: int, S: int):
-        """One model step and sampling; T, S static.
+        """One model step, sampling, and verification of speculative proposals; T, S static.
+
+        Every logits row samples with its segment's parameters and noise (seed, step + offset),
+        and with penalties that count the proposals before it as output. A verify row keeps
+        its leading proposals while each equals the token sampled at the position before it.
+        Proposals are deterministic (prompt lookup, a greedy draft), so this is the standard
+        rejection rule with a one-hot proposal distribution: proposal x survives with
+        probability p(x), and after a rejection the sampled token is p conditioned on not x,
+        the residual. The output is distributed as the target's, token for token the same as
+        without speculation for the same seed.
 
         Args: params; kv and state (donated); ints: int32 [N] packed per _int_layout; floats:
           float32 [6, S] sampling parameters (FLOAT_FIELDS).
-        Returns: (packed int32 [2, S]: tokens and the bitcast float32 logprob of each, top ids
-          [S, 20], top logprobs [S, 20], kv, state, model stats (dense.forward's)).
+        Returns: (packed int32 [2R + S]: sampled token per logits row, its bitcast float32
+          logprob, and proposals accepted per row; top ids [R, 20], top logprobs [R, 20], kv,
+          state, model stats (dense.forward's)).
         """
         batch, sp = self._unpack(ints, floats, T, S)
         logits, kv, stats = dense.forward(
             params, kv, batch, self.cfg, self._attention, self._grouped_matmul
         )
-        with jax.named_scope("sampling"):  # penalty state, sampling, logprobs
+        with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             oob = self.max_slots  # rows with slot -1 (padding) index past the end and are dropped
             slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])
             starts = batch["positions"][batch["cu_q_lens"][:-1]]
             fresh = jnp.where((starts == 0) & (batch["slots"] >= 0), slots, oob)
             counts = state["counts"].at[fresh].set(0, mode="drop")
             pmask = state["prompt_mask"].at[fresh].set(False, mode="drop")
-            # Every fed token counts as seen for the repetition penalty (prompt or earlier output).
-            tok_slot = slots[batch["seg_ids"]]
-            real_tok = jnp.arange(T) < batch["cu_q_lens"][-1]
+            # Fed tokens count as seen for the repetition penalty (prompt or earlier output),
+            # except proposals: those count below, for the positions after them only.
+            seg_ids, cu = batch["seg_ids"], batch["cu_q_lens"]
+            tok_slot = slots[seg_ids]
+            proposal = jnp.arange(T) >= cu[1:][seg_ids] - batch["n_draft"][seg_ids]
+            real_tok = (jnp.arange(T) < cu[-1]) & ~proposal
             pmask = pmask.at[jnp.where(real_tok, tok_slot, oob), batch["tokens"]].set(
                 True, mode="drop"
             )
-            row_slots = jnp.minimum(slots, oob - 1)
-            seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)
-            tokens, logp = sample(
-                logits, counts[row_slots], pmask[row_slots], sp, seeds, batch["steps"]
-            )
-            counts = counts.at[slots, tokens].add(batch["sample_mask"], mode="drop")
+            seg, off = batch["logit_seg"], batch["logit_off"]  # [R]
+            R = seg.shape[0]
+            row_slots = jnp.minimum(slots, oob - 1)[seg]
+            row_counts = counts[row_slots]
+            for m in range(self.k):  # proposals 1..off precede the logits row at offset off
+                t = batch["tokens"][jnp.maximum(batch["logit_rows"] - m, 0)]
+                row_counts = row_counts.at[jnp.arange(R), t].add((m < off).astype(jnp.int32))
+            row_sp = {k: v[seg] for k, v in sp.items()}
+            seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)[seg]
+            steps = batch["steps"][seg] + jnp.maximum(off, 0)
+            tokens, logp = sample(logits, row_counts, pmask[row_slots], row_sp, seeds, steps)
+            # Verification: the first proposal unequal to the token sampled before it.
+            n_draft = batch["n_draft"][seg]
+            nxt = batch["tokens"][jnp.minimum(batch["logit_rows"] + 1, T - 1)]
+            miss = (off >= 0) & (off < n_draft) & (tokens != nxt)
+            first_miss = jax.ops.segment_min(jnp.where(miss, off, T), seg, num_segments=S)
+            accepted = jnp.minimum(first_miss, batch["n_draft"])  # [S]
+            emitted = (off >= 0) & (off <= accepted[seg]) & (batch["sample_mask"][seg] > 0)
+            counts = counts.at[jnp.where(emitted, slots[seg], oob), tokens].add(1, mode="drop")
             chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
             top_lp, top_ids = jax.lax.cond(
                 batch["want_logprobs"][0] > 0,
@@ -145,7 +187,9 @@ class Runner:
                 ),
                 logp,
             )
-        packed = jnp.stack([tokens, jax.lax.bitcast_convert_type(chosen, jnp.int32)])
+        packed = jnp.concatenate(
+            [tokens, jax.lax.bitcast_convert_type(chosen, jnp.int32), accepted.astype(jnp.int32)]
+        )
         return packed, top_ids, top_lp, kv, {"counts": counts, "prompt_mask": pmask}, stats
 
     def step_function(self, T: int, S: int):
@@ -177,17 +221,18 @@ class Runner:
         """Run one step.
 
         Args:
-          rows: list of batch.Row.
+          rows: list of batch.Row (verify rows carry their proposals).
           tables: int32 [slots, MB] block tables indexed by Row.slot (KVPool.block_array).
           t_bucket, s_bucket: padded token and row counts (a warmed bucket pair).
           sampling: per-row SamplingParams (None for rows that sample nothing).
           seeds, steps: per-row ints (see sampling.sample).
         Returns:
-          dict of numpy arrays over the real rows: tokens, logprob, and top_ids /
-          top_logprobs when any row asked for logprobs.
+          dict of numpy arrays: per logits row (row i's are logit_start[i] ..
+          logit_start[i] + draft): tokens, logprob, and top_ids / top_logprobs when any row
+          asked for logprobs; per row: accepted (proposals kept), logit_start.
         """
         T, S = t_bucket, s_bucket
-        b = lower(rows, tables, self.block_size, T, S)
+        b = lower(rows, tables, self.block_size, T, S, self.logit_width(T, S))
         sp = row_params(sampling, S)
         b["top_k"] = sp["top_k"]
         b["seeds"] = np.zeros(S, np.uint32)
@@ -207,11 +252,18 @@ class Runner:
             self.params, self.kv, self.state, ints, floats
         )
         n = len(rows)
-        packed = np.asarray(packed)[:, :n]
-        res = {"tokens": packed[0], "logprob": packed[1].view(np.float32)}
+        n_logits = n + sum(r.draft for r in rows)
+        R = len(b["logit_rows"])
+        packed = np.asarray(packed)
+        res = {
+            "tokens": packed[:n_logits],
+            "logprob": packed[R : R + n_logits].view(np.float32),
+            "accepted": packed[2 * R : 2 * R + n],
+            "logit_start": b["logit_start"][:n],
+        }
         if want:
-            res["top_ids"] = np.asarray(top_ids)[:n]
-            res["top_logprobs"] = np.asarray(top_lp)[:n]
+            res["top_ids"] = np.asarray(top_ids)[:n_logits]
+            res["top_logprobs"] = np.asarray(top_lp)[:n_logits]
         return res
 
     def warmup(self, pairs: list[tuple[int, int]], workers: int | None = None) -> None:
@@ -231,7 +283,16 @@ class Runner:
                 leave=False,
             ):
                 f.result()
+        empty = np.zeros((1, self.max_blocks), np.int32)
         for t, s in pairs:
-            self.run([], np.zeros((1, self.max_blocks), np.int32), t, s, [], [], [])
+            self.run([], empty, t, s, [], [], [])
+            # The step's time (the policy of speculation weighs buckets by it): best of 3
+            # all-padding runs, which read every weight as a real step does.
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                self.run([], empty, t, s, [], [], [])
+                times.append(time.perf_counter() - t0)
+            self.step_time[(t, s)] = min(times)
         jax.block_until_ready((self.kv, self.state))
         log.info("compiled %d step buckets", len(pairs))

@@ -11,7 +11,8 @@ Each call of `step()`:
   3. Run `engine.step(plan)`. If it raises, only the requests in that plan fail; their slots
      are retired and the scheduler goes on.
   4. Route tokens to requests through their OutputProcessor (text deltas, stop strings, EOS,
-     max_tokens) and emit events.
+     max_tokens) and emit events. A speculating slot may return several tokens; they are
+     routed in order, and those after the one that finishes the request are dropped.
   5. Retire every finished or cancelled request before returning, so its slot and blocks are
      free for the next plan.
 """
@@ -128,24 +129,29 @@ class Scheduler:
             req = self.running[slot]
             self._retire(req)
             self._finish(req, "error", error=msg)
-        for slot, tok in list(result.completed.items()) + list(result.decoded.items()):
+        for slot, tok in result.completed.items():
             req = self.running.get(slot)
-            if req is None:
-                continue
-            if req.phase == "prefill":
+            if req is not None:
                 req.phase = "decode"
                 req.first_token_time = time.monotonic()
-            self._deliver(req, tok)
+                self._deliver(req, tok)
+        for slot, toks in result.decoded.items():
+            for tok in toks:  # speculation may bring several; stop at the first that ends it
+                req = self.running.get(slot)
+                if req is None or not self._deliver(req, tok):
+                    break
 
-    def _deliver(self, req: Request, tok: TokenOut) -> None:
+    def _deliver(self, req: Request, tok: TokenOut) -> bool:
+        """Route one token; False once the request is finished (and retired)."""
         req.output_ids.append(tok.token)
         text, reason = req.processor.push(tok.token)
         lp = ((tok.logprob, tok.top),) if req.sampling.logprobs is not None else ()
         if reason is None:
             req.emit(Event(text=text, token_ids=(tok.token,), logprobs=lp))
-            return
+            return True
         self._retire(req)
         self._finish(req, reason, text=text, token_ids=(tok.token,), logprobs=lp)
+        return False
 
     def _retire(self, req: Request) -> None:
         if req.slot >= 0 and self.running.get(req.slot) is req:

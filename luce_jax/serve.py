@@ -19,6 +19,7 @@ from .config import (
     DEFAULT_MODEL,
     DTYPES,
     MOE_BACKENDS,
+    SPEC_MODES,
     EngineConfig,
 )
 
@@ -47,6 +48,10 @@ HELP = {
     "max_queue": "waiting requests before new ones get 429",
     "chat_template_file": "Jinja chat template overriding the GGUF's",
     "compile_cache_dir": "JAX persistent compilation cache ('' to disable)",
+    "spec_mode": f"speculative decoding: {', '.join(SPEC_MODES)} (draft: a draft model proposes; "
+    "ngram: prompt lookup)",
+    "draft": "draft GGUF for --spec-mode draft, same vocabulary (default: the embedded draft)",
+    "draft_tokens": "most proposals one sequence verifies per step (K)",
     "seed": "seed for requests that do not give one",
 }
 
@@ -73,6 +78,11 @@ class EngineHandle:
 
     def compiles(self) -> int:
         return self._engine.runner.compiles
+
+    def spec_stats(self) -> dict | None:
+        """Speculation totals (speculation.Speculator.stats), None when it is off."""
+        spec = self._engine.spec
+        return spec.stats() if spec is not None else None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,9 @@ The policy maximizes expected emitted tokens per second of step time:
    expected tokens per second. At high concurrency a bigger bucket costs more than the
    accepted tokens return, so speculation turns itself down; a slot whose estimate is low
    gets no proposals, because its gains never pay for the tokens.
+   A draft model adds `proposal_time` per proposal depth (one batched draft step per token
+   of the longest proposal), so the policy also tries each depth cap 1..K and counts
+   cap * proposal_time into the step's cost; a step with no proposals pays none of it.
 4. A slot that got no proposals for `probe_every` steps gets one, if that fits the chosen
    bucket, so its estimate can recover when its text becomes predictable.
 
@@ -43,6 +46,8 @@ class SpecPolicy:
       prior: acceptance estimate of a new slot; smoothing: weight of the newest observation.
       probe_every: steps without proposals after which a slot gets one.
       min_gain: smallest probability of acceptance worth a proposal (see the module note).
+      proposal_time: seconds one more proposal depth costs (a draft model's decode step; 0
+        for prompt lookup, whose proposals cost no device time).
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class SpecPolicy:
         smoothing: float = 0.3,
         probe_every: int = 16,
         min_gain: float = 0.1,
+        proposal_time: float = 0.0,
     ):
         if max_proposals < 1:
             raise ValueError(f"max_proposals must be >= 1: {max_proposals}")
@@ -65,6 +71,7 @@ class SpecPolicy:
         self.step_time = dict(step_time)
         self.prior, self.smoothing, self.probe_every = prior, smoothing, probe_every
         self.min_gain = min_gain
+        self.proposal_time = proposal_time
         self._slots: dict[int, _SlotStats] = {}
 
     def start(self, slot: int) -> None:
@@ -107,27 +114,31 @@ class SpecPolicy:
         base = len(available) + other_tokens
         gains = sorted(
             (
-                (g, s)
+                (g, j, s)
                 for s, n in available.items()
                 for j in range(1, min(n, self.k) + 1)
                 if (g := self._slots[s].rate ** j) >= self.min_gain
             ),
             key=lambda g: -g[0],
         )  # a slot's gains fall with j, so its j-th comes after its (j-1)-th
-        best, best_rate = 0, -1.0
-        for b in self.buckets:
-            if b < base:
-                continue
-            extra = min(b - base, len(gains))
-            rate = (len(available) + sum(g for g, _ in gains[:extra])) / self.step_time[b]
-            if rate > best_rate + 1e-12:
-                best, best_rate = extra, rate
-            if extra == len(gains):
-                break  # bigger buckets only cost more
+        caps = range(1, self.k + 1) if self.proposal_time > 0 else [self.k]
+        best, best_rate = [], -1.0
+        for cap in caps:
+            capped = [g for g in gains if g[1] <= cap]
+            for b in self.buckets:
+                if b < base:
+                    continue
+                extra = min(b - base, len(capped))
+                cost = self.step_time[b] + (cap * self.proposal_time if extra else 0.0)
+                rate = (len(available) + sum(g for g, _, _ in capped[:extra])) / cost
+                if rate > best_rate + 1e-12:
+                    best, best_rate = capped[:extra], rate
+                if extra == len(capped):
+                    break  # bigger buckets only cost more
         out = dict.fromkeys(available, 0)
-        for _, s in gains[:best]:
+        for _, _, s in best:
             out[s] += 1
-        self._probe(out, available, base + best)
+        self._probe(out, available, base + len(best))
         for s in available:
             st = self._slots[s]
             st.idle = 0 if out[s] else st.idle + 1

@@ -2,7 +2,8 @@
 
 tracer = StepTracer(llm.engine)          # records every step the scheduler runs
 llm.generate(prompts, sp)
-tracer.rows()                             # per step: slots, rows, bucket, milliseconds, and
+tracer.rows()                             # per step: slots, rows, bucket, milliseconds, the
+                                          # speculative proposals verified and accepted, and
                                           # for MoE models tokens per expert in each layer
 compiled_buckets(llm.engine)              # every compiled (T, S) with XLA's cost analysis
 step_jaxpr(llm.engine, 16), step_hlo(llm.engine, 16)
@@ -16,8 +17,6 @@ from dataclasses import asdict, dataclass
 import jax
 import numpy as np
 
-from .batch import pick_bucket
-
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -29,6 +28,8 @@ class StepRecord:
     token_bucket: int
     row_bucket: int
     ms: float
+    proposed: int = 0  # speculative proposals verified in the step
+    accepted: int = 0  # of those, kept
     expert_tokens: tuple[tuple[int, ...], ...] | None = None  # MoE: [layer][expert] tokens
 
 
@@ -42,10 +43,10 @@ class StepTracer:
         engine.step = self._step
 
     def _step(self, plan):
-        n_tok = len(plan.decode) + sum(n for _, n in plan.prefills)
-        t_bucket = pick_bucket(n_tok, self.engine.token_buckets)
         t0 = time.perf_counter()
         result = self._inner(plan)
+        t_bucket, s_bucket = self.engine.last_bucket
+        spec = self.engine.spec.last.values() if self.engine.spec is not None else ()
         self.records.append(
             StepRecord(
                 index=len(self.records),
@@ -54,8 +55,10 @@ class StepTracer:
                 prefill_rows=len(plan.prefills),
                 prefill_tokens=sum(n for _, n in plan.prefills),
                 token_bucket=t_bucket,
-                row_bucket=self.engine.rows_for(t_bucket),
+                row_bucket=s_bucket,
                 ms=(time.perf_counter() - t0) * 1e3,
+                proposed=sum(p for p, _ in spec),
+                accepted=sum(a for _, a in spec),
                 expert_tokens=self._expert_tokens(),
             )
         )

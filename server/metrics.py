@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -42,6 +43,44 @@ class Metrics:
             "luce_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY, registry=r
         )
         self.step = Histogram("luce_step_seconds", "Engine step time", buckets=_ITL, registry=r)
+        r.register(_SpecCollector(state))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecCollector:
+    """Speculative decoding totals, read from the engine at scrape time (none when off)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def describe(self):
+        return []  # families depend on the engine, which loads after the app starts
+
+    def collect(self):
+        engine = self.state.engine
+        st = engine.spec_stats() if engine is not None else None
+        if not st:
+            return
+        for name, doc, key in (
+            ("luce_spec_proposed_tokens", "Speculative proposals verified", "proposed"),
+            ("luce_spec_accepted_tokens", "Speculative proposals accepted", "accepted"),
+            ("luce_spec_verify_rows", "Sequence steps that verified proposals", "verify_rows"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["mode"])
+            c.add_metric([st["mode"]], st[key])
+            yield c
+        # Proposals accepted per verify row: a histogram over 0..K (le = accepted count).
+        lengths, cum, buckets = st["accept_lengths"], 0, []
+        for n in range(st["max_proposals"] + 1):
+            cum += lengths.get(n, 0)
+            buckets.append((str(n), cum))
+        buckets.append(("+Inf", cum))
+        h = HistogramMetricFamily(
+            "luce_spec_acceptance_length",
+            "Proposals accepted per verify row",
+            labels=["mode"],
+        )
+        h.add_metric([st["mode"]], buckets, sum(n * c for n, c in lengths.items()))
+        yield h

@@ -52,7 +52,7 @@ class FakeEngine:
             assert st["prefilled"] == len(st["prompt"]), "decode before prefill finished"
             self.pool.ensure(slot, st["prefilled"] + st["generated"])
             st["generated"] += 1
-            res.decoded[slot] = TokenOut(100 + st["generated"])
+            res.decoded[slot] = [TokenOut(100 + st["generated"])]
         for slot, n in plan.prefills:
             st = self.state[slot]
             st["prefilled"] += n

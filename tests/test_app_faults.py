@@ -32,7 +32,7 @@ class ByteTokenizer:
 
 
 class Handle:
-    def __init__(self, engine, waiting=None):
+    def __init__(self, engine, waiting=None, spec=None):
         self.config = EngineConfig(max_ctx=64, max_queue=4)
         self.tokenizer = ByteTokenizer()
         self.vocab_size = 256
@@ -40,6 +40,7 @@ class Handle:
         self.sched = Scheduler(engine, self.tokenizer)
         self.loop = EngineLoop(self.sched).start()
         self._waiting = waiting
+        self._spec = spec
 
     def running(self):
         return len(self.sched.running)
@@ -55,6 +56,9 @@ class Handle:
 
     def compiles(self):
         return 0
+
+    def spec_stats(self):
+        return self._spec
 
 
 def app_for(handle):
@@ -134,3 +138,39 @@ def test_a_reader_too_far_behind_is_cancelled(limit):
         assert not eng.state and eng.pool.available == eng.pool.capacity
     finally:
         h.loop.stop()
+
+
+def test_metrics_report_speculation_totals_and_acceptance_lengths():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def families(handle):
+        try:
+            text = app_for(handle).get("/metrics").text
+        finally:
+            handle.loop.stop()
+        return {
+            s.name + str(sorted(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    assert not any("spec" in k for k in families(Handle(FakeEngine())))  # off: no families
+    st = {
+        "mode": "ngram",
+        "max_proposals": 3,
+        "proposed": 40,
+        "accepted": 25,
+        "verify_rows": 12,
+        "accept_lengths": {0: 2, 1: 3, 3: 7},
+    }
+    m = families(Handle(FakeEngine(), spec=st))
+    mode = "('mode', 'ngram')"
+    assert m[f"luce_spec_proposed_tokens_total[{mode}]"] == 40
+    assert m[f"luce_spec_accepted_tokens_total[{mode}]"] == 24
+    assert m[f"luce_spec_verify_rows_total[{mode}]"] == 12
+    le = {
+        n: m[f"luce_spec_acceptance_length_bucket[('le', '{n}'), {mode}]"]
+        for n in ("0", "1", "2", "3", "+Inf")
+    }
+    assert le == {"0": 2, "1": 5, "2": 5, "3": 12, "+Inf": 12}
+    assert m[f"luce_spec_acceptance_length_sum[{mode}]"] == 3 + 21

