@@ -2,11 +2,11 @@
 
 The draft runs on a second Runner and KVPool of the same design as the target's. Slot s of
 the draft holds the same sequence as slot s of the target, fed lazily: each `propose` call
-first runs one batched catch-up step that feeds every slot the tokens its draft cache lacks
-(prompt chunks while the target prefills, then the one or two tokens the last verify
-emitted), then K - 1 batched decode steps for the slots that speculate. Proposals are the
-draft's greedy tokens, so they are deterministic and the target's verification is exact
-(see runner._step_fn).
+that wants proposals runs one program (runner._propose_fn) that feeds every slot the tokens
+its draft cache lacks (prompt chunks, then the one or two tokens the last verify emitted)
+and then up to K - 1 batched greedy decode steps on the device, so K proposals cost one
+host round trip. Proposals are the draft's greedy tokens, so they are deterministic and
+the target's verification is exact (see runner._step_fn).
 
 Rollback: the draft fed its own proposals past the sequence; when the target's verdict
 arrives (`extend`) the draft keeps only the fed tokens that match what was accepted, by
@@ -19,18 +19,15 @@ import logging
 
 from .batch import Row, pick_bucket
 from .kv_pool import KVPool
-from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 class DraftProposer:
     """Proposer over a draft Runner.
 
     Args:
-      runner: a warmed runner.Runner of the draft model (max_proposals 0).
+      runner: a warmed runner.Runner of the draft model (draft_depth K).
       num_blocks: blocks of its pool (sink included), as the runner's KV was built with.
       block_size, max_slots, max_blocks_per_seq: as the target engine's.
       token_buckets: the draft runner's warmed token buckets; rows_for: T -> row bucket.
@@ -73,56 +70,38 @@ class DraftProposer:
         self.seq[slot].extend(tokens)
 
     def available(self, want: dict[int, int]) -> dict[int, int]:
-        """Slots whose catch-up fits one step can take all they want; others none yet."""
-        return {
-            s: k if s in self.seq and len(self.seq[s]) - self.fed[s] <= self.chunk else 0
-            for s, k in want.items()
-        }
+        """Every mirrored slot can take what it wants; one whose backlog exceeds a chunk gets
+        fed a chunk instead, and its proposals come in a later step."""
+        return {s: k if s in self.seq else 0 for s, k in want.items()}
 
     def propose(self, want: dict[int, int]) -> dict[int, list[int]]:
         props: dict[int, list[int]] = {}
-        budget = self.token_buckets[-1]
-        rows = []
+        if not any(k > 0 for k in want.values()):
+            # Nothing to propose: no draft step at all (a step costs about as much host time as
+            # the target's). Catch-up waits for the next step that speculates.
+            return props
+        budget, rows, wants = self.token_buckets[-1], [], []
         # Speculating slots first: their catch-up is a token or two; then prompt chunks.
-        order = sorted(self.seq, key=lambda s: want.get(s, 0) == 0)
-        for s in order:
+        for s in sorted(self.seq, key=lambda s: want.get(s, 0) == 0):
             pending = len(self.seq[s]) - self.fed[s]
             n = min(pending, self.chunk, budget)
             if n <= 0 or len(rows) == self.runner.max_slots:
                 continue
-            sample = n == pending and want.get(s, 0) > 0
-            rows.append(
-                Row(s, tuple(self.seq[s][self.fed[s] : self.fed[s] + n]), self.fed[s], sample)
-            )
+            k = want.get(s, 0) if n == pending else 0
+            start = self.fed[s]
+            rows.append(Row(s, tuple(self.seq[s][start : start + n]), start, k > 0))
+            wants.append(k)
+            # Blocks for the catch-up and for the proposals fed after it (k - 1 of them).
+            self.pool.ensure(s, start + n + max(k - 1, 0))
             budget -= n
-        out = self._run(rows)
-        for r in rows:
-            self.fed[r.slot] += len(r.tokens)
-            if r.sample:
-                props[r.slot] = [out[r.slot]]
-        for depth in range(2, max(want.values(), default=0) + 1):
-            rows = [
-                Row(s, (p[-1],), self.fed[s], True) for s, p in props.items() if want[s] >= depth
-            ]
-            if not rows:
-                break
-            out = self._run(rows)
-            for r in rows:
-                self.fed[r.slot] += 1
-                self.ahead[r.slot].append(r.tokens[0])
-                props[r.slot].append(out[r.slot])
-        return props
-
-    def _run(self, rows: list[Row]) -> dict[int, int]:
-        """One greedy draft step; returns slot -> sampled token for rows that sample."""
         if not rows:
-            return {}
-        for r in rows:
-            self.pool.ensure(r.slot, r.start + len(r.tokens))
+            return props
         t = pick_bucket(sum(len(r.tokens) for r in rows), self.token_buckets)
-        sampling = [GREEDY if r.sample else None for r in rows]
-        zeros = [0] * len(rows)
-        res = self.runner.run(
-            rows, self.pool.block_array, t, self.rows_for(t), sampling, zeros, zeros
-        )
-        return {r.slot: int(res["tokens"][i]) for i, r in enumerate(rows) if r.sample}
+        out = self.runner.propose(rows, self.pool.block_array, t, self.rows_for(t), wants)
+        for i, (r, k) in enumerate(zip(rows, wants, strict=True)):
+            self.fed[r.slot] += len(r.tokens)
+            if k:
+                props[r.slot] = out[i, :k].tolist()
+                self.ahead[r.slot] = props[r.slot][:-1]  # fed after the catch-up
+                self.fed[r.slot] += k - 1
+        return props

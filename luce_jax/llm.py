@@ -57,7 +57,7 @@ def load_engine(config: EngineConfig):
         num_blocks * config.kv_block_size * per_token / 2**30,
     )
 
-    def runner_for(model_cfg, model_params, k):
+    def runner_for(model_cfg, model_params, k, depth=0):
         return Runner(
             model_cfg,
             model_params,
@@ -69,6 +69,7 @@ def load_engine(config: EngineConfig):
             attention_fn(config.attention_backend),
             grouped_matmul_fn(config.moe_backend),
             max_proposals=k,
+            draft_depth=depth,
         )
 
     spec_k = config.draft_tokens if config.spec_mode != "off" else 0
@@ -77,11 +78,11 @@ def load_engine(config: EngineConfig):
     runner.warmup(engine.bucket_pairs())
     if config.spec_mode == "off":
         return tokenizer, engine
-    proposal_time = 0.0
+    per_depth = fixed = 0.0
     if draft is None:
         proposer = NgramProposer()
     else:
-        d_runner = runner_for(*draft, 0)
+        d_runner = runner_for(*draft, 0, spec_k)
         d_runner.warmup(engine.bucket_pairs())
         proposer = DraftProposer(
             d_runner,
@@ -93,15 +94,21 @@ def load_engine(config: EngineConfig):
             engine.rows_for,
             config.prefill_chunk,
         )
-        proposal_time = min(d_runner.step_time.values())  # a decode step of the draft
+        # The draft program's cost, linear in depth: t(d) = fixed + d * per_depth.
+        t1, tk = d_runner.propose_time[1], d_runner.propose_time[spec_k]
+        per_depth = max(tk - t1, 0.0) / max(spec_k - 1, 1)
+        fixed = max(t1 - per_depth, 0.0)
     step_time = {t: runner.step_time[(t, s)] for t, s in engine.bucket_pairs()}
-    policy = SpecPolicy(spec_k, step_time, proposal_time=proposal_time)
+    policy = SpecPolicy(spec_k, step_time, proposal_time=per_depth, proposal_fixed=fixed)
     engine.enable_speculation(Speculator(proposer, policy, config.spec_mode))
     log.info(
-        "speculation: %s, up to %d proposals per sequence; step ms by bucket %s",
+        "speculation: %s, up to %d proposals per sequence; step ms by bucket %s; draft ms "
+        "%.2f + %.2f per proposal",
         config.spec_mode,
         spec_k,
         {t: round(v * 1e3, 2) for t, v in step_time.items()},
+        fixed * 1e3,
+        per_depth * 1e3,
     )
     return tokenizer, engine
 

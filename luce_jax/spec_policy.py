@@ -16,9 +16,9 @@ The policy maximizes expected emitted tokens per second of step time:
    expected tokens per second. At high concurrency a bigger bucket costs more than the
    accepted tokens return, so speculation turns itself down; a slot whose estimate is low
    gets no proposals, because its gains never pay for the tokens.
-   A draft model adds `proposal_time` per proposal depth (one batched draft step per token
-   of the longest proposal), so the policy also tries each depth cap 1..K and counts
-   cap * proposal_time into the step's cost; a step with no proposals pays none of it.
+   A draft model adds proposal_fixed + cap * proposal_time to a step that proposes up to cap
+   tokens per slot (one draft program: a catch-up step, then cap - 1 decode steps), so the
+   policy also tries each cap 1..K; a step with no proposals pays none of it.
 4. A slot that got no proposals for `probe_every` steps gets one, if that fits the chosen
    bucket, so its estimate can recover when its text becomes predictable.
 
@@ -47,7 +47,8 @@ class SpecPolicy:
       probe_every: steps without proposals after which a slot gets one.
       min_gain: smallest probability of acceptance worth a proposal (see the module note).
       proposal_time: seconds one more proposal depth costs (a draft model's decode step; 0
-        for prompt lookup, whose proposals cost no device time).
+        for prompt lookup, whose proposals cost no device time); proposal_fixed: seconds any
+        proposing step costs besides (the draft program's launch and host round trip).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class SpecPolicy:
         probe_every: int = 16,
         min_gain: float = 0.1,
         proposal_time: float = 0.0,
+        proposal_fixed: float = 0.0,
     ):
         if max_proposals < 1:
             raise ValueError(f"max_proposals must be >= 1: {max_proposals}")
@@ -71,7 +73,7 @@ class SpecPolicy:
         self.step_time = dict(step_time)
         self.prior, self.smoothing, self.probe_every = prior, smoothing, probe_every
         self.min_gain = min_gain
-        self.proposal_time = proposal_time
+        self.proposal_time, self.proposal_fixed = proposal_time, proposal_fixed
         self._slots: dict[int, _SlotStats] = {}
 
     def start(self, slot: int) -> None:
@@ -121,7 +123,7 @@ class SpecPolicy:
             ),
             key=lambda g: -g[0],
         )  # a slot's gains fall with j, so its j-th comes after its (j-1)-th
-        caps = range(1, self.k + 1) if self.proposal_time > 0 else [self.k]
+        caps = range(1, self.k + 1) if self.proposal_time + self.proposal_fixed else [self.k]
         best, best_rate = [], -1.0
         for cap in caps:
             capped = [g for g in gains if g[1] <= cap]
@@ -129,7 +131,8 @@ class SpecPolicy:
                 if b < base:
                     continue
                 extra = min(b - base, len(capped))
-                cost = self.step_time[b] + (cap * self.proposal_time if extra else 0.0)
+                draft = self.proposal_fixed + cap * self.proposal_time
+                cost = self.step_time[b] + (draft if extra else 0.0)
                 rate = (len(available) + sum(g for g, _, _ in capped[:extra])) / cost
                 if rate > best_rate + 1e-12:
                     best, best_rate = capped[:extra], rate

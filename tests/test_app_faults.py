@@ -159,7 +159,7 @@ def test_metrics_report_speculation_totals_and_acceptance_lengths():
         "mode": "ngram",
         "max_proposals": 3,
         "proposed": 40,
-        "accepted": 25,
+        "accepted": 24,
         "verify_rows": 12,
         "accept_lengths": {0: 2, 1: 3, 3: 7},
     }

@@ -56,6 +56,21 @@ class FakeRunner:
             "logit_start": b["logit_start"][: len(rows)],
         }
 
+    def propose(self, rows, tables, t_bucket, s_bucket, want):
+        """The draft program: feed the catch-up rows, then each speculating row's first
+        want - 1 proposals after them (as the device loop writes them)."""
+        b = lower(rows, tables, self.block_size, t_bucket, s_bucket)
+        n_tok = sum(len(r.tokens) for r in rows)
+        self.kv[b["write_idx"][:n_tok]] = b["tokens"][:n_tok]
+        out = np.array([[self.rng.randrange(VOCAB) for _ in range(3)] for _ in rows])
+        for i, (r, k) in enumerate(zip(rows, want, strict=True)):
+            for j in range(k - 1):
+                pos = r.start + len(r.tokens) + j
+                blk = tables[r.slot, pos // self.block_size]
+                assert blk != 0, "draft proposal written outside the slot's blocks"
+                self.kv[blk * self.block_size + pos % self.block_size] = out[i, j]
+        return out.reshape(len(rows), 3)
+
     def cached(self, table, n):
         """Token ids at positions 0..n-1 of a sequence with block table `table`."""
         pos = np.arange(n)
