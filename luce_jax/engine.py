@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -162,6 +163,7 @@ class DenseEngine:
         )
 
     def step(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
         props = self._proposals(plan)
         rows, params, seeds, steps = [], [], [], []
         for slot, token in plan.decode:
@@ -207,6 +209,8 @@ class DenseEngine:
                     self.spec.record(r.slot, 0, 0, [tok.token])
             else:
                 result.advanced.add(r.slot)
+        if self.spec is not None:
+            self.spec.step_done(time.perf_counter() - t0)
         return result
 
     def _proposals(self, plan: StepPlan) -> dict[int, list[int]]:

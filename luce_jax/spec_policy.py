@@ -21,6 +21,12 @@ The policy maximizes expected emitted tokens per second of step time:
    policy also tries each cap 1..K; a step with no proposals pays none of it.
 4. A slot that got no proposals for `probe_every` steps gets one, if that fits the chosen
    bucket, so its estimate can recover when its text becomes predictable.
+5. Step times come from warmup, on all-padding batches; a real step also pays host work
+   (lowering, proposing, routing more tokens) that those miss and that grows with
+   speculation. `observe_step` learns it online: a moving average of measured minus
+   predicted seconds, kept apart for steps with and without proposals, added to the cost of
+   each kind. Where speculating steps cost more than their accepted tokens return, the
+   policy stops proposing (probes keep the estimate current).
 
 Shapes: none; slots are ints, times are seconds per step.
 """
@@ -75,6 +81,8 @@ class SpecPolicy:
         self.min_gain = min_gain
         self.proposal_time, self.proposal_fixed = proposal_time, proposal_fixed
         self._slots: dict[int, _SlotStats] = {}
+        self.overhead = {False: 0.0, True: 0.0}  # learned seconds beyond the prediction
+        self._pending: tuple[float, bool] | None = None  # last plan's prediction, proposing?
 
     def start(self, slot: int) -> None:
         self._slots[slot] = _SlotStats(self.prior)
@@ -124,15 +132,15 @@ class SpecPolicy:
             key=lambda g: -g[0],
         )  # a slot's gains fall with j, so its j-th comes after its (j-1)-th
         caps = range(1, self.k + 1) if self.proposal_time + self.proposal_fixed else [self.k]
-        best, best_rate = [], -1.0
+        b0 = next((b for b in self.buckets if b >= base), self.buckets[-1])
+        best, best_rate = [], len(available) / (self._predict(b0, 0) + self.overhead[False])
         for cap in caps:
             capped = [g for g in gains if g[1] <= cap]
             for b in self.buckets:
                 if b < base:
                     continue
                 extra = min(b - base, len(capped))
-                draft = self.proposal_fixed + cap * self.proposal_time
-                cost = self.step_time[b] + (draft if extra else 0.0)
+                cost = self._predict(b, cap if extra else 0) + self.overhead[extra > 0]
                 rate = (len(available) + sum(g for g, _, _ in capped[:extra])) / cost
                 if rate > best_rate + 1e-12:
                     best, best_rate = capped[:extra], rate
@@ -145,7 +153,24 @@ class SpecPolicy:
         for s in available:
             st = self._slots[s]
             st.idle = 0 if out[s] else st.idle + 1
+        used, cap = base + sum(out.values()), max(out.values(), default=0)
+        bucket = next((b for b in self.buckets if b >= used), self.buckets[-1])
+        self._pending = (self._predict(bucket, cap), cap > 0)
         return out
+
+    def _predict(self, bucket: int, cap: int) -> float:
+        """Warmup-measured seconds of a step in `bucket` proposing up to `cap` per slot."""
+        draft = self.proposal_fixed + cap * self.proposal_time if cap else 0.0
+        return self.step_time[bucket] + draft
+
+    def observe_step(self, seconds: float) -> None:
+        """The measured duration of the step the last `plan` was for."""
+        if self._pending is None:
+            return
+        predicted, proposing = self._pending
+        self._pending = None
+        o = self.overhead
+        o[proposing] += self.smoothing * (seconds - predicted - o[proposing])
 
     def _probe(self, out: dict[int, int], available: dict[int, int], used: int) -> None:
         """One proposal for long-idle slots, while the step stays in its bucket."""

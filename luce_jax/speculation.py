@@ -9,7 +9,8 @@ outcome to `record`:
   3. Let SpecPolicy pick counts per slot for the best expected tokens per second over the
      token buckets, then fetch that many proposals (a draft model runs its steps here).
   4. After the step, `record` feeds acceptance back to the policy, the accepted tokens to
-     the proposer (which rolls back anything it assumed past them), and the counters.
+     the proposer (which rolls back anything it assumed past them), and the counters;
+     `step_done` tells the policy what the step really cost.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class Speculator:
             self.verify_rows += 1
             self.accept_lengths[accepted] += 1
             self.last[slot] = (proposed, accepted)
+
+    def step_done(self, seconds: float) -> None:
+        """The engine step's measured seconds, from before `choose` to its results."""
+        self.policy.observe_step(seconds)
 
     def stats(self) -> dict:
         """Totals for /metrics: proposed, accepted, verify rows, accept-length counts."""

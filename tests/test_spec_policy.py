@@ -52,6 +52,30 @@ def test_costly_tokens_turn_speculation_off_at_high_concurrency():
     assert policy(LINEAR, rates={0: 0.7}).plan({0: 4}) == {0: 4}
 
 
+def test_measured_host_cost_of_speculating_steps_turns_it_down():
+    """Warmup says tokens are free; real speculating steps take 3x as long (host work): after
+    a few such observations the policy stops proposing, and plain steps do not move that."""
+    p = policy(FLAT, k=4, rates=dict.fromkeys(range(8), 0.6), smoothing=0.5)
+    want = dict.fromkeys(range(8), 4)
+    assert sum(p.plan(want).values()) > 0
+    for _ in range(6):
+        p.observe_step(0.030)
+        if not any(p.plan(want).values()):
+            break
+    assert not any(p.plan(want).values())
+    assert p.overhead[True] > 0.01 and p.overhead[False] == 0.0
+    p.observe_step(0.010)  # a plain step costs what warmup said: nothing to learn
+    assert p.overhead[False] == pytest.approx(0.0)
+
+
+def test_a_draft_models_cost_is_weighed_per_depth():
+    """Draft steps of 4 ms fixed + 2 ms per depth on 10 ms target steps: with acceptance 0.9
+    one slot proposes; with 0.3 (1.3 tokens for 16 ms against 1 for 10) it does not."""
+    kw = dict(proposal_fixed=0.004, proposal_time=0.002)
+    assert sum(policy(FLAT, rates={0: 0.9}, **kw).plan({0: 4}).values()) >= 2
+    assert policy(FLAT, rates={0: 0.3}, **kw).plan({0: 4}) == {0: 0}
+
+
 def test_a_slot_with_poor_acceptance_stops_while_a_good_one_continues():
     step_time = {8: 0.010, 16: 0.0125, 32: 0.016}
     p = policy(step_time, k=4, rates={s: 0.9 if s < 4 else 0.05 for s in range(8)})

@@ -45,6 +45,7 @@ def engines(engine_config, draft_gguf):
         engine = out[mode][1]
         flat = dict.fromkeys(engine.token_buckets, 1.0)
         engine.spec.policy = SpecPolicy(K, flat, min_gain=0.0)
+        engine.spec.policy.observe_step = lambda seconds: None  # keep it proposing
     return out
 
 
