@@ -1,11 +1,11 @@
 """Speculative decoding: tokens/s and acceptance with speculation off, draft and ngram, per C.
 
-Offline (no HTTP), the real engine loop: for each mode one engine is built, then for each
-concurrency C, `--waves` waves of C HumanEval prompts are generated together (one untimed wave
-first). Reported per (mode, C): output tokens/s, its ratio to mode off at the same C, engine
-steps, proposals verified and accepted, mean accepted per verify row, and the fraction of
-requests whose tokens equal mode off's (greedy; bf16 numerics may differ between bucket
-shapes, so this need not be 1 on a GPU).
+Offline (no HTTP), the real engine loop: one engine per mode, all built first; then for each
+concurrency C the modes take turns, `--reps` times, each generating `--waves` waves of C
+HumanEval prompts together (one untimed wave first). Reported per (mode, C): output tokens/s,
+its ratio to mode off at the same C, engine steps, proposals verified and accepted, mean
+accepted per verify row, and the fraction of requests whose tokens equal mode off's (greedy;
+bf16 numerics may differ between bucket shapes, so this need not be 1 on a GPU).
 
     python bench/speculative.py --modes off draft ngram --concurrency 1 2 5 8 \
         --out bench/results/DATE_speculative_embedded.json
@@ -15,7 +15,6 @@ shapes, so this need not be 1 on a GPU).
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import time
 
@@ -30,8 +29,8 @@ def humaneval_prompts(n: int) -> list[str]:
     return [p["prompt"] for p in list(read_problems().values())[:n]]
 
 
-def run_mode(args, mode: str, prompts: list[str]) -> dict:
-    from luce_jax import LLM, SamplingParams
+def build(args, mode: str):
+    from luce_jax import LLM
 
     kw = dict(
         max_concurrency=max(args.concurrency),
@@ -45,44 +44,72 @@ def run_mode(args, mode: str, prompts: list[str]) -> dict:
         kw["draft"] = args.draft
     t0 = time.perf_counter()
     llm = LLM(model=args.model, **kw)
-    load_s = time.perf_counter() - t0
+    return llm, time.perf_counter() - t0
+
+
+def measure(llm, prompts: list[str], c: int, waves: int, sp) -> dict:
+    """`waves` waves of c prompts; tokens, seconds, engine steps and speculation deltas."""
+    spec0 = llm.engine.spec.stats() if llm.engine.spec else None
+    steps0 = llm.scheduler.steps
+    toks, outs, t = 0, [], time.perf_counter()
+    for w in range(waves):
+        got = llm.generate(prompts[w * c : (w + 1) * c], sp)
+        toks += sum(len(o.token_ids) for o in got)
+        outs += [o.token_ids for o in got]
+    row = {
+        "tokens": toks,
+        "seconds": time.perf_counter() - t,
+        "steps": llm.scheduler.steps - steps0,
+        "outputs": outs,
+    }
+    if spec0 is not None:
+        st = llm.engine.spec.stats()
+        for k in ("proposed", "accepted", "verify_rows"):
+            row[k] = st[k] - spec0[k]
+    return row
+
+
+def run_all(args, prompts: list[str]) -> dict:
+    """Every mode's engine is built first; then per C the modes take turns, `--reps` times,
+    so drift of the machine over the run falls on all modes alike. Per (mode, C) the rep
+    with the median tokens/s is reported, with the spread."""
+    from luce_jax import SamplingParams
+
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
-    rows = []
-    for c in args.concurrency:
-        llm.generate(prompts[:c], sp)  # untimed: first use of this C's buckets
-        spec0 = llm.engine.spec.stats() if llm.engine.spec else None
-        steps0 = llm.scheduler.steps
-        toks, outs, t = 0, [], time.perf_counter()
-        for w in range(args.waves):
-            got = llm.generate(prompts[w * c : (w + 1) * c], sp)
-            toks += sum(len(o.token_ids) for o in got)
-            outs += [o.token_ids for o in got]
-        wall = time.perf_counter() - t
-        row = {
-            "mode": mode,
-            "concurrency": c,
-            "tokens": toks,
-            "seconds": wall,
-            "tok_s": toks / wall,
-            "steps": llm.scheduler.steps - steps0,
-            "outputs": outs,
+    llms, out = {}, {}
+    for mode in args.modes:
+        llms[mode], load_s = build(args, mode)
+        r = llms[mode].engine.runner
+        out[mode] = {
+            "load_s": load_s,
+            "step_ms": {t: round(v * 1e3, 3) for (t, _), v in r.step_time.items()},
+            "rows": [],
         }
-        if spec0 is not None:
-            st = llm.engine.spec.stats()
-            prop = st["proposed"] - spec0["proposed"]
-            acc = st["accepted"] - spec0["accepted"]
-            vr = st["verify_rows"] - spec0["verify_rows"]
-            row.update(proposed=prop, accepted=acc, verify_rows=vr)
-            row["accept_rate"] = acc / prop if prop else 0.0
-            row["mean_accepted"] = acc / vr if vr else 0.0
-        log.info("%s C=%d: %.1f tok/s, %d steps", mode, c, row["tok_s"], row["steps"])
-        rows.append(row)
-    compiles = llm.engine.runner.compiles
-    step_ms = {t: round(v * 1e3, 3) for (t, _), v in llm.engine.runner.step_time.items()}
-    llm.close()
-    del llm
-    gc.collect()
-    return {"load_s": load_s, "compiles": compiles, "step_ms": step_ms, "rows": rows}
+    for c in args.concurrency:
+        reps = {m: [] for m in args.modes}
+        for m in args.modes:
+            llms[m].generate(prompts[:c], sp)  # untimed: first use of this C's buckets
+        for _ in range(args.reps):
+            for m in args.modes:
+                reps[m].append(measure(llms[m], prompts, c, args.waves, sp))
+        for m in args.modes:
+            rs = sorted(reps[m], key=lambda r: r["tokens"] / r["seconds"])
+            row = dict(rs[len(rs) // 2], mode=m, concurrency=c)
+            row["tok_s"] = row["tokens"] / row["seconds"]
+            row["tok_s_reps"] = [r["tokens"] / r["seconds"] for r in reps[m]]
+            if "proposed" in row:
+                p, a, v = (
+                    sum(r[k] for r in reps[m]) for k in ("proposed", "accepted", "verify_rows")
+                )
+                row.update(proposed=p, accepted=a, verify_rows=v)
+                row["accept_rate"] = a / p if p else 0.0
+                row["mean_accepted"] = a / v if v else 0.0
+            log.info("%s C=%d: %.1f tok/s (reps %s)", m, c, row["tok_s"], row["tok_s_reps"])
+            out[m]["rows"].append(row)
+    for m, llm in llms.items():
+        out[m]["compiles"] = llm.engine.runner.compiles
+        llm.close()
+    return out
 
 
 def table(res: dict) -> str:
@@ -136,6 +163,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["off", "draft", "ngram"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 5, 8])
     ap.add_argument("--waves", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--draft-tokens", type=int, default=4)
@@ -155,12 +183,14 @@ def main() -> None:
         "draft_tokens": args.draft_tokens,
         "modes": {},
     }
-    for mode in args.modes:
-        res["modes"][mode] = run_mode(args, mode, prompts)
+    res["modes"] = run_all(args, prompts)
     md = f"# {res['title']}\n\n{meta_line(res)}\n\n"
     md += (
         f"HumanEval prompts, {args.waves} waves of C per C, {args.max_tokens} tokens, "
-        f"temperature {args.temperature}, up to {args.draft_tokens} proposals per sequence.\n\n"
+        f"temperature {args.temperature}, up to {args.draft_tokens} proposals per sequence. "
+        f"Modes take turns, {args.reps} reps each; the median rep's tok/s. Acceptance: "
+        "proposals kept per verify row (a verify row emits that + 1 tokens) and kept / "
+        "proposed, over all reps.\n\n"
     )
     md += table(res) + "\n\n"
     for m, v in res["modes"].items():
