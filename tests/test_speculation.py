@@ -186,3 +186,14 @@ def test_a_draft_with_another_vocabulary_is_refused(engine_config, tmp_path):
     other = hf_to_gguf(make_hf_model("qwen3", seed=3, vocab=300), "qwen3", tmp_path / "o.gguf")
     with pytest.raises(ValueError, match="vocabulary"):
         load_engine(engine_config.replace(spec_mode="draft", draft=str(other)))
+
+
+def test_serve_flags_map_to_the_speculation_fields(capsys):
+    from luce_jax.serve import parse_config
+
+    _, cfg = parse_config(["--spec-mode", "draft", "--draft-tokens", "3"])
+    assert (cfg.spec_mode, cfg.draft, cfg.draft_tokens) == ("draft", None, 3)
+    assert cfg.draft_model.endswith("luce-stdlib-draft.gguf")
+    with pytest.raises(SystemExit):
+        parse_config(["--spec-mode", "eagle"])
+    assert "--spec-mode" in capsys.readouterr().err
