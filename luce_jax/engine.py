@@ -118,9 +118,8 @@ class DenseEngine:
     def enable_speculation(self, speculator) -> None:
         """Verify proposals from `speculator` (built after warmup: its policy needs the
         measured step times)."""
+        assert not self.slots, "speculation is enabled before the first admission"
         self.spec = speculator
-        for slot, s in self.slots.items():
-            speculator.start(slot, s.prompt, len(s.prompt) + s.sampling.max_tokens)
 
     def rows_for(self, t_bucket: int) -> int:
         return min(t_bucket, self._max_rows)

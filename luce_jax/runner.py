@@ -1,6 +1,8 @@
 """Device state (params, KV arrays, per-slot penalty state) and the jitted, bucketed step.
 
-Shapes: T tokens, S rows, V vocabulary, NB KV blocks, P block size, MB blocks per sequence.
+The step samples and verifies speculative proposals; a draft model's runner compiles the
+propose program instead. Shapes: T tokens, S rows, R logits rows, K proposals, V vocabulary,
+NB KV blocks, P block size, MB blocks per sequence.
 """
 
 from __future__ import annotations
