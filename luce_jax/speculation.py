@@ -57,7 +57,6 @@ class Speculator:
         """
         self.last = {}
         if not caps:
-            self.proposer.propose({})  # a draft model catches up with prompts meanwhile
             return {}
         available = self.proposer.available(caps)
         counts = self.policy.plan(available, other_tokens)
