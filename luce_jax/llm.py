@@ -44,7 +44,7 @@ def load_engine(config: EngineConfig):
     tokenizer = GGUFTokenizer(vocab, template)
     mc, params = load_params(f, model_config(f.metadata), config.dtype)
     config = fit_to_model(config, mc)
-    kv_types, per_token = kv_cache_types(config, mc)
+    per_token = kv_cache_types(config, mc)[1]
     draft = None
     if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
         draft = _load_draft(config, vocab)

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2
+from test_engine import run_schedule
 
 from luce_jax.config import EngineConfig
 from luce_jax.llm import load_engine
-from luce_jax.request import Request
 from luce_jax.sampling import SamplingParams
-from luce_jax.scheduler import Scheduler
 from luce_jax.spec_policy import SpecPolicy
 
 from hf_gguf import hf_to_gguf, make_hf_model
@@ -55,22 +54,11 @@ def run(loaded, arrivals):
     draft = engine.spec.proposer if engine.spec and engine.spec.mode == "draft" else None
     runners = [engine.runner] + ([draft.runner] if draft else [])
     compiles = [r.compiles for r in runners]
-    sched = Scheduler(engine, tok)
-    reqs = [Request(list(p), sp) for _, p, sp in arrivals]
-    pending = sorted((a[0], i) for i, a in enumerate(arrivals))
-    step = 0
-    while pending or not sched.idle:
-        while pending and pending[0][0] <= step:
-            sched.add(reqs[pending.pop(0)[1]])
-        sched.step()
-        step += 1
-        assert step < 2000
-    engine.pool.check()
-    assert engine.pool.available == engine.pool.capacity
+    outs, _ = run_schedule(engine, tok, arrivals)  # checks the pool is whole again
     assert [r.compiles for r in runners] == compiles  # verify rows fit the warmed buckets
     if draft is not None:
         assert draft.pool.available == draft.pool.capacity
-    return [r.output_ids for r in reqs], engine
+    return outs, engine
 
 
 def prompts(n=8, seed=0):
