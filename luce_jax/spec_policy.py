@@ -20,7 +20,10 @@ The policy maximizes expected emitted tokens per second of step time:
    tokens per slot (one draft program: a catch-up step, then cap - 1 decode steps), so the
    policy also tries each cap 1..K; a step with no proposals pays none of it.
 4. A slot that got no proposals for `probe_every` steps gets one, if that fits the chosen
-   bucket, so its estimate can recover when its text becomes predictable.
+   bucket, so its estimate can recover when its text becomes predictable. Every other
+   idle slot is probed in the same step, so probes share one draft program and stay in
+   step; with a draft model the interval grows by (draft cost / step time), so probing
+   costs about the same share of time whatever a proposal costs.
 5. Step times come from warmup, on all-padding batches; a real step also pays host work
    (lowering, proposing, routing more tokens) that those miss and that grows with
    speculation. `observe_step` learns it online: a moving average of measured minus
@@ -80,6 +83,8 @@ class SpecPolicy:
         self.prior, self.smoothing, self.probe_every = prior, smoothing, probe_every
         self.min_gain = min_gain
         self.proposal_time, self.proposal_fixed = proposal_time, proposal_fixed
+        draft = proposal_fixed + proposal_time
+        self.probe_interval = round(probe_every * (1 + draft / min(step_time.values())))
         self._slots: dict[int, _SlotStats] = {}
         self.overhead = {False: 0.0, True: 0.0}  # learned seconds beyond the prediction
         self._pending: tuple[float, bool] | None = None  # last plan's prediction, proposing?
@@ -173,10 +178,11 @@ class SpecPolicy:
         o[proposing] += self.smoothing * (seconds - predicted - o[proposing])
 
     def _probe(self, out: dict[int, int], available: dict[int, int], used: int) -> None:
-        """One proposal for long-idle slots, while the step stays in its bucket."""
+        """When a slot is due, one proposal for every idle slot, while the step stays in its
+        bucket."""
+        idle = [s for s, n in available.items() if out[s] == 0 and n > 0]
+        if not any(self._slots[s].idle + 1 >= self.probe_interval for s in idle):
+            return
         room = next((b for b in self.buckets if b >= used), used) - used
-        for s, n in available.items():
-            if room <= 0:
-                return
-            if out[s] == 0 and n > 0 and self._slots[s].idle + 1 >= self.probe_every:
-                out[s], room = 1, room - 1
+        for s in idle[:room]:
+            out[s] = 1

@@ -97,6 +97,15 @@ def test_an_idle_slot_is_probed_with_one_proposal_when_it_fits():
     assert p.plan({0: 4, 1: 4}) == {0: 0, 1: 0}  # probed: idle again from zero
 
 
+def test_probes_come_together_and_rarer_when_proposals_cost_a_draft_step():
+    # draft program 10 ms on 10 ms target steps: the interval doubles (3 -> 6)
+    p = policy(FLAT, k=4, rates={0: 0.0, 1: 0.0}, probe_every=3, proposal_fixed=0.01)
+    assert p.probe_interval == 6
+    plans = [p.plan({0: 4}) for _ in range(2)]  # slot 0 alone for two steps
+    plans += [p.plan({0: 4, 1: 4}) for _ in range(4)]  # then slot 1 joins, less idle
+    assert [sum(x.values()) for x in plans] == [0, 0, 0, 0, 0, 2]  # both probed at once
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_the_plan_maximizes_expected_tokens_per_second(seed):
     r = random.Random(seed)
