@@ -1,8 +1,8 @@
 """Draft-model proposals: a small model with its own paged KV, slots mirrored 1:1 (Proposer).
 
-The draft runs on a second Runner and KVPool of the same design as the target's. Slot s of
-the draft holds the same sequence as slot s of the target, fed lazily: each `propose` call
-that wants proposals runs one program (runner._propose_fn) that feeds every slot the tokens
+The draft runs on a DraftRunner (draft_runner.py) and a KVPool of the same design as the
+target's. Slot s of the draft holds the same sequence as slot s of the target, fed lazily: each
+`propose` call that wants proposals runs one program that feeds every slot the tokens
 its draft cache lacks (prompt chunks, then the one or two tokens the last verify emitted)
 and then up to K - 1 batched greedy decode steps on the device, so K proposals cost one
 host round trip. Proposals are the draft's greedy tokens, so they are deterministic and
@@ -27,7 +27,7 @@ class DraftProposer:
     """Proposer over a draft Runner.
 
     Args:
-      runner: a warmed runner.Runner of the draft model (draft_depth K).
+      runner: a warmed draft_runner.DraftRunner of the draft model.
       num_blocks: blocks of its pool (sink included), as the runner's KV was built with.
       block_size, max_slots, max_blocks_per_seq: as the target engine's.
       token_buckets: the draft runner's warmed token buckets; rows_for: T -> row bucket.

@@ -25,6 +25,7 @@ def load_engine(config: EngineConfig):
     import jax
 
     from .draft import DraftProposer
+    from .draft_runner import DraftRunner
     from .engine import DenseEngine
     from .gguf import GGUFFile, load_params, model_config
     from .ngram import NgramProposer
@@ -57,8 +58,8 @@ def load_engine(config: EngineConfig):
         num_blocks * config.kv_block_size * per_token / 2**30,
     )
 
-    def runner_for(model_cfg, model_params, k, depth=0):
-        return Runner(
+    def runner_for(cls, model_cfg, model_params, **kw):
+        return cls(
             model_cfg,
             model_params,
             num_blocks,
@@ -68,12 +69,11 @@ def load_engine(config: EngineConfig):
             kv_cache_types(config, model_cfg)[0],
             attention_fn(config.attention_backend),
             grouped_matmul_fn(config.moe_backend),
-            max_proposals=k,
-            draft_depth=depth,
+            **kw,
         )
 
     spec_k = config.draft_tokens if config.spec_mode != "off" else 0
-    runner = runner_for(mc, params, spec_k)
+    runner = runner_for(Runner, mc, params, max_proposals=spec_k)
     engine = DenseEngine(config, runner, num_blocks)
     runner.warmup(engine.bucket_pairs())
     if config.spec_mode == "off":
@@ -82,7 +82,7 @@ def load_engine(config: EngineConfig):
     if draft is None:
         proposer = NgramProposer()
     else:
-        d_runner = runner_for(*draft, 0, spec_k)
+        d_runner = runner_for(DraftRunner, *draft, depth=spec_k)
         d_runner.warmup(engine.bucket_pairs())
         proposer = DraftProposer(
             d_runner,

@@ -1,8 +1,8 @@
 """Device state (params, KV arrays, per-slot penalty state) and the jitted, bucketed step.
 
-The step samples and verifies speculative proposals; a draft model's runner compiles the
-propose program instead. Shapes: T tokens, S rows, R logits rows, K proposals, V vocabulary,
-NB KV blocks, P block size, MB blocks per sequence.
+The step samples and verifies speculative proposals (a draft model runs on draft_runner.py's
+subclass). Shapes: T tokens, S rows, R logits rows, K proposals, V vocabulary, NB KV blocks,
+P block size, MB blocks per sequence.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from .batch import lower
 from .config import ModelConfig
 from .models import dense
 from .sampling import row_params, sample
-from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +57,11 @@ class Runner:
         attention_fn=None,
         grouped_matmul_fn=None,
         max_proposals: int = 0,
-        draft_depth: int = 0,
     ):
         """Args: max_proposals: K, the most speculative proposals a verify row carries (0: no
-        speculation, one logits row per row). draft_depth: K for a draft model's runner,
-        whose executables are then propose programs (`propose`) rather than steps."""
+        speculation, one logits row per row)."""
         self.cfg = cfg
         self.k = max_proposals
-        self.depth = draft_depth
         self.params = params
         self.block_size = block_size
         self.max_slots = max_slots
@@ -79,7 +75,6 @@ class Runner:
         }
         self.compiles = 0  # executables built; after warmup this must not move
         self.step_time: dict[tuple[int, int], float] = {}  # seconds per bucket, from warmup
-        self.propose_time: dict[int, float] = {}  # draft runner: depth -> seconds (smallest T)
         # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
         # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
         self.last_stats: dict = {}
@@ -87,6 +82,8 @@ class Runner:
         self._grouped_matmul = grouped_matmul_fn
         self._exec: dict[tuple[int, int], object] = {}
         self._lock = threading.Lock()
+
+    donate = (1, 2)  # KV and slot state: the step's only donated arguments
 
     # -- host <-> device packing: one int32 and one float32 buffer per step --------------------
     def logit_width(self, T: int, S: int) -> int:
@@ -116,9 +113,6 @@ class Runner:
             ("logit_off", (R,)),
             ("want_logprobs", (1,)),
         ]
-
-    def _propose_layout(self, T: int, S: int) -> list[tuple[str, tuple[int, ...]]]:
-        return self._int_layout(T, S) + [("want", (S,)), ("depth", (1,))]
 
     def _unpack(self, ints, floats, T: int, S: int, layout=None) -> tuple[dict, dict]:
         arrays, off = {}, 0
@@ -202,71 +196,19 @@ class Runner:
         )
         return packed, top_ids, top_lp, kv, {"counts": counts, "prompt_mask": pmask}, stats
 
-    def _propose_fn(self, params, kv, ints, floats, *, T: int, S: int):
-        """A draft model's greedy proposals in one program; T, S static.
-
-        The catch-up batch (prompt chunks, and each speculating row's unfed tokens) runs as a
-        step; its rows with sample_mask propose argmax tokens, then up to depth - 1 batched
-        decode steps (a while loop: depth is data) feed each row its last proposal while the
-        row wants more. Rows that want no more write the sink.
-
-        Args: params; kv (donated); ints: int32 packed per _propose_layout (want [S]: proposals
-          per row, depth [1]: the largest); floats: unused sampling parameters.
-        Returns: (tokens int32 [S, draft_depth], kv).
-        """
-        batch, _ = self._unpack(ints, floats, T, S, self._propose_layout(T, S))
-        fwd = functools.partial(
-            dense.forward, cfg=self.cfg, attention_fn=self._attention,
-            grouped_matmul=self._grouped_matmul,
-        )  # fmt: skip
-        logits, kv, _ = fwd(params, kv, batch)
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
-        out = jnp.zeros((S, self.depth), jnp.int32).at[:, 0].set(tok)
-        P, Td = self.block_size, max(S, 8)  # decode steps pad to 8 tokens, as the step's buckets
-        rows = jnp.arange(S)
-        live0 = batch["sample_mask"] > 0
-        pad = jnp.zeros(Td - S, jnp.int32)
-
-        def body(carry):
-            j, kv, tok, out = carry
-            live = live0 & (j < batch["want"])
-            pos = batch["kv_lens"] + j - 1
-            blk = batch["block_tables"][rows, jnp.where(live, pos // P, 0)]
-            dec = {
-                "tokens": jnp.concatenate([tok, pad]),
-                "positions": jnp.concatenate([jnp.where(live, pos, 0), pad]),
-                "seg_ids": jnp.concatenate([rows, pad + S - 1]),
-                "write_idx": jnp.concatenate([jnp.where(live, blk * P + pos % P, 0), pad]),
-                "block_tables": batch["block_tables"],
-                "kv_lens": jnp.where(live, pos + 1, 0),
-                "cu_q_lens": jnp.arange(S + 1, dtype=jnp.int32),
-                "logit_rows": rows,
-            }
-            logits, kv, _ = fwd(params, kv, dec)
-            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return j + 1, kv, tok, out.at[:, j].set(tok)
-
-        carry = (jnp.int32(1), kv, tok, out)
-        _, kv, _, out = jax.lax.while_loop(lambda c: c[0] < batch["depth"][0], body, carry)
-        return out, kv
+    def _abstract_inputs(self, S: int, layout) -> tuple:
+        """Abstract (ints, floats) of a program whose int32 buffer follows `layout`."""
+        n_int = sum(int(np.prod(shape)) for _, shape in layout)
+        return (
+            jax.ShapeDtypeStruct((n_int,), jnp.int32),
+            jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32),
+        )
 
     def step_function(self, T: int, S: int):
-        """The step (a draft runner: the propose program) for bucket (T, S) and abstract
-        arguments to trace or lower it with."""
-        layout = self._propose_layout(T, S) if self.depth else self._int_layout(T, S)
-        n_int = sum(int(np.prod(shape)) for _, shape in layout)
-        ints = jax.ShapeDtypeStruct((n_int,), jnp.int32)
-        floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
-        if self.depth:
-            fn = functools.partial(self._propose_fn, T=T, S=S)
-            return fn, (self.params, self.kv, ints, floats)
-        return functools.partial(self._step_fn, T=T, S=S), (
-            self.params,
-            self.kv,
-            self.state,
-            ints,
-            floats,
-        )
+        """The step for bucket (T, S) and abstract arguments to trace or lower it with."""
+        ints, floats = self._abstract_inputs(S, self._int_layout(T, S))
+        args = (self.params, self.kv, self.state, ints, floats)
+        return functools.partial(self._step_fn, T=T, S=S), args
 
     def executable(self, T: int, S: int):
         """The compiled executable of a warmed bucket (for cost analysis and HLO text)."""
@@ -275,8 +217,7 @@ class Runner:
     def _compile(self, T: int, S: int):
         """Build (or fetch from the persistent cache) the executable for one bucket pair."""
         fn, args = self.step_function(T, S)
-        donate = (1,) if self.depth else (1, 2)
-        exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        exe = jax.jit(fn, donate_argnums=self.donate).lower(*args).compile()
         with self._lock:
             self.compiles += 1
             self._exec[(T, S)] = exe
@@ -316,25 +257,6 @@ class Runner:
             res["top_ids"] = np.asarray(top_ids)[:n_logits]
             res["top_logprobs"] = np.asarray(top_lp)[:n_logits]
         return res
-
-    def propose(self, rows, tables, t_bucket: int, s_bucket: int, want: list[int], depth=None):
-        """A draft runner's greedy proposals (see _propose_fn).
-
-        Args: rows: the catch-up batch (batch.Row; sample=True on speculating rows, whose
-          blocks must cover start + len(tokens) + want - 1); tables: as for run; want: per
-          row, proposals wanted (<= draft_depth); depth: loop count (default max(want)).
-        Returns: int32 [len(rows), draft_depth]: row i's proposals are [i, :want[i]].
-        """
-        T, S = t_bucket, s_bucket
-        greedy = [SamplingParams(temperature=0.0) if r.sample else None for r in rows]
-        zeros = [0] * len(rows)
-        b, ints, floats, _ = self._pack(rows, tables, T, S, greedy, zeros, zeros)
-        w = np.zeros(S, np.int32)
-        w[: len(want)] = want
-        depth = max(want, default=0) if depth is None else depth
-        ints = np.concatenate([ints, w, np.array([depth], np.int32)])
-        out, self.kv = self._executable(T, S)(self.params, self.kv, ints, floats)
-        return np.asarray(out)[: len(rows)]
 
     def _executable(self, T: int, S: int):
         exe = self._exec.get((T, S))
@@ -376,31 +298,25 @@ class Runner:
                 leave=False,
             ):
                 f.result()
-        empty = np.zeros((1, self.max_blocks), np.int32)
-
-        def timed(fn) -> float:  # best of 3, after one untimed run
-            fn()
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        # Step times for the policy of speculation: all-padding runs read every weight, as a
-        # real step does. A draft runner times its propose program at depth 1 and K instead.
-        for t, s in pairs:
-            if self.depth:
-                self.propose([], empty, t, s, [])
-                if (t, s) != pairs[0]:
-                    continue  # proposals come with decode-sized catch-ups: time the smallest
-                for d in (1, self.depth):
-                    self.propose_time[d] = timed(
-                        lambda t=t, s=s, d=d: self.propose([], empty, t, s, [], depth=d)
-                    )
-            else:
-                self.step_time[(t, s)] = timed(
-                    lambda t=t, s=s: self.run([], empty, t, s, [], [], [])
-                )
+        self._time(pairs, np.zeros((1, self.max_blocks), np.int32))
         jax.block_until_ready((self.kv, self.state))
         log.info("compiled %d step buckets", len(pairs))
+
+    def _time(self, pairs, empty) -> None:
+        """Step times for the policy of speculation: all-padding runs read every weight, as
+        a real step does."""
+        for t, s in pairs:
+            self.step_time[(t, s)] = best_of_3(
+                lambda t=t, s=s: self.run([], empty, t, s, [], [], [])
+            )
+
+
+def best_of_3(fn) -> float:
+    """Seconds of the fastest of 3 calls, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
