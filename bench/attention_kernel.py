@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from luce_jax.models import kv_cache
 from luce_jax.models.attention import paged_attention_xla
+from pallas_kernels import kv_cache
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
 from meta import meta_line, run_meta, write_result

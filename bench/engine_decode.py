@@ -74,12 +74,12 @@ def param_bytes(params) -> int:
 def run(args, backend: str, moe_backend: str) -> dict:
     import jax
 
+    from luce_jax.build import load_engine
     from luce_jax.config import EngineConfig
-    from luce_jax.llm import load_engine
-    from luce_jax.models import kv_cache
-    from luce_jax.request import Request
-    from luce_jax.sampling import SamplingParams
-    from luce_jax.scheduler import Scheduler
+    from luce_jax.host.request import Request
+    from luce_jax.host.scheduler import Scheduler
+    from luce_jax.sampling_params import SamplingParams
+    from pallas_kernels import kv_cache
 
     cmax = max(args.concurrency)
     # Early requests decode while later ones prefill, so leave room for those steps too.
@@ -132,7 +132,7 @@ def run(args, backend: str, moe_backend: str) -> dict:
         for r in reqs:
             sched.add(r)
         t = time.perf_counter()
-        while not all(r.phase == "decode" for r in reqs):
+        while not all(sched.decoding(r) for r in reqs):
             ended = [(r.finish_reason, r.error) for r in reqs if r.done]
             assert not ended, f"requests ended before the timed steps: {ended}"
             sched.step()
@@ -142,7 +142,7 @@ def run(args, backend: str, moe_backend: str) -> dict:
             sched.step()
         compiles = engine.runner.compiles
         runner = engine.runner
-        originals, captured = dict(runner._exec), {}
+        originals, captured = dict(runner.programs._exec), {}
 
         def spy(exe, _c=captured):
             def call(*a):
@@ -151,12 +151,12 @@ def run(args, backend: str, moe_backend: str) -> dict:
 
             return call
 
-        runner._exec = {k: spy(v) for k, v in originals.items()}
+        runner.programs._exec = {k: spy(v) for k, v in originals.items()}
         t = time.perf_counter()
         for _ in range(args.steps):
             sched.step()
         dt = (time.perf_counter() - t) / args.steps
-        runner._exec = originals
+        runner.programs._exec = originals
         assert engine.runner.compiles == compiles, "compiled while decoding"
         dev_dt = device_step_time(runner, captured["exe"], captured["args"], args.steps)
         for r in reqs:

@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from luce_jax.gguf import GGUFFile
+from luce_jax.loading.gguf import GGUFFile
 
 log = logging.getLogger("make_model")
 

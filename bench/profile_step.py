@@ -111,9 +111,9 @@ def _spy(key, exe, used: set):
 def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None) -> dict:
     import jax
 
-    from luce_jax.request import Request
-    from luce_jax.sampling import SamplingParams
-    from luce_jax.scheduler import Scheduler
+    from luce_jax.host.request import Request
+    from luce_jax.host.scheduler import Scheduler
+    from luce_jax.sampling_params import SamplingParams
 
     mc, runner = engine.runner.cfg, engine.runner
     sched = Scheduler(engine, tok)
@@ -122,14 +122,14 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None)
     reqs = [Request(rng.integers(0, mc.vocab_size, ctx).tolist(), sp) for _ in range(C)]
     for r in reqs:
         sched.add(r)
-    while not all(r.phase == "decode" for r in reqs):
+    while not all(sched.decoding(r) for r in reqs):
         assert not any(r.done for r in reqs), [(r.finish_reason, r.error) for r in reqs]
         sched.step()
     for _ in range(warm):
         sched.step()
     used = set()
-    originals = dict(runner._exec)
-    runner._exec = {k: _spy(k, v, used) for k, v in originals.items()}
+    originals = dict(runner.programs._exec)
+    runner.programs._exec = {k: _spy(k, v, used) for k, v in originals.items()}
     with tempfile.TemporaryDirectory() as d:
         opts = jax.profiler.ProfileOptions()
         opts.python_tracer_level = 0  # tracing every Python call would inflate host time
@@ -138,7 +138,7 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None)
             for _ in range(steps):
                 sched.step()
             wall = (time.perf_counter() - t) * 1e3
-        runner._exec = originals
+        runner.programs._exec = originals
         (path,) = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
         with gzip.open(path) as f:
             trace = json.load(f)
@@ -231,8 +231,8 @@ def main():
             with gzip.open(path, "rt") as f:
                 results.append(analyze(json.load(f)))
         return write(results, a)
+    from luce_jax.build import load_engine
     from luce_jax.config import EngineConfig
-    from luce_jax.llm import load_engine
 
     cmax = max(a.concurrency)
     max_ctx = a.ctx + a.steps + a.warm + 128

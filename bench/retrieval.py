@@ -174,7 +174,7 @@ def main():
         ap.error("--url or --server-cmd is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from luce_jax.tokenizer import GGUFTokenizer
+    from luce_jax.loading.tokenizer import GGUFTokenizer
 
     tok = GGUFTokenizer.from_gguf(a.tokenizer)
 

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from luce_jax.gguf import GGUFFile
+from luce_jax.loading.gguf import GGUFFile
 
 
 def copy_bandwidth(gib: float = 4.0, reps: int = 20) -> float:

@@ -56,35 +56,6 @@ HELP = {
 }
 
 
-class EngineHandle:
-    """What the server needs of a running engine; reads are safe from any thread."""
-
-    def __init__(self, config, tokenizer, engine, scheduler, loop):
-        self.config, self.tokenizer, self.loop = engine.config, tokenizer, loop
-        self._engine, self._sched = engine, scheduler
-        self.vocab_size = engine.runner.cfg.vocab_size
-
-    def running(self) -> int:
-        return len(self._sched.running)
-
-    def waiting(self) -> int:
-        return len(self._sched.queue)
-
-    def blocks_used(self) -> int:
-        return self._engine.pool.used
-
-    def blocks_free(self) -> int:
-        return self._engine.pool.available
-
-    def compiles(self) -> int:
-        return self._engine.runner.compiles
-
-    def spec_stats(self) -> dict | None:
-        """Speculation totals (speculation.Speculator.stats), None when it is off."""
-        spec = self._engine.spec
-        return spec.stats() if spec is not None else None
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m luce_jax.serve",
@@ -129,22 +100,12 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
         ap.error(f"--{name.replace('_', '-')}: {e}")
 
 
-def start_engine(config: EngineConfig) -> EngineHandle:
-    """Load, compile and start the engine thread (blocks until ready)."""
-    from .llm import load_engine
-    from .loop import EngineLoop
-    from .scheduler import Scheduler
-
-    tokenizer, engine = load_engine(config)
-    sched = Scheduler(engine, tokenizer, config.max_queue, config.admission_coalesce_ms)
-    loop = EngineLoop(sched).start()
-    return EngineHandle(config, tokenizer, engine, sched, loop)
-
-
 def main(argv=None) -> int:
     import uvicorn
 
     from server.app import ServerState, create_app
+
+    from .build import start_engine
 
     args, config = parse_config(argv)
     logging.basicConfig(

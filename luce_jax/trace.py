@@ -12,6 +12,7 @@ step_jaxpr(llm.engine, 16), step_hlo(llm.engine, 16)
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 
 import jax
@@ -34,45 +35,60 @@ class StepRecord:
 
 
 class StepTracer:
-    """Wraps an engine's `step` to time it and record what each plan held."""
+    """Wraps an engine's `dispatch` and `collect` to record what each step held and its time.
+
+    A step's `ms` runs from its dispatch, or from the collect of the step before it if that
+    came later (steps overlap: the next is dispatched while this one runs), to the moment its
+    tokens are on the host: about the device time of the step when the host keeps up.
+    """
 
     def __init__(self, engine):
         self.engine = engine
         self.records: list[StepRecord] = []
-        self._inner = engine.step
-        engine.step = self._step
+        self._dispatch, self._collect = engine.dispatch, engine.collect
+        engine.dispatch, engine.collect = self._on_dispatch, self._on_collect
+        self._pending: deque = deque()  # (plan, bucket, dispatch time, stats) per step in flight
+        self._last_collect = 0.0
 
-    def _step(self, plan):
+    def _on_dispatch(self, plan):
         t0 = time.perf_counter()
-        result = self._inner(plan)
-        t_bucket, s_bucket = self.engine.last_bucket
+        self._dispatch(plan)
+        stats = self.engine.runner.last_stats  # this step's device arrays, fetched at collect
+        self._pending.append((plan, self.engine.last_bucket, t0, stats))
+
+    def _on_collect(self):
+        plan, (t_bucket, s_bucket), t0, stats = self._pending.popleft()
+        result = self._collect()
+        now = time.perf_counter()
+        start, self._last_collect = max(t0, self._last_collect), now
         spec = self.engine.spec.last.values() if self.engine.spec is not None else ()
         self.records.append(
             StepRecord(
                 index=len(self.records),
-                slots=tuple(s for s, _ in plan.decode) + tuple(s for s, _ in plan.prefills),
+                slots=tuple(plan.decode) + tuple(s for s, _ in plan.prefills),
                 decode_rows=len(plan.decode),
                 prefill_rows=len(plan.prefills),
                 prefill_tokens=sum(n for _, n in plan.prefills),
                 token_bucket=t_bucket,
                 row_bucket=s_bucket,
-                ms=(time.perf_counter() - t0) * 1e3,
+                ms=(now - start) * 1e3,
                 proposed=sum(p for p, _ in spec),
                 accepted=sum(a for _, a in spec),
-                expert_tokens=self._expert_tokens(),
+                expert_tokens=_expert_tokens(stats),
             )
         )
         return result
-
-    def _expert_tokens(self):
-        counts = self.engine.runner.last_stats.get("expert_counts")
-        return None if counts is None else tuple(map(tuple, np.asarray(counts).tolist()))
 
     def rows(self) -> list[dict]:
         return [asdict(r) for r in self.records]
 
     def detach(self) -> None:
-        self.engine.step = self._inner
+        self.engine.dispatch, self.engine.collect = self._dispatch, self._collect
+
+
+def _expert_tokens(stats: dict):
+    counts = stats.get("expert_counts")
+    return None if counts is None else tuple(map(tuple, np.asarray(counts).tolist()))
 
 
 def _cost(exe) -> dict:

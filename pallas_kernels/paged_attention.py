@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from luce_jax.models import kv_cache
-from luce_jax.models.kv_cache import GROUP
+from . import kv_cache
+from .kv_cache import GROUP
 
 MASK_VALUE = -1e30  # finite: a fully masked row keeps m finite and contributes nothing
 

@@ -6,7 +6,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
-from luce_jax.tokenizer import _byte_chars as byte_tokens
+from luce_jax.loading.tokenizer import _byte_chars as byte_tokens
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (

@@ -7,9 +7,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from luce_jax.config import EngineConfig
-from luce_jax.loop import EngineLoop
+from luce_jax.host.loop import EngineLoop
+from luce_jax.host.scheduler import Scheduler
 from luce_jax.sampling_params import SamplingParams
-from luce_jax.scheduler import Scheduler
 from server.app import ServerState, create_app
 from server.bridge import Stream
 
@@ -133,9 +133,9 @@ def test_a_reader_too_far_behind_is_cancelled(limit):
         assert s.slow_reader and events[-1].finish_reason == "cancelled"
         assert sum(len(e.token_ids) for e in events) < 900
         deadline = time.time() + 2
-        while eng.state and time.time() < deadline:
+        while eng.live_slots() and time.time() < deadline:
             time.sleep(0.01)
-        assert not eng.state and eng.pool.available == eng.pool.capacity
+        assert not eng.live_slots() and eng.pool.available == eng.pool.capacity
     finally:
         h.loop.stop()
 

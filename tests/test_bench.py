@@ -43,8 +43,8 @@ def monkeypatch_module():
 
 def test_made_models_have_real_shapes_and_tokenizer(made):
     dense, moe, vocab = made
-    from luce_jax.gguf import GGUFFile, model_config
-    from luce_jax.tokenizer import GGUFTokenizer
+    from luce_jax.loading.gguf import GGUFFile, model_config
+    from luce_jax.loading.tokenizer import GGUFTokenizer
 
     cfg = model_config(GGUFFile(dense).metadata)
     assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (
@@ -97,7 +97,7 @@ def test_roofline_counts_every_weight_a_decode_step_reads(made):
 
 
 def test_retrieval_documents_are_deterministic_and_sized(made):
-    from luce_jax.tokenizer import GGUFTokenizer
+    from luce_jax.loading.tokenizer import GGUFTokenizer
 
     tok = GGUFTokenizer.from_gguf(made[2])
 
@@ -180,7 +180,7 @@ def test_compare_ratio_table():
 
 
 def test_profile_attributes_step_time_to_model_parts(engine_config):
-    from luce_jax.llm import load_engine
+    from luce_jax.build import load_engine
 
     tok, engine = load_engine(engine_config)
     r = profile_step.profile(engine, tok, C=2, ctx=16, steps=2, warm=1)

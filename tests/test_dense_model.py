@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from luce_jax.batch import Row, lower
-from luce_jax.gguf import GGUFFile, load_params, model_config
+from luce_jax.host.batch import Row, lower
+from luce_jax.loading.gguf import GGUFFile, load_params, model_config
 from luce_jax.models import dense
 
 P = 16  # block size

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from luce_jax.llm import load_engine
-from luce_jax.request import Request
-from luce_jax.sampling import SamplingParams
-from luce_jax.scheduler import Scheduler
+from luce_jax.build import load_engine
+from luce_jax.host.request import Request
+from luce_jax.host.scheduler import Scheduler
+from luce_jax.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -96,8 +96,8 @@ def test_seeded_sampling_is_reproducible_under_batching(loaded, engine_config):
 
 
 def test_max_ctx_is_clamped_to_the_model_context():
+    from luce_jax.build import fit_to_model
     from luce_jax.config import EngineConfig, ModelConfig
-    from luce_jax.llm import fit_to_model
 
     mc = ModelConfig("qwen3", 100, 64, 2, 4, 2, 16, 96, context_length=2048)
     assert fit_to_model(EngineConfig(max_ctx=4096), mc).max_ctx == 2048
@@ -105,8 +105,8 @@ def test_max_ctx_is_clamped_to_the_model_context():
 
 
 def test_kv_pool_sizing():
+    from luce_jax.build import kv_pool_blocks
     from luce_jax.config import EngineConfig
-    from luce_jax.llm import kv_pool_blocks
 
     class Dev:
         def __init__(self, stats):
@@ -139,3 +139,47 @@ def test_too_long_prompt_fails_alone(loaded, engine_config):
     assert bad.phase == "failed" and "context" in bad.error
     assert events[-1].finish_reason == "error"
     assert good.phase == "finished" and len(good.output_ids) == GREEDY.max_tokens
+
+
+def test_a_slot_reused_right_after_its_request_ends_gives_the_new_request_its_own_output(
+    loaded, engine_config
+):
+    """A ends on a stop token while the step after it is already computed for it (its token is
+    dropped); B, queued behind three long requests, gets A's slot in the very next step and
+    samples exactly as alone: the device's last token, penalty counts and prompt mask of the
+    slot are B's own from its first step."""
+    tok, engine = loaded
+    engine.config = engine_config
+    p = prompts(8)
+    a_ref = run_schedule(engine, tok, [(0, p[1], GREEDY.replace(max_tokens=20))])[0][0]
+    stop = a_ref[5]
+    a_sp = GREEDY.replace(max_tokens=20, stop_token_ids=[stop])
+    b_sp = SamplingParams(
+        max_tokens=12, temperature=0.9, seed=7, repetition_penalty=1.3, presence_penalty=0.5
+    )
+    b_alone = run_schedule(engine, tok, [(0, p[4], b_sp)])[0][0]
+    sched = Scheduler(engine, tok)
+    seen = {}
+
+    def on_a(ev):
+        if ev.final:  # the step after A's last is in flight, computing a token for it
+            seen["in_flight"] = engine.in_flight
+            seen["ahead"] = int(engine.slots.generated[a.slot]) - len(a.output_ids)
+            seen["step"] = sched.steps
+
+    a = Request(list(p[1]), a_sp, on_a)
+    fillers = [Request(list(p[i]), GREEDY.replace(max_tokens=40)) for i in (0, 2, 3)]
+    b = Request(list(p[4]), b_sp)
+    for r in (a, *fillers, b):
+        sched.add(r)
+    b_admitted = None
+    while not sched.idle:
+        sched.step()
+        if b_admitted is None and b.phase == "running":
+            b_admitted = sched.steps
+    assert a.finish_reason == "stop" and a.output_ids == a_ref[: a_ref.index(stop) + 1]
+    assert seen["in_flight"] == 1 and seen["ahead"] == 1
+    assert b.slot == a.slot and b_admitted == seen["step"] + 1
+    assert b.output_ids == b_alone
+    engine.pool.check()
+    assert engine.pool.available == engine.pool.capacity

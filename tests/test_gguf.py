@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from luce_jax.gguf import GGUFFile, load_params, model_config
+from luce_jax.loading.gguf import GGUFFile, load_params, model_config
 
 
 def test_header_matches_gguf_reader(tiny_models):

@@ -9,9 +9,9 @@ import pytest
 from gguf import quants
 
 from luce_jax import LLM, SamplingParams
+from luce_jax.build import kv_cache_types
 from luce_jax.config import EngineConfig, ModelConfig
-from luce_jax.llm import kv_cache_types
-from luce_jax.models import kv_cache
+from pallas_kernels import kv_cache
 
 GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 

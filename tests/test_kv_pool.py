@@ -2,7 +2,7 @@
 
 import pytest
 
-from luce_jax.kv_pool import KVPool
+from luce_jax.host.kv_pool import KVPool
 
 
 def test_sink_is_never_handed_out_and_lowest_blocks_come_first():

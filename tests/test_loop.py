@@ -2,9 +2,9 @@
 
 import threading
 
-from luce_jax.loop import EngineLoop
-from luce_jax.sampling import SamplingParams
-from luce_jax.scheduler import Scheduler
+from luce_jax.host.loop import EngineLoop
+from luce_jax.host.scheduler import Scheduler
+from luce_jax.sampling_params import SamplingParams
 
 from fake_engine import FakeEngine
 
@@ -48,4 +48,4 @@ def test_submit_from_many_threads_and_cancel():
         assert events[-1].finish_reason == "cancelled"
     finally:
         loop.stop()
-    assert not eng.state and eng.pool.available == eng.pool.capacity
+    assert not eng.live_slots() and eng.pool.available == eng.pool.capacity

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from test_engine import check_batched_equals_alone
 
+from luce_jax.build import load_engine
 from luce_jax.config import ModelConfig
-from luce_jax.llm import load_engine
 from luce_jax.models import moe
 
 

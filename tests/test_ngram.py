@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from luce_jax.ngram import NgramProposer
+from luce_jax.speculation.ngram import NgramProposer
 
 
 def brute_force(tokens, k, n_min, n_max):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from luce_jax.models import kv_cache
+from pallas_kernels import kv_cache
 from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_reference,

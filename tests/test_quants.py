@@ -5,7 +5,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from luce_jax.quants import DEQUANTIZERS, dequantize
+from luce_jax.loading.quants import DEQUANTIZERS, dequantize
 
 T = GGMLQuantizationType
 

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from luce_jax.sampling import SamplingParams, apply_penalties, row_params, sample
+from luce_jax.device.sampling import apply_penalties, named, sample
+from luce_jax.host.slots import sampling_arrays
+from luce_jax.sampling_params import SamplingParams
 
 V = 50
 _sample = jax.jit(sample)
@@ -17,7 +19,7 @@ def run(params, logits, counts=None, pmask=None, seeds=None, steps=None):
     pmask = jnp.zeros((R, V), bool) if pmask is None else pmask
     seeds = np.zeros(R, np.uint32) if seeds is None else np.asarray(seeds, np.uint32)
     steps = np.zeros(R, np.int32) if steps is None else np.asarray(steps, np.int32)
-    sp = {k: jnp.asarray(v) for k, v in row_params(params, R).items()}
+    sp = {k: jnp.asarray(v) for k, v in named(*sampling_arrays(params)).items()}
     tokens, _ = _sample(jnp.asarray(logits), counts, pmask, sp, seeds, steps)
     return np.asarray(tokens)
 
@@ -78,7 +80,7 @@ def test_filters_keep_only_allowed_tokens(logits):
 
 
 def penalized(logits, counts, pmask, **kw):
-    sp = {k: jnp.asarray(v) for k, v in row_params([SamplingParams(**kw)], 1).items()}
+    sp = {k: jnp.asarray(v) for k, v in named(*sampling_arrays([SamplingParams(**kw)])).items()}
     return np.asarray(apply_penalties(jnp.asarray(logits), counts, pmask, sp))
 
 

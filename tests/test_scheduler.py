@@ -3,9 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from luce_jax.request import Request
-from luce_jax.sampling import SamplingParams
-from luce_jax.scheduler import QueueFull, Scheduler
+from luce_jax.host.request import Request
+from luce_jax.host.scheduler import QueueFull, Scheduler
+from luce_jax.sampling_params import SamplingParams
 
 from fake_engine import FakeEngine
 
@@ -73,10 +73,13 @@ def test_freed_slot_is_reused_at_once():
     a, b = req(2, 1), req(2, 1)
     sched.add(a)
     sched.add(b)
-    sched.step()  # a: prefill completes, first token = max_tokens -> finished, slot free
-    assert a.phase == "finished" and a.slot == 0
-    sched.step()
-    assert b.slot == 0 and b.phase == "finished"
+    sched.step()  # a: prefill completes, its first token (= max_tokens) is sampled
+    sched.step()  # nothing to plan (a reached max_tokens): collect it -> finished, slot free
+    assert a.phase == "finished" and a.slot == 0 and b.phase == "queued"
+    sched.step()  # the very next step admits b into the freed slot
+    assert b.slot == 0 and b.phase == "running"
+    drain(sched)
+    assert b.phase == "finished"
 
 
 def test_budgets_are_honoured_and_prefilling_slots_never_decode():
@@ -89,7 +92,7 @@ def test_budgets_are_honoured_and_prefilling_slots_never_decode():
         assert len(plan.prefills) <= 2
         assert all(n <= 5 for _, n in plan.prefills)
         assert sum(n for _, n in plan.prefills) + len(plan.decode) <= 12
-        decoding = {s for s, _ in plan.decode}
+        decoding = set(plan.decode)
         assert not decoding & {s for s, _ in plan.prefills}
 
 
@@ -101,13 +104,17 @@ def test_cancel_in_every_phase_frees_everything_before_the_next_plan():
         sched.add(r)
     sched.step()
     sched.step()
-    assert decoding.phase == "decode" and prefilling.phase == "prefill"
-    assert queued.phase == "queued"
+    assert sched.decoding(decoding) and not sched.decoding(prefilling)
+    assert prefilling.phase == "running" and queued.phase == "queued"
+    delivered = [len(r.output_ids) for r in (decoding, prefilling, queued)]
     for r in (decoding, prefilling, queued):
         sched.cancel(r)
         assert r.phase == "cancelled" and r.finish_reason == "cancelled"
-    assert not eng.state and eng.pool.available == eng.pool.capacity
+    assert not eng.live_slots() and eng.pool.available == eng.pool.capacity
     eng.pool.check()
+    assert not sched.running and not sched.queue
+    sched.step()  # collects the step still in flight; its tokens go to nobody
+    assert [len(r.output_ids) for r in (decoding, prefilling, queued)] == delivered
     assert sched.idle and not sched.step()
 
 
@@ -184,10 +191,53 @@ def test_property_no_leaks_disjoint_tables_pool_full_when_idle(reqs, slots, bloc
                 sched.cancel(r)
         sched.step()
         eng.pool.check()
-        assert set(eng.pool.tables) == set(eng.state) == set(sched.running)
+        assert set(eng.pool.tables) == eng.live_slots() == set(sched.running)
         assert len(sched.running) <= slots
         if step > 15 and sched.idle:
             break
     assert sched.idle
     assert all(r.done for _, r, _ in made)
     assert eng.pool.available == eng.pool.capacity and not eng.pool.tables
+
+
+def test_step_n_plus_1_is_dispatched_before_step_n_is_collected():
+    """With overlap the host plans and dispatches the next step while the last one runs: a
+    step's tokens arrive one scheduler step later. Without it (speculation), at once."""
+    for overlap, lag in ((True, 1), (False, 0)):
+        eng = FakeEngine(slots=2, blocks=100, overlap=overlap)
+        sched = Scheduler(eng)
+        r = req(3, 4)
+        sched.add(r)
+        delivered = []
+        while r.phase != "finished":
+            sched.step()
+            delivered.append(len(r.output_ids))
+            if r.phase == "running":
+                assert eng.in_flight == lag
+        # one prompt step, then one decode step per token after the first
+        assert delivered == [0] * lag + [1, 2, 3, 4]
+        assert len(eng.plans) == 4
+
+
+def test_a_step_that_fails_on_the_device_fails_only_its_requests():
+    """The failure surfaces when the step is collected, after the next step was dispatched:
+    the failed step's requests fail and the next step's rows for them are dropped; a request
+    that joined in that next step, and later ones, finish."""
+    eng = FakeEngine(
+        slots=4, blocks=100, fail_collect_on=lambda p: any(n == 7 for _, n in p.prefills)
+    )
+    sched = Scheduler(eng)
+    ok, bad, joined, later = req(3, 6), req(7, 3), req(2, 3), req(4, 2)
+    sched.add(ok)
+    sched.step()
+    sched.add(bad)
+    sched.step()  # dispatches ok's decode row and bad's prefill: the step that will fail
+    sched.add(joined)
+    sched.step()  # dispatches joined's prefill, then collects the failed step
+    assert bad.phase == "failed" and "injected device failure" in bad.error
+    assert ok.phase == "failed" and joined.phase == "running"
+    sched.add(later)
+    drain(sched)
+    assert joined.phase == "finished" and joined.output_ids == [101, 102, 103]
+    assert later.phase == "finished" and len(later.output_ids) == 2
+    assert eng.pool.available == eng.pool.capacity and not eng.live_slots()

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from luce_jax.spec_policy import SpecPolicy
+from luce_jax.speculation.policy import SpecPolicy
 
 FLAT = {8: 0.010, 16: 0.010, 32: 0.010, 64: 0.011}  # memory-bound: tokens are nearly free
 LINEAR = {8: 0.010, 16: 0.020, 32: 0.040, 64: 0.080}  # compute-bound: time grows with tokens

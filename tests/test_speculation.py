@@ -14,10 +14,10 @@ import torch
 from scipy.stats import chi2
 from test_engine import run_schedule
 
+from luce_jax.build import load_engine
 from luce_jax.config import EngineConfig
-from luce_jax.llm import load_engine
-from luce_jax.sampling import SamplingParams
-from luce_jax.spec_policy import SpecPolicy
+from luce_jax.sampling_params import SamplingParams
+from luce_jax.speculation.policy import SpecPolicy
 
 from hf_gguf import hf_to_gguf, make_hf_model
 

@@ -4,8 +4,8 @@ import functools
 
 import pytest
 
-from luce_jax.gguf import GGUFFile
-from luce_jax.tokenizer import GGUFTokenizer, GGUFVocab
+from luce_jax.loading.gguf import GGUFFile
+from luce_jax.loading.tokenizer import GGUFTokenizer, GGUFVocab
 
 VOCABS = ["qwen2", "llama-spm"]
 
@@ -33,7 +33,7 @@ def test_llama_cpp_vectors(fixtures_dir, name):
 
 @pytest.mark.parametrize("name", VOCABS)
 def test_incremental_decode_is_valid_utf8_and_equals_full_decode(fixtures_dir, name):
-    from luce_jax.tokenizer import IncrementalDecoder
+    from luce_jax.loading.tokenizer import IncrementalDecoder
 
     tok = load(fixtures_dir, name)
     for text, _ in vectors(fixtures_dir, name):
@@ -45,7 +45,7 @@ def test_incremental_decode_is_valid_utf8_and_equals_full_decode(fixtures_dir, n
 
 
 def test_continuation_keeps_sentencepiece_leading_space(fixtures_dir):
-    from luce_jax.tokenizer import IncrementalDecoder
+    from luce_jax.loading.tokenizer import IncrementalDecoder
 
     tok = load(fixtures_dir, "llama-spm")
     ids = tok.encode("Hello world", add_special=False)

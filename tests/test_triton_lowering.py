@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.triton import pallas_call_registration as registration
 
-from luce_jax.models import kv_cache
+from pallas_kernels import kv_cache
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from export import write_gguf  # noqa: E402
 from model import SIZES, Size, init, loss_fn  # noqa: E402
 
-from luce_jax.tokenizer import _PRE_PATTERNS  # noqa: E402  (the GGUF tokenizer rebuilds it)
+from luce_jax.loading.tokenizer import _PRE_PATTERNS  # noqa: E402  (the GGUF tokenizer rebuilds it)
 
 log = logging.getLogger("train")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

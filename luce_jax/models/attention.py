@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import kv_cache
+from pallas_kernels import kv_cache
 
 # Query rows gathered per pass: bounds the [tile, L, K, D] KV gather of long prefills.
 QUERY_TILE = 32

@@ -10,8 +10,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_cache
+
 from ..config import ModelConfig
-from . import kv_cache, moe
+from . import moe
 from .attention import paged_attention_xla
 
 KV = list[tuple]  # per layer (k, v): [NB, P, K, D] arrays or kv_cache.Quantized

@@ -16,8 +16,8 @@ import queue
 import threading
 import time
 
+from ..sampling_params import SamplingParams
 from .request import Event, Request
-from .sampling_params import SamplingParams
 from .scheduler import QueueFull, Scheduler
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .spec_policy import SpecPolicy
+from .policy import SpecPolicy
 
 
 class Speculator:

@@ -1,4 +1,4 @@
-"""Lower one step's sequence rows to fixed-width packed arrays (bucketed), with segment metadata.
+"""Lower one step's rows to fixed-width packed arrays (bucketed), with segment metadata.
 
 Pure NumPy: the runner hands the result to the jitted step. Shapes: T tokens (bucket),
 S segment rows (bucket), MB blocks per sequence, R logits rows (>= S: one per sampling row,
@@ -7,11 +7,15 @@ plus one per speculative proposal a verify row carries).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 SINK_BLOCK = 0  # padding rows write here; never part of a sequence's block table
+# A token the device supplies: the slot's last sampled token, kept in a device buffer, so a
+# decode row needs nothing from the host and the next step can be dispatched before the
+# previous one's tokens reach the host.
+FROM_DEVICE = -1
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,47 @@ class Row:
     start: int  # position of tokens[0] (= KV length before this step)
     sample: bool  # take logits at the last token (decode rows, prompt slices that complete)
     draft: int = 0  # trailing tokens that are proposals: logits at each of the last draft + 1
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A step's n rows as arrays, in packing order (what `lower` takes).
+
+    slots, starts (position of each row's first token), lens: int32 [n]; tokens: int32
+    [sum(lens)], FROM_DEVICE where the device supplies the token; sample: bool [n] (logits at
+    the row's last token); n_draft: int32 [n] (trailing proposals of a verify row).
+    """
+
+    slots: np.ndarray
+    starts: np.ndarray
+    lens: np.ndarray
+    tokens: np.ndarray
+    sample: np.ndarray
+    n_draft: np.ndarray
+
+    @staticmethod
+    def of(rows: list[Row]) -> Rows:
+        n = len(rows)
+        return Rows(
+            slots=np.fromiter((r.slot for r in rows), np.int32, n),
+            starts=np.fromiter((r.start for r in rows), np.int32, n),
+            lens=np.fromiter((len(r.tokens) for r in rows), np.int32, n),
+            tokens=np.fromiter((t for r in rows for t in r.tokens), np.int32),
+            sample=np.fromiter((r.sample for r in rows), bool, n),
+            n_draft=np.fromiter((r.draft for r in rows), np.int32, n),
+        )
+
+    @staticmethod
+    def concat(parts: list[Rows]) -> Rows:
+        return Rows(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Rows)))
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def n_logits(self) -> int:
+        """Logits rows the step takes: one per row, and one per proposal."""
+        return len(self.slots) + int(self.n_draft.sum())
 
 
 def buckets(limit: int, smallest: int = 1) -> list[int]:
@@ -42,18 +87,18 @@ def pick_bucket(n: int, sizes: list[int]) -> int:
 
 
 def lower(
-    rows: list[Row],
+    rows: Rows | list[Row],
     tables: np.ndarray,
     block_size: int,
     t_bucket: int,
     s_bucket: int,
     r_bucket: int | None = None,
-):
+) -> dict[str, np.ndarray]:
     """Pack rows into the arrays models.dense.forward takes (vectorized over rows).
 
     Args:
       rows: the step's rows, in packing order.
-      tables: int32 [slots, MB] block table of every slot (sink-padded), indexed by Row.slot;
+      tables: int32 [slots, MB] block table of every slot (sink-padded), indexed by slot;
         each row's table must already cover start + len(tokens).
       r_bucket: logits rows R (default s_bucket); a sampling row takes 1 + draft of them.
     Padding tokens write the sink block at position 0 and belong to the last segment; padding
@@ -64,17 +109,17 @@ def lower(
       a token is sampled), n_draft [S], logit_start [S] (its first logits row); per logits
       row: logit_rows [R] (token index), logit_seg [R] (segment), logit_off [R] (0 at the
       decode token, j at the j-th proposal). Rows that sample nothing still own one logits
-      row (unused), so logits row i of a plain step is segment i, as before.
+      row (unused), so logits row i of a plain step is segment i.
     """
+    if not isinstance(rows, Rows):
+        rows = Rows.of(rows)
     n = len(rows)
     R = s_bucket if r_bucket is None else r_bucket
-    lens = np.fromiter((len(r.tokens) for r in rows), np.int32, n)
+    lens, starts, slots, n_draft = rows.lens, rows.starts, rows.slots, rows.n_draft
     tot = int(lens.sum())
     if tot > t_bucket or n > s_bucket:
         raise ValueError(f"{tot} tokens / {n} rows exceed bucket {t_bucket}/{s_bucket}")
     P, MB = block_size, tables.shape[1]
-    starts = np.fromiter((r.start for r in rows), np.int32, n)
-    slots = np.fromiter((r.slot for r in rows), np.int32, n)
     cu = np.zeros(s_bucket + 1, np.int32)
     np.cumsum(lens, out=cu[1 : n + 1])
     cu[n + 1 :] = tot
@@ -82,6 +127,7 @@ def lower(
     pos = np.arange(tot, dtype=np.int32) - cu[seg] + starts[seg]
     bt = tables[slots]  # [n, MB]
     assert (bt[np.arange(n), np.maximum(starts + lens - 1, 0) // P] != SINK_BLOCK).all()
+    assert (n_draft < np.maximum(lens, 1)).all() and rows.sample[n_draft > 0].all()
 
     def padded(x, width, fill):
         out = np.full(width, fill, np.int32)
@@ -90,8 +136,6 @@ def lower(
 
     block_tables = np.full((s_bucket, MB), SINK_BLOCK, np.int32)
     block_tables[:n] = bt
-    n_draft = np.fromiter((r.draft for r in rows), np.int32, n)
-    assert (n_draft < np.maximum(lens, 1)).all() and all(r.sample for r in rows if r.draft)
     width = n_draft + 1
     l_start = np.zeros(n, np.int32)
     np.cumsum(width[:-1], out=l_start[1:])
@@ -102,9 +146,7 @@ def lower(
     l_off = np.arange(n_logits, dtype=np.int32) - l_start[l_seg]
     l_tok = cu[1 : n + 1][l_seg] - 1 - n_draft[l_seg] + l_off
     return {
-        "tokens": padded(
-            np.fromiter((t for r in rows for t in r.tokens), np.int32, tot), t_bucket, 0
-        ),
+        "tokens": padded(rows.tokens, t_bucket, 0),
         "positions": padded(pos, t_bucket, 0),
         "seg_ids": padded(seg, t_bucket, s_bucket - 1),
         "write_idx": padded(bt[seg, pos // P] * P + pos % P, t_bucket, SINK_BLOCK * P),
@@ -112,10 +154,56 @@ def lower(
         "kv_lens": padded(starts + lens, s_bucket, 0),
         "cu_q_lens": cu,
         "slots": padded(slots, s_bucket, -1),
-        "sample_mask": padded(np.fromiter((r.sample for r in rows), np.int32, n), s_bucket, 0),
+        "sample_mask": padded(rows.sample, s_bucket, 0),
         "n_draft": padded(n_draft, s_bucket, 0),
         "logit_start": padded(l_start, s_bucket, n_logits),
         "logit_rows": padded(l_tok, R, 0),
         "logit_seg": padded(l_seg, R, s_bucket - 1),
         "logit_off": padded(l_off, R, -1),  # -1: a padding logits row
     }
+
+
+Layout = list[tuple[str, tuple[int, ...]]]
+
+
+def step_layout(T: int, S: int, R: int, MB: int) -> Layout:
+    """Names and shapes of the step's int32 inputs, packed into one buffer (one transfer)."""
+    return [
+        ("tokens", (T,)),
+        ("positions", (T,)),
+        ("seg_ids", (T,)),
+        ("write_idx", (T,)),
+        ("block_tables", (S, MB)),
+        ("kv_lens", (S,)),
+        ("cu_q_lens", (S + 1,)),
+        ("slots", (S,)),
+        ("sample_mask", (S,)),
+        ("n_draft", (S,)),
+        ("logit_start", (S,)),
+        ("top_k", (S,)),
+        ("seeds", (S,)),
+        ("steps", (S,)),
+        ("logit_rows", (R,)),
+        ("logit_seg", (R,)),
+        ("logit_off", (R,)),
+        ("want_logprobs", (1,)),
+    ]
+
+
+def layout_size(layout: Layout) -> int:
+    return sum(int(np.prod(shape)) for _, shape in layout)
+
+
+def pack(arrays: dict[str, np.ndarray], layout: Layout) -> np.ndarray:
+    """One int32 buffer holding `arrays` in layout order."""
+    return np.concatenate([np.asarray(arrays[name], np.int32).ravel() for name, _ in layout])
+
+
+def unpack(buf, layout: Layout) -> dict:
+    """The arrays of a packed buffer (NumPy or jax: static slices and reshapes only)."""
+    out, off = {}, 0
+    for name, shape in layout:
+        n = int(np.prod(shape))
+        out[name] = buf[off : off + n].reshape(shape)
+        off += n
+    return out

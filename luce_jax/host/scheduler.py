@@ -1,20 +1,26 @@
 """Model-agnostic scheduler: FIFO admission, step planning, routing of results, retirement.
 
-Pure Python: it talks to a SeqEngine in slots and token counts only.
+Pure Python: it talks to a SeqEngine in slots and token counts only, and plans from the
+engine's SlotTable, which counts the progress of every dispatched step.
 
 Each call of `step()`:
   1. Admit from the head of the FIFO queue while the engine grants a slot and a KV
      reservation; the first "busy" stops admission (head-of-line blocking, so a large request
      at the head is never starved by small ones behind it). "failed" fails that request.
-  2. Build a StepPlan: every decoding slot once with its last token, then prefill slices,
-     oldest request first, within the engine's StepLimits.
-  3. Run `engine.step(plan)`. If it raises, only the requests in that plan fail; their slots
-     are retired and the scheduler goes on.
-  4. Route tokens to requests through their OutputProcessor (text deltas, stop strings, EOS,
+  2. Build a StepPlan: every slot that can decode (its prompt dispatched, max_tokens not
+     reached by dispatched steps), then prefill slices, oldest request first, within the
+     engine's StepLimits.
+  3. Dispatch it. If dispatch raises, only the requests in that plan fail; their slots are
+     retired and the scheduler goes on.
+  4. Collect the previous step (the engine's `overlap`: the device runs step N+1 while the
+     host reads step N's tokens), or this one when the engine cannot overlap (speculation)
+     or nothing was dispatched. A step that failed on the device fails its live requests.
+  5. Route tokens to requests through their OutputProcessor (text deltas, stop strings, EOS,
      max_tokens) and emit events. A speculating slot may return several tokens; they are
      routed in order, and those after the one that finishes the request are dropped.
-  5. Retire every finished or cancelled request before returning, so its slot and blocks are
-     free for the next plan.
+  6. Retire every finished or cancelled request at once, so its slot and blocks are free for
+     the next plan. A request that finished in step N may have had step N+1 computed for it;
+     the engine drops that step's tokens for it (its slot's epoch moved on).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import logging
 import time
 from collections import deque
 
-from .engine import StepPlan, StepResult, TokenOut
+from .engine import StepFailed, StepPlan, StepResult, TokenOut
 from .request import Event, OutputProcessor, Request
 
 log = logging.getLogger(__name__)
@@ -42,7 +48,7 @@ class Scheduler:
         self.coalesce_s = coalesce_ms / 1000.0
         self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request, in admission order
-        self.steps = 0
+        self.steps = 0  # steps dispatched
 
     # -- requests -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -63,32 +69,24 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and not self.running
+        return not self.queue and not self.running and not self.engine.in_flight
+
+    def decoding(self, req: Request) -> bool:
+        """The request's whole prompt is dispatched; its rows are decode rows."""
+        return req.phase == "running" and self.engine.slots.decoding(req.slot)
 
     # -- one iteration ----------------------------------------------------------------------
     def step(self, now: float | None = None) -> bool:
-        """Admit, plan, run one engine step and route its results. Returns False if idle."""
+        """Admit, plan, dispatch, collect and route. Returns False if there was nothing to do."""
         self._admit(time.monotonic() if now is None else now)
         plan = self.plan()
-        if not plan.decode and not plan.prefills:
-            return False
-        in_plan = [self.running[s] for s, _ in plan.decode] + [
-            self.running[s] for s, _ in plan.prefills
-        ]
-        try:
-            result = self.engine.step(plan)
-        except Exception as e:  # a failed step fails only its own requests
-            log.exception("engine step failed; failing %d requests", len(in_plan))
-            for req in in_plan:
-                self._retire(req)
-                self._finish(req, "error", error=f"engine step failed: {e}")
-            return True
-        self.steps += 1
-        for slot, n in plan.prefills:
-            if slot not in result.errors:
-                self.running[slot].prefilled += n
-        self._route(result)
-        return True
+        planned = bool(plan.decode or plan.prefills)
+        launched = planned and self._dispatch(plan)
+        keep = 1 if launched and self.engine.overlap else 0
+        collected = self.engine.in_flight > keep
+        while self.engine.in_flight > keep:
+            self._collect()
+        return planned or collected
 
     def _admit(self, now: float) -> None:
         if self.coalesce_s and not self.running and self.queue:
@@ -103,47 +101,64 @@ class Scheduler:
             if res.status == "failed":
                 self._finish(req, "error", error=res.error)
                 continue
-            req.slot, req.phase = res.slot, "prefill"
+            req.slot, req.phase = res.slot, "running"
             self.running[res.slot] = req
 
     def plan(self) -> StepPlan:
-        decode = [
-            (slot, r.output_ids[-1]) for slot, r in self.running.items() if r.phase == "decode"
-        ]
+        slots = self.engine.slots
+        decode = [s for s in self.running if slots.can_decode(s)]
         limits = self.engine.step_limits(len(decode))
         budget = limits.max_prefill_tokens_total
         prefills = []
-        for slot, r in self.running.items():  # dicts keep admission order: oldest first
-            if r.phase != "prefill" or budget <= 0:
+        for slot in self.running:  # dicts keep admission order: oldest first
+            left = slots.prefill_left(slot)
+            if left <= 0 or budget <= 0:
                 continue
             if len(prefills) >= limits.max_prefill_seqs:
                 break
-            left = len(r.prompt) - r.prefilled
             n = min(left, limits.max_prefill_tokens_per_seq, budget)
             prefills.append((slot, n))
             budget -= n
         return StepPlan(decode, prefills)
 
-    def _route(self, result: StepResult) -> None:
-        for slot, msg in result.errors.items():
-            req = self.running[slot]
-            self._retire(req)
-            self._finish(req, "error", error=msg)
-        for slot, tok in result.completed.items():
+    def _dispatch(self, plan: StepPlan) -> bool:
+        try:
+            self.engine.dispatch(plan)
+        except Exception as e:  # a failed step fails only its own requests
+            slots = plan.decode + [s for s, _ in plan.prefills]
+            log.exception("engine step failed; failing %d requests", len(slots))
+            self._fail(slots, f"engine step failed: {e}")
+            return False
+        self.steps += 1
+        return True
+
+    def _collect(self) -> None:
+        try:
+            result = self.engine.collect()
+        except StepFailed as e:
+            log.error("engine step failed on the device: %s; failing %d requests", e, len(e.slots))
+            self._fail(e.slots, f"engine step failed: {e}")
+            return
+        self._route(result)
+
+    def _fail(self, slots: list[int], error: str) -> None:
+        for slot in slots:
             req = self.running.get(slot)
             if req is not None:
-                req.phase = "decode"
+                self._retire(req)
+                self._finish(req, "error", error=error)
+
+    def _route(self, result: StepResult) -> None:
+        for slot, toks in result.tokens.items():
+            req = self.running[slot]  # the engine drops slots retired since the dispatch
+            if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-                self._deliver(req, tok)
-        for slot, toks in result.decoded.items():
             for tok in toks:  # speculation may bring several; stop at the first that ends it
-                req = self.running.get(slot)
-                if req is None or not self._deliver(req, tok):
+                if not self._deliver(req, tok):
                     break
 
     def _deliver(self, req: Request, tok: TokenOut) -> bool:
         """Route one token; False once the request is finished (and retired)."""
-        req.output_ids.append(tok.token)
         text, reason = req.processor.push(tok.token)
         lp = ((tok.logprob, tok.top),) if req.sampling.logprobs is not None else ()
         if reason is None:

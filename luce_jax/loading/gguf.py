@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm.auto import tqdm
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 log = logging.getLogger(__name__)
 

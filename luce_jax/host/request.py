@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
-Phase = Literal["queued", "prefill", "decode", "finished", "cancelled", "failed"]
+# running: holds a slot (its prompt and decode progress live in the engine's SlotTable)
+Phase = Literal["queued", "running", "finished", "cancelled", "failed"]
 _ids = itertools.count()
 
 
@@ -36,17 +37,20 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     phase: Phase = "queued"
     slot: int = -1
-    prefilled: int = 0  # prompt tokens in the cache
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    processor: OutputProcessor | None = None
+    processor: OutputProcessor | None = None  # set when the scheduler takes the request
 
     @property
     def done(self) -> bool:
         return self.phase in ("finished", "cancelled", "failed")
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Tokens delivered so far (the processor owns them)."""
+        return self.processor.token_ids if self.processor is not None else []
 
     def emit(self, ev: Event) -> None:
         if self.on_event is not None:
@@ -61,7 +65,7 @@ class OutputProcessor:
     """
 
     def __init__(self, sampling: SamplingParams, tokenizer=None, eog_ids=frozenset()):
-        from .tokenizer import IncrementalDecoder
+        from ..loading.tokenizer import IncrementalDecoder
 
         self.sp = sampling
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
@@ -69,12 +73,13 @@ class OutputProcessor:
         self.stop_ids = frozenset(sampling.stop_token_ids)
         self.text = ""  # everything decoded so far
         self.sent = 0  # characters of self.text already emitted
-        self.n = 0
+        self.token_ids: list[int] = []  # every token delivered
 
     def push(self, token: int) -> tuple[str, str | None]:
         """Feed one token. Returns (text to emit now, finish reason or None)."""
-        self.n += 1
-        can_stop = self.n > self.sp.min_tokens
+        self.token_ids.append(token)
+        n = len(self.token_ids)
+        can_stop = n > self.sp.min_tokens
         if can_stop and (token in self.stop_ids or (not self.sp.ignore_eos and token in self.eog)):
             return self._drain(), "stop"
         if self.decoder is not None:
@@ -84,7 +89,7 @@ class OutputProcessor:
             if hit is not None:
                 self.text = self.text[:hit]
                 return self._drain(), "stop"
-        if self.n >= self.sp.max_tokens:
+        if n >= self.sp.max_tokens:
             if self.decoder is not None:
                 self.text += self.decoder.flush()
             return self._drain(), "length"

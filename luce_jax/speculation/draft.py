@@ -6,7 +6,7 @@ target's. Slot s of the draft holds the same sequence as slot s of the target, f
 its draft cache lacks (prompt chunks, then the one or two tokens the last verify emitted)
 and then up to K - 1 batched greedy decode steps on the device, so K proposals cost one
 host round trip. Proposals are the draft's greedy tokens, so they are deterministic and
-the target's verification is exact (see runner._step_fn).
+the target's verification is exact (see device/sampling.sample_rows).
 
 Rollback: the draft fed its own proposals past the sequence; when the target's verdict
 arrives (`extend`) the draft keeps only the fed tokens that match what was accepted, by
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 
-from .batch import Row, pick_bucket
-from .kv_pool import KVPool
+from ..host.batch import Row, pick_bucket
+from ..host.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,243 @@
+"""One builder for the Python API and the server: EngineConfig -> a loaded, warmed engine,
+its scheduler and the engine thread (`start_engine`)."""
+
+from __future__ import annotations
+
+import logging
+
+from .config import DEFAULT_MODEL, FLOAT_CACHE_TYPES, EngineConfig
+
+log = logging.getLogger(__name__)
+
+# Device memory kept free for compile workspace and step activations when sizing the pool.
+WORKSPACE_FRACTION = 0.08
+
+
+def load_engine(config: EngineConfig):
+    """Load the GGUF, size the KV pool, build the engine and compile every step bucket.
+
+    Returns:
+      (GGUFTokenizer, DenseEngine), ready to be driven by a Scheduler.
+    """
+    import jax
+
+    from .device.programs import enable_compile_cache
+    from .device.runner import Runner
+    from .host.engine import DenseEngine
+    from .loading.gguf import GGUFFile, load_params, model_config
+    from .loading.tokenizer import GGUFTokenizer, GGUFVocab
+    from .speculation.draft import DraftProposer
+    from .speculation.draft_runner import DraftRunner
+    from .speculation.ngram import NgramProposer
+    from .speculation.policy import SpecPolicy
+    from .speculation.speculator import Speculator
+
+    config = config.resolved(jax.default_backend())
+    enable_compile_cache(config.compile_cache_dir)
+    f = GGUFFile(config.model or DEFAULT_MODEL)
+    template = None
+    if config.chat_template_file:
+        with open(config.chat_template_file) as fh:
+            template = fh.read()
+    vocab = GGUFVocab.from_metadata(f.metadata)
+    tokenizer = GGUFTokenizer(vocab, template)
+    mc, params = load_params(f, model_config(f.metadata), config.dtype)
+    config = fit_to_model(config, mc)
+    per_token = kv_cache_types(config, mc)[1]
+    draft = None
+    if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
+        draft = _load_draft(config, vocab)
+        per_token += kv_cache_types(config, draft[0])[1]
+    num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token)
+    log.info(
+        "KV pool: %d blocks of %d tokens (%.2f GiB)",
+        num_blocks - 1,
+        config.kv_block_size,
+        num_blocks * config.kv_block_size * per_token / 2**30,
+    )
+
+    def runner_for(cls, model_cfg, model_params, **kw):
+        return cls(
+            model_cfg,
+            model_params,
+            num_blocks,
+            config.kv_block_size,
+            config.max_concurrency,
+            config.max_blocks_per_seq,
+            kv_cache_types(config, model_cfg)[0],
+            attention_fn(config.attention_backend),
+            grouped_matmul_fn(config.moe_backend),
+            **kw,
+        )
+
+    spec_k = config.draft_tokens if config.spec_mode != "off" else 0
+    runner = runner_for(Runner, mc, params, max_proposals=spec_k)
+    engine = DenseEngine(config, runner, num_blocks)
+    runner.warmup(engine.bucket_pairs())
+    if config.spec_mode == "off":
+        return tokenizer, engine
+    per_depth = fixed = 0.0
+    if draft is None:
+        proposer = NgramProposer()
+    else:
+        d_runner = runner_for(DraftRunner, *draft, depth=spec_k)
+        d_runner.warmup(engine.bucket_pairs())
+        proposer = DraftProposer(
+            d_runner,
+            num_blocks,
+            config.kv_block_size,
+            config.max_concurrency,
+            config.max_blocks_per_seq,
+            engine.token_buckets,
+            engine.rows_for,
+            config.prefill_chunk,
+        )
+        # The draft program's cost, linear in depth: t(d) = fixed + d * per_depth.
+        t1, tk = d_runner.propose_time[1], d_runner.propose_time[spec_k]
+        per_depth = max(tk - t1, 0.0) / max(spec_k - 1, 1)
+        fixed = max(t1 - per_depth, 0.0)
+    step_time = {t: runner.step_time[(t, s)] for t, s in engine.bucket_pairs()}
+    policy = SpecPolicy(spec_k, step_time, proposal_time=per_depth, proposal_fixed=fixed)
+    engine.enable_speculation(Speculator(proposer, policy, config.spec_mode))
+    log.info(
+        "speculation: %s, up to %d proposals per sequence; step ms by bucket %s; draft ms "
+        "%.2f + %.2f per proposal",
+        config.spec_mode,
+        spec_k,
+        {t: round(v * 1e3, 2) for t, v in step_time.items()},
+        fixed * 1e3,
+        per_depth * 1e3,
+    )
+    return tokenizer, engine
+
+
+def _load_draft(config: EngineConfig, vocab):
+    """The draft model's (ModelConfig, params); its vocabulary must be the target's."""
+    from .loading.gguf import GGUFFile, load_params, model_config
+    from .loading.tokenizer import GGUFVocab
+
+    f = GGUFFile(config.draft_model)
+    if GGUFVocab.from_metadata(f.metadata).tokens != vocab.tokens:
+        raise ValueError(f"draft={config.draft_model!r}: its vocabulary differs from the model's")
+    return load_params(f, model_config(f.metadata), config.dtype)
+
+
+def kv_cache_types(config: EngineConfig, mc):
+    """The runner's (k, v) cache types and the KV bytes one token takes over all layers.
+
+    Float types become dtypes; q8_0 / q4_0 stay names (models/kv_cache.py) and count their
+    scales, so kv_pool_tokens=0 fits about 1.9x (q8_0) or 3.6x (q4_0) the bf16 tokens.
+    """
+    import jax.numpy as jnp
+
+    from pallas_kernels import kv_cache
+
+    names = (config.cache_type_k, config.cache_type_v)
+    quantized = [n for n in names if n in kv_cache.QUANT_TYPES]
+    if quantized and mc.head_dim % kv_cache.GROUP:
+        raise ValueError(
+            f"cache_type_k={names[0]!r}, cache_type_v={names[1]!r}: quantized KV needs a head "
+            f"dim divisible by {kv_cache.GROUP}; the model's is {mc.head_dim}"
+        )
+    types = tuple(jnp.dtype(FLOAT_CACHE_TYPES[n]) if n in FLOAT_CACHE_TYPES else n for n in names)
+    per_token = mc.n_layers * mc.kv_size * sum(kv_cache.bytes_per_value(t) for t in types)
+    return types, per_token
+
+
+def attention_fn(backend: str):
+    """The paged attention implementation of a resolved attention_backend."""
+    if backend == "pallas":
+        from pallas_kernels.paged_attention import paged_attention
+
+        return paged_attention
+    from .models.attention import paged_attention_xla
+
+    return paged_attention_xla
+
+
+def grouped_matmul_fn(backend: str):
+    """The grouped expert matmul of a resolved moe_backend."""
+    if backend == "pallas":
+        from pallas_kernels.moe_grouping import grouped_matmul
+
+        return grouped_matmul
+    from .models.moe import grouped_matmul_xla
+
+    return grouped_matmul_xla
+
+
+def fit_to_model(config: EngineConfig, mc) -> EngineConfig:
+    """Clamp max_ctx to the model's context length (RoPE past it is untrained)."""
+    if config.max_ctx <= mc.context_length:
+        return config
+    log.warning(
+        "max_ctx %d exceeds the model's context length %d; using %d",
+        config.max_ctx,
+        mc.context_length,
+        mc.context_length,
+    )
+    return config.replace(max_ctx=mc.context_length)
+
+
+def kv_pool_blocks(c: EngineConfig, device, bytes_per_token: int) -> int:
+    """Blocks in the pool, the sink included: kv_pool_tokens, or what free memory holds."""
+    P = c.kv_block_size
+    if c.kv_pool_tokens:
+        blocks = -(-c.kv_pool_tokens // P)
+    else:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] * (1 - WORKSPACE_FRACTION) - stats["bytes_in_use"]
+            blocks = int(free // (bytes_per_token * P))
+        else:  # no allocator statistics (CPU): room for every slot at full context
+            blocks = c.max_concurrency * c.max_blocks_per_seq
+    if blocks < c.max_blocks_per_seq:
+        raise ValueError(
+            f"kv_pool_tokens: the KV pool holds {blocks * P} tokens, less than one "
+            f"max_ctx={c.max_ctx} sequence; lower max_ctx or free device memory"
+        )
+    return blocks + 1
+
+
+class EngineHandle:
+    """A started engine: tokenizer, engine, scheduler and the engine thread (`loop`), and the
+    gauges the server reads. Reads are safe from any thread."""
+
+    def __init__(self, tokenizer, engine, scheduler, loop):
+        self.config, self.tokenizer, self.loop = engine.config, tokenizer, loop
+        self.engine, self.scheduler = engine, scheduler
+        self.vocab_size = engine.runner.cfg.vocab_size
+
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    def waiting(self) -> int:
+        return len(self.scheduler.queue)
+
+    def blocks_used(self) -> int:
+        return self.engine.pool.used
+
+    def blocks_free(self) -> int:
+        return self.engine.pool.available
+
+    def compiles(self) -> int:
+        return self.engine.runner.compiles
+
+    def spec_stats(self) -> dict | None:
+        """Speculation totals (speculation.speculator.Speculator.stats), None when it is off."""
+        spec = self.engine.spec
+        return spec.stats() if spec is not None else None
+
+    def close(self) -> None:
+        self.loop.stop()
+
+
+def start_engine(config: EngineConfig) -> EngineHandle:
+    """Load, compile and start the engine thread (blocks until ready)."""
+    from .host.loop import EngineLoop
+    from .host.scheduler import Scheduler
+
+    tokenizer, engine = load_engine(config)
+    c = engine.config
+    scheduler = Scheduler(engine, tokenizer, c.max_queue, c.admission_coalesce_ms)
+    return EngineHandle(tokenizer, engine, scheduler, EngineLoop(scheduler).start())

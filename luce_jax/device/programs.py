@@ -1,0 +1,89 @@
+"""Compiled programs per (T, S) bucket: compile ahead, count compiles, warm up in parallel.
+
+The target's step (runner.py) and the draft's propose program (speculation/draft_runner.py)
+each own one BucketPrograms. A compile after warmup is a bug: `compiles` must not move while
+serving, and a miss is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import jax
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+
+def enable_compile_cache(path: str | None) -> None:
+    """Use JAX's persistent compilation cache so restarts skip recompiling the buckets."""
+    if not path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+class BucketPrograms:
+    """One executable per (T, S) bucket of a function.
+
+    Args:
+      traced: (T, S) -> (function with T and S bound, abstract arguments to lower it with).
+      donate: argument positions donated to the program (only KV and per-slot device state).
+      name: what the progress bar and the log call these programs.
+    """
+
+    def __init__(self, traced: Callable[[int, int], tuple], donate: tuple[int, ...], name: str):
+        self.traced, self.donate, self.name = traced, donate, name
+        self.compiles = 0  # executables built; after warmup this must not move
+        self._exec: dict[tuple[int, int], object] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, T: int, S: int):
+        """Build (or fetch from the persistent cache) the executable of one bucket pair."""
+        fn, args = self.traced(T, S)
+        exe = jax.jit(fn, donate_argnums=self.donate).lower(*args).compile()
+        with self._lock:
+            self.compiles += 1
+            self._exec[(T, S)] = exe
+        return exe
+
+    def __getitem__(self, bucket: tuple[int, int]):
+        exe = self._exec.get(bucket)
+        if exe is None:
+            log.warning("compiling %s for bucket T=%d S=%d while serving", self.name, *bucket)
+            exe = self.compile(*bucket)
+        return exe
+
+    def __contains__(self, bucket) -> bool:
+        return bucket in self._exec
+
+    def warmup(self, pairs: list[tuple[int, int]], workers: int | None = None) -> None:
+        """Compile every bucket pair ahead of serving, several at once: XLA compiles in C++
+        without the GIL, so a thread pool uses the host's cores."""
+        todo = [p for p in pairs if p not in self._exec]
+        workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(self.compile, t, s) for t, s in todo]
+            for f in tqdm(
+                as_completed(futures), total=len(futures), desc=f"compiling {self.name}",
+                leave=False,
+            ):  # fmt: skip
+                f.result()
+        log.info("compiled %d %s buckets", len(pairs), self.name)
+
+
+def best_of_3(fn) -> float:
+    """Seconds of the fastest of 3 calls, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)

@@ -1,0 +1,172 @@
+"""Device state (params, KV arrays, per-slot sampler state) and the jitted, bucketed step.
+
+`launch` packs a lowered step into one int32 and one float32 buffer, dispatches the compiled
+program of its bucket and starts copying the outputs to the host; `fetch` waits for them. JAX
+dispatches asynchronously, so `launch` returns while the device computes and the engine can
+launch the next step before it fetches this one. Shapes: T tokens, S rows, R logits rows, K
+proposals, V vocabulary, NB KV blocks, P block size, MB blocks per sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ModelConfig
+from ..host.batch import layout_size, lower, pack, step_layout, unpack
+from ..host.slots import FLOAT_FIELDS, SlotTable
+from ..models import dense
+from . import sampling
+from .programs import BucketPrograms, best_of_3
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A launched step's device outputs, being copied to the host."""
+
+    packed: jax.Array  # int32 [2R + S] (sampling.sample_rows)
+    top: tuple | None  # (top ids, top logprobs) [R, 20] when a row asked for logprobs
+    R: int
+
+
+class Runner:
+    """Owns everything on the device and runs the model step.
+
+    The step is one jitted function per (T, S) bucket pair; KV and slot state are donated.
+
+    Args:
+      cfg, params: the model (loading.gguf.load_params).
+      num_blocks, block_size, max_slots, max_blocks_per_seq: the KV pool's shape.
+      kv_types: (k, v) cache types (a dtype, or "q8_0" / "q4_0").
+      attention_fn, grouped_matmul_fn: the attention and MoE matmul backends.
+      max_proposals: K, the most speculative proposals a verify row carries (0: no
+        speculation, one logits row per row).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        num_blocks: int,
+        block_size: int,
+        max_slots: int,
+        max_blocks_per_seq: int,
+        kv_types,
+        attention_fn=None,
+        grouped_matmul_fn=None,
+        max_proposals: int = 0,
+    ):
+        self.cfg = cfg
+        self.k = max_proposals
+        self.params = params
+        self.block_size = block_size
+        self.max_slots = max_slots
+        self.max_blocks = max_blocks_per_seq
+        self.kv = dense.init_kv(cfg, num_blocks, block_size, *kv_types)
+        self.state = sampling.init_state(max_slots, cfg.vocab_size)
+        self.step_time: dict[tuple[int, int], float] = {}  # seconds per bucket, from warmup
+        # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
+        # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
+        self.last_stats: dict = {}
+        self._attention = attention_fn
+        self._grouped_matmul = grouped_matmul_fn
+        self.programs = BucketPrograms(self.step_function, donate=(1, 2), name="step")
+
+    @property
+    def compiles(self) -> int:
+        return self.programs.compiles
+
+    def logit_width(self, T: int, S: int) -> int:
+        """Logits rows R of bucket (T, S): one per row, and room for every row's proposals."""
+        return S if self.k == 0 else min(T, S * (self.k + 1))
+
+    def layout(self, T: int, S: int):
+        return step_layout(T, S, self.logit_width(T, S), self.max_blocks)
+
+    def _step_fn(self, params, kv, state, ints, floats, *, T: int, S: int):
+        """One model step with sampling and verification (device/sampling.py); T, S static.
+
+        Args: params; kv and state (donated); ints: int32 [N] packed per `layout`; floats:
+          float32 [6, S] sampling parameters (FLOAT_FIELDS).
+        Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], kv, state,
+          model stats (dense.forward's)).
+        """
+        batch = unpack(ints, self.layout(T, S))
+        batch["tokens"] = sampling.feed(batch, state)
+        logits, kv, stats = dense.forward(
+            params, kv, batch, self.cfg, self._attention, self._grouped_matmul
+        )
+        with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
+            packed, top_ids, top_lp, state = sampling.sample_rows(
+                logits, state, batch, floats, self.k
+            )
+        return packed, top_ids, top_lp, kv, state, stats
+
+    def step_function(self, T: int, S: int):
+        """The step for bucket (T, S) and abstract arguments to trace or lower it with."""
+        ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
+        floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
+        args = (self.params, self.kv, self.state, ints, floats)
+        return functools.partial(self._step_fn, T=T, S=S), args
+
+    def executable(self, T: int, S: int):
+        """The compiled executable of a warmed bucket (for cost analysis and HLO text)."""
+        return self.programs[(T, S)]
+
+    def launch(self, b: dict[str, np.ndarray], T: int, S: int) -> Launched:
+        """Dispatch one step and start copying its outputs to the host; does not wait.
+
+        Args:
+          b: host.batch.lower's arrays for bucket (T, S, logit_width) and SlotTable.row_inputs'.
+        """
+        ints = pack(b, self.layout(T, S))
+        packed, top_ids, top_lp, self.kv, self.state, self.last_stats = self.programs[(T, S)](
+            self.params, self.kv, self.state, ints, b["floats"]
+        )
+        top = (top_ids, top_lp) if b["want_logprobs"][0] else None
+        for x in (packed, *(top or ())):
+            x.copy_to_host_async()
+        return Launched(packed, top, self.logit_width(T, S))
+
+    def fetch(self, launched: Launched) -> dict[str, np.ndarray]:
+        """Wait for a launched step's outputs.
+
+        Returns:
+          per logits row: tokens, logprob, and top_ids / top_logprobs [R, 20] when a row
+          asked for logprobs; per row: accepted (proposals kept).
+        """
+        R = launched.R
+        packed = np.asarray(launched.packed)
+        out = {
+            "tokens": packed[:R],
+            "logprob": packed[R : 2 * R].view(np.float32),
+            "accepted": packed[2 * R :],
+        }
+        if launched.top is not None:
+            out["top_ids"], out["top_logprobs"] = map(np.asarray, launched.top)
+        return out
+
+    def idle_batch(self, T: int, S: int) -> dict[str, np.ndarray]:
+        """An all-padding step of bucket (T, S): it writes only the sink block."""
+        b = lower([], np.zeros((1, self.max_blocks), np.int32), self.block_size, T, S,
+                  self.logit_width(T, S))  # fmt: skip
+        b.update(SlotTable(1).row_inputs(np.zeros(0, np.int32), np.zeros(0, bool), S))
+        return b
+
+    def warmup(self, pairs: list[tuple[int, int]]) -> None:
+        """Compile every (T, S) bucket pair, then time each on an all-padding step (which reads
+        every weight, as a real step does) for the speculation policy."""
+        self.programs.warmup(pairs)
+        for t, s in pairs:
+            b = self.idle_batch(t, s)
+            self.step_time[(t, s)] = best_of_3(
+                lambda t=t, s=s, b=b: self.fetch(self.launch(b, t, s))
+            )
+        jax.block_until_ready((self.kv, self.state))

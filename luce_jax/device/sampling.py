@@ -1,0 +1,175 @@
+"""On-device sampling and verification, and the per-slot state they keep on the device.
+
+The step's sampler (`sample_rows`) owns three per-slot device arrays, indexed by slot and
+donated with the KV cache: penalty counts and prompt membership ([S_max, V]), and the last token
+each slot emitted ([S_max]). Decode rows read their input token from the last one (`feed`),
+so the host never sends a sampled token back down. Every row samples with its own parameters
+and noise from (seed, step), so a seeded request reproduces whatever it is batched with.
+
+Shapes: T tokens, S segment rows, R logits rows, K proposals per verify row, V vocabulary,
+S_max slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..host.slots import FLOAT_FIELDS
+
+TOP_LOGPROBS = 20  # OpenAI's maximum; computed only in steps where some row asks for logprobs
+
+
+def init_state(max_slots: int, vocab: int) -> dict:
+    """Zeroed per-slot sampler state: counts [S_max, V], prompt_mask [S_max, V], last [S_max]."""
+    return {
+        "counts": jnp.zeros((max_slots, vocab), jnp.int32),
+        "prompt_mask": jnp.zeros((max_slots, vocab), jnp.bool_),
+        "last": jnp.zeros((max_slots,), jnp.int32),
+    }
+
+
+def named(floats, top_k) -> dict:
+    """Per-row parameter arrays by name from floats [6, R] (FLOAT_FIELDS order) and top_k [R]."""
+    return {**{k: floats[i] for i, k in enumerate(FLOAT_FIELDS)}, "top_k": top_k}
+
+
+def feed(batch: dict, state: dict):
+    """The step's tokens [T]: where the host sent batch.FROM_DEVICE (< 0), the row's slot's last
+    emitted token, written by an earlier step's `sample_rows`."""
+    S_max = state["last"].shape[0]
+    tok_slot = jnp.clip(batch["slots"][batch["seg_ids"]], 0, S_max - 1)
+    return jnp.where(batch["tokens"] < 0, state["last"][tok_slot], batch["tokens"])
+
+
+def apply_penalties(logits, counts, prompt_mask, sp):
+    """vLLM's penalties: repetition over prompt+output tokens, presence/frequency over output.
+
+    Args:
+      logits: [R, V] float32.
+      counts: [R, V] int32 times each token was generated so far.
+      prompt_mask: [R, V] bool tokens present in the prompt.
+      sp: dict of [R] arrays (`named`).
+    """
+    seen = prompt_mask | (counts > 0)
+    rep = sp["repetition"][:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - sp["frequency"][:, None] * counts
+    return logits - sp["presence"][:, None] * (counts > 0)
+
+
+def _filter(logits, sp):
+    """Mask logits outside top-k, top-p (nucleus) and min-p, per row."""
+    V = logits.shape[-1]
+    order = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
+    k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)
+    kth = jnp.take_along_axis(order, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(order, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.maximum(jnp.sum(before < sp["top_p"][:, None], axis=-1), 1)
+    pth = jnp.take_along_axis(order, (n_keep - 1)[:, None], axis=-1)
+    min_logit = order[:, :1] + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-30))
+    cut = jnp.maximum(
+        jnp.maximum(kth, pth), jnp.where(sp["min_p"][:, None] > 0, min_logit, -jnp.inf)
+    )
+    return jnp.where(logits >= cut, logits, -jnp.inf)
+
+
+def sample(logits, counts, prompt_mask, sp, seeds, steps):
+    """Pick one token per row.
+
+    Args:
+      logits: [R, V] float32.
+      counts, prompt_mask: penalty state for each row's sequence ([R, V]).
+      sp: dict of [R] parameter arrays (`named`).
+      seeds: [R] uint32 per-request seed; steps: [R] int32 tokens generated so far. The noise
+        depends only on (seed, step), so a seeded request reproduces whatever it is batched with.
+    Returns:
+      (tokens [R] int32, logprobs [R, V] float32 of the distribution sampled from).
+    """
+    penalize = jnp.any((sp["repetition"] != 1) | (sp["frequency"] != 0) | (sp["presence"] != 0))
+    logits = jax.lax.cond(
+        penalize, lambda x: apply_penalties(x, counts, prompt_mask, sp), lambda x: x, logits
+    )
+    greedy = sp["temperature"] == 0
+    scaled = logits / jnp.where(greedy, 1.0, sp["temperature"])[:, None]
+    needs = (sp["top_k"] > 0) | (sp["top_p"] < 1) | (sp["min_p"] > 0)
+    scaled = jax.lax.cond(jnp.any(needs & ~greedy), lambda x: _filter(x, sp), lambda x: x, scaled)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(keys)
+    drawn = jnp.argmax(scaled + gumbel, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    return tokens, jax.nn.log_softmax(jnp.where(greedy[:, None], logits, scaled), axis=-1)
+
+
+def sample_rows(logits, state: dict, batch: dict, floats, k: int):
+    """Sample every logits row, verify speculative proposals, and update the slot state.
+
+    Every logits row samples with its segment's parameters and noise (seed, step + offset),
+    and with penalties that count the proposals before it as output. A verify row keeps its
+    leading proposals while each equals the token sampled at the position before it.
+    Proposals are deterministic (prompt lookup, a greedy draft), so this is the standard
+    rejection rule with a one-hot proposal distribution: proposal x survives with probability
+    p(x), and after a rejection the sampled token is p conditioned on not x, the residual. The
+    output is distributed as the target's, token for token the same as without speculation
+    for the same seed.
+
+    Args:
+      logits: [R, V] float32; state: init_state's arrays (consumed).
+      batch: the step's arrays (host.batch.lower's, with `feed`'s tokens, and top_k, seeds,
+        steps [S], want_logprobs [1]); floats: [6, S] FLOAT_FIELDS per row; k: K.
+    Returns:
+      (packed int32 [2R + S]: sampled token per logits row, its logprob's float32 bits, and
+      proposals accepted per row; top ids int32 [R, 20] and top logprobs [R, 20], zeros when
+      no row asked for logprobs; the new state).
+    """
+    T, S, R = batch["tokens"].shape[0], batch["slots"].shape[0], logits.shape[0]
+    oob = state["counts"].shape[0]  # padding rows (slot -1) index past the end: dropped
+    slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])
+    starts = batch["positions"][batch["cu_q_lens"][:-1]]
+    fresh = jnp.where((starts == 0) & (batch["slots"] >= 0), slots, oob)
+    counts = state["counts"].at[fresh].set(0, mode="drop")  # a new tenant starts clean
+    pmask = state["prompt_mask"].at[fresh].set(False, mode="drop")
+    # Fed tokens count as seen for the repetition penalty (prompt or earlier output), except
+    # proposals: those count below, for the positions after them only.
+    seg_ids, cu, tokens_in = batch["seg_ids"], batch["cu_q_lens"], batch["tokens"]
+    proposal = jnp.arange(T) >= cu[1:][seg_ids] - batch["n_draft"][seg_ids]
+    real_tok = (jnp.arange(T) < cu[-1]) & ~proposal
+    pmask = pmask.at[jnp.where(real_tok, slots[seg_ids], oob), tokens_in].set(True, mode="drop")
+    seg, off = batch["logit_seg"], batch["logit_off"]  # [R]
+    row_slots = jnp.minimum(slots, oob - 1)[seg]
+    row_counts = counts[row_slots]
+    for m in range(k):  # proposals 1..off precede the logits row at offset off
+        t = tokens_in[jnp.maximum(batch["logit_rows"] - m, 0)]
+        row_counts = row_counts.at[jnp.arange(R), t].add((m < off).astype(jnp.int32))
+    sp = {name: v[seg] for name, v in named(floats, batch["top_k"]).items()}
+    seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)[seg]
+    steps = batch["steps"][seg] + jnp.maximum(off, 0)
+    tokens, logp = sample(logits, row_counts, pmask[row_slots], sp, seeds, steps)
+    # Verification: the first proposal unequal to the token sampled before it.
+    n_draft = batch["n_draft"][seg]
+    nxt = tokens_in[jnp.minimum(batch["logit_rows"] + 1, T - 1)]
+    miss = (off >= 0) & (off < n_draft) & (tokens != nxt)
+    first_miss = jax.ops.segment_min(jnp.where(miss, off, T), seg, num_segments=S)
+    accepted = jnp.minimum(first_miss, batch["n_draft"])  # [S]
+    sampled = batch["sample_mask"] > 0
+    emitted = (off >= 0) & (off <= accepted[seg]) & sampled[seg]
+    counts = counts.at[jnp.where(emitted, slots[seg], oob), tokens].add(1, mode="drop")
+    # The token each sampling row emitted last feeds its slot's next decode row.
+    last_tok = tokens[jnp.minimum(batch["logit_start"] + accepted, R - 1)]
+    last = state["last"].at[jnp.where(sampled, slots, oob)].set(last_tok, mode="drop")
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.cond(
+        batch["want_logprobs"][0] > 0,
+        lambda x: tuple(jax.lax.top_k(x, TOP_LOGPROBS)),
+        lambda x: (
+            jnp.zeros((x.shape[0], TOP_LOGPROBS), x.dtype),
+            jnp.zeros((x.shape[0], TOP_LOGPROBS), jnp.int32),
+        ),
+        logp,
+    )
+    packed = jnp.concatenate(
+        [tokens, jax.lax.bitcast_convert_type(chosen, jnp.int32), accepted.astype(jnp.int32)]
+    )
+    return packed, top_ids, top_lp, {"counts": counts, "prompt_mask": pmask, "last": last}

@@ -1,0 +1,288 @@
+"""SeqEngine: the model-specific half behind the scheduler, its dataclasses, and DenseEngine.
+
+The scheduler speaks only in slots and token counts; an engine owns slots (slots.SlotTable),
+KV blocks (kv_pool.KVPool) and the device (a Runner). A slot id is stable for a request's
+lifetime and is carried by every row.
+
+Steps are asynchronous. `dispatch(plan)` lowers a plan and launches it; `collect()` waits for
+the oldest launched step and returns its tokens. A decode row reads its input token from the
+device (the slot's last sampled token), so the scheduler dispatches step N+1 before it
+collects step N, and the host's planning and lowering overlap the device's work. With
+speculation the proposals for a step depend on the tokens of the step before, so `overlap`
+is False and each step is collected before the next is planned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..sampling_params import SamplingParams
+from .batch import FROM_DEVICE, Rows, buckets, lower, pick_bucket
+from .kv_pool import KVPool
+from .slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    status: Literal["admitted", "busy", "failed"]
+    slot: int = -1
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    max_prefill_seqs: int
+    max_prefill_tokens_per_seq: int
+    max_prefill_tokens_total: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decode: list[int]  # every slot that decodes, once (its input token is on the device)
+    prefills: list[tuple[int, int]]  # (slot, number of prompt tokens to append)
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    token: int
+    logprob: float = 0.0
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class StepResult:
+    """A collected step: per live slot that sampled, its new tokens in order (one, or more when
+    it verified accepted proposals). Slots released since the step was dispatched are absent."""
+
+    tokens: dict[int, list[TokenOut]] = field(default_factory=dict)
+
+
+class StepFailed(Exception):
+    """A launched step failed; `slots` are its rows' slots that are still live."""
+
+    def __init__(self, slots: list[int], cause: BaseException):
+        super().__init__(str(cause))
+        self.slots = slots
+
+
+class SeqEngine(Protocol):
+    slot_count: int
+    max_context: int
+    block_size: int
+    slots: SlotTable  # progress the scheduler plans from
+    overlap: bool  # may step N+1 be dispatched before step N is collected
+    in_flight: int  # steps dispatched and not yet collected
+
+    def admit(self, request_id, prompt: list[int], sampling: SamplingParams) -> AdmitResult: ...
+    def step_limits(self, num_decode_rows: int) -> StepLimits: ...
+    def dispatch(self, plan: StepPlan) -> None: ...
+    def collect(self) -> StepResult: ...
+    def retire(self, slot: int) -> None: ...
+
+
+@dataclass
+class _Launched:
+    handle: object  # the runner's, for fetch
+    rows: Rows
+    epochs: np.ndarray  # [n] slot epochs at dispatch
+    logit_start: np.ndarray  # [n] first logits row of each row
+    t0: float  # perf_counter at dispatch
+
+
+class DenseEngine:
+    """SeqEngine over a Runner; reserves prompt + max_tokens at admission.
+
+    Reserving the worst case means a decoding slot never runs out of blocks, so there is no
+    preemption: a request waits in the queue until its whole reservation fits.
+    """
+
+    def __init__(self, config: EngineConfig, runner, num_blocks: int):
+        self.config = config
+        self.runner = runner
+        self.slot_count = config.max_concurrency
+        self.max_context = config.max_ctx
+        self.block_size = config.kv_block_size
+        self.pool = KVPool(
+            num_blocks, config.kv_block_size, self.slot_count, config.max_blocks_per_seq
+        )
+        self.slots = SlotTable(self.slot_count, config.seed)
+        # The step token budget counts decode rows too (as vLLM's max_num_batched_tokens).
+        # One row width per token bucket, S(T) = min(T, slots): a decode-only step of C rows
+        # pads to the next power of two and no further, and the buckets to compile are few.
+        # Smallest bucket 8: XLA's GPU dot for M=1 measured 9.4 ms a Qwen3-8B step against
+        # 6.6 ms at M=8 on the H200, so a lone decode row is padded to 8.
+        self.token_buckets = buckets(max(config.prefill_token_budget, self.slot_count), 8)
+        self._max_rows = buckets(self.slot_count, 1)[-1]
+        self.spec = None  # speculation.Speculator once enable_speculation is called
+        self.last_bucket = (0, 0)  # (T, S) of the last dispatched step, for the trace
+        self._launched: deque[_Launched] = deque()
+
+    def enable_speculation(self, speculator) -> None:
+        """Verify proposals from `speculator` (built after warmup: its policy needs the
+        measured step times)."""
+        assert not any(map(self.slots.live, range(self.slot_count))), "enable before admitting"
+        self.spec = speculator
+
+    @property
+    def overlap(self) -> bool:
+        return self.spec is None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._launched)
+
+    def rows_for(self, t_bucket: int) -> int:
+        return min(t_bucket, self._max_rows)
+
+    def bucket_pairs(self) -> list[tuple[int, int]]:
+        """Every (T, S) pair a plan can lower to (rows never exceed tokens or slots)."""
+        return [(t, self.rows_for(t)) for t in self.token_buckets]
+
+    def admit(self, request_id, prompt, sampling) -> AdmitResult:
+        if not prompt:
+            return AdmitResult("failed", error="prompt is empty")
+        need = len(prompt) + sampling.max_tokens
+        if need > self.max_context:
+            return AdmitResult(
+                "failed",
+                error=f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"the context of {self.max_context} tokens",
+            )
+        if self.pool.blocks_for(need) > self.pool.capacity:
+            return AdmitResult("failed", error=f"{need} tokens exceed the whole KV pool")
+        slot = self.slots.lowest_free()
+        if slot is None or not self.pool.reserve(slot, need):
+            return AdmitResult("busy")
+        self.slots.claim(slot, prompt, sampling)
+        if self.spec is not None:
+            self.spec.start(slot, list(prompt), need)
+        return AdmitResult("admitted", slot)
+
+    def step_limits(self, num_decode_rows: int) -> StepLimits:
+        c = self.config
+        room = self.token_buckets[-1] - num_decode_rows
+        return StepLimits(
+            max_prefill_seqs=c.max_concurrent_prefills,
+            max_prefill_tokens_per_seq=c.prefill_chunk,
+            max_prefill_tokens_total=min(c.prefill_token_budget, room),
+        )
+
+    def dispatch(self, plan: StepPlan) -> None:
+        """Lower the plan and launch it; the slots' progress counts it from now on.
+
+        1. Decode rows: each slot's input token comes from the device, at position kv_len;
+           with speculation, its proposals follow it (a verify row).
+        2. Prompt slices, from each slot's prompt array.
+        3. Claim the blocks the rows write, lower to the token bucket, launch.
+        4. Only after a launch that did not raise: advance prefilled and generated.
+        """
+        t0 = time.perf_counter()
+        sl = self.slots
+        dec = np.asarray(plan.decode, np.int32)
+        props = self._proposals(dec, sum(n for _, n in plan.prefills))
+        starts = sl.kv_len(dec)
+        if props:
+            n_draft = np.fromiter((len(p) for p in props), np.int32, len(dec))
+            tokens = np.concatenate([np.asarray([FROM_DEVICE, *p], np.int32) for p in props])
+        else:
+            n_draft = np.zeros(len(dec), np.int32)
+            tokens = np.full(len(dec), FROM_DEVICE, np.int32)
+        for slot, end in zip(dec.tolist(), (starts + 1 + n_draft).tolist(), strict=True):
+            # Proposals go past kv_len and overwrite nothing of the sequence; rejected ones
+            # are rolled back by kv_len alone (it counts emitted tokens), and blocks stay.
+            self.pool.ensure(slot, end)
+        parts = [Rows(dec, starts, 1 + n_draft, tokens, np.ones(len(dec), bool), n_draft)]
+        for slot, n in plan.prefills:
+            begin = int(sl.prefilled[slot])
+            end = begin + n
+            assert n > 0 and end <= sl.prompt_len[slot], (slot, n)
+            self.pool.ensure(slot, end)
+            done = end == sl.prompt_len[slot]
+            parts.append(
+                Rows(
+                    np.array([slot], np.int32),
+                    np.array([begin], np.int32),
+                    np.array([n], np.int32),
+                    sl.prompt[slot][begin:end],
+                    np.array([done]),
+                    np.zeros(1, np.int32),
+                )
+            )
+        rows = Rows.concat(parts)
+        T = pick_bucket(int(rows.lens.sum()), self.token_buckets)
+        S = self.rows_for(T)
+        b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
+        b.update(sl.row_inputs(rows.slots, rows.sample, S))
+        handle = self.runner.launch(b, T, S)
+        n_dec = len(dec)
+        sl.prefilled[rows.slots[n_dec:]] += rows.lens[n_dec:]
+        sl.generated[rows.slots[rows.sample]] += 1  # a verify row's accepted ones: at collect
+        epochs = sl.epoch[rows.slots]
+        self._launched.append(_Launched(handle, rows, epochs, b["logit_start"][: len(rows)], t0))
+        self.last_bucket = (T, S)
+
+    def collect(self) -> StepResult:
+        """Wait for the oldest launched step; its tokens for the slots still live.
+
+        Raises:
+          StepFailed: the step raised on the device or when its outputs were read.
+        """
+        f = self._launched.popleft()
+        sl, rows = self.slots, f.rows
+        live = sl.epoch[rows.slots] == f.epochs
+        try:
+            out = self.runner.fetch(f.handle)
+        except Exception as e:
+            raise StepFailed(rows.slots[live].tolist(), e) from e
+        n = rows.n_logits
+        tok, lp, accepted = out["tokens"][:n].tolist(), out["logprob"][:n].tolist(), out["accepted"]
+        top = None
+        if "top_ids" in out:  # per logits row: ((id, logprob), ...)
+            ids, lps = out["top_ids"][:n].tolist(), out["top_logprobs"][:n].tolist()
+            top = [tuple(zip(i, p, strict=True)) for i, p in zip(ids, lps, strict=True)]
+        result = StepResult()
+        for i in np.flatnonzero(rows.sample & live).tolist():
+            slot, first, kept = int(rows.slots[i]), int(f.logit_start[i]), int(accepted[i])
+            result.tokens[slot] = [
+                TokenOut(tok[j], lp[j], top[j] if top else ())
+                for j in range(first, first + kept + 1)
+            ]
+            sl.generated[slot] += kept
+            if self.spec is not None:
+                n_draft = int(rows.n_draft[i])
+                self.spec.record(slot, n_draft, kept, [t.token for t in result.tokens[slot]])
+        if self.spec is not None:
+            self.spec.step_done(time.perf_counter() - f.t0)
+        return result
+
+    def _proposals(self, dec: np.ndarray, prompt_tokens: int) -> list[list[int]]:
+        """Speculative proposals per decode row ([] without speculation), capped so a verify
+        row never emits past max_tokens (which also keeps its KV writes inside the slot's
+        reservation). Speculation collects every step first, so generated is exact here."""
+        if self.spec is None or not len(dec):
+            return []
+        sl = self.slots
+        left = sl.max_tokens[dec] - sl.generated[dec] - 1
+        caps = dict(zip(dec.tolist(), np.clip(left, 0, self.spec.k).tolist(), strict=True))
+        chosen = self.spec.choose(caps, prompt_tokens)
+        return [chosen[s] for s in dec.tolist()]
+
+    def retire(self, slot: int) -> None:
+        """Release the slot and its blocks now, whatever is in flight for it: a launched
+        step's KV writes for it stay inside blocks it held, and every step launched later runs
+        after them on the device, so a new tenant of those blocks overwrites them before it
+        reads them."""
+        if self.slots.live(slot):
+            self.slots.release(slot)
+        self.pool.release(slot)
+        if self.spec is not None:
+            self.spec.drop(slot)

@@ -1,0 +1,1 @@
+"""Model loading: GGUF files, their quantized tensors, tokenizers and chat templates."""

@@ -1,0 +1,128 @@
+"""The draft model's device side: its own KV and one greedy propose program per bucket.
+
+One program per (T, S) bucket: a catch-up step, then up to K - 1 batched greedy decode steps
+in a while loop on the device, so K proposals cost one host round trip (draft.py drives it).
+Shapes: T tokens, S rows, K proposals (depth), P block size, MB blocks per sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..device.programs import BucketPrograms, best_of_3
+from ..host.batch import layout_size, lower, pack, step_layout, unpack
+from ..models import dense
+
+# The step inputs a propose program reads (greedy: no sampling parameters, one logits row each).
+_KEYS = ("tokens", "positions", "seg_ids", "write_idx", "block_tables", "kv_lens", "cu_q_lens",
+         "sample_mask", "logit_rows")  # fmt: skip
+
+
+class DraftRunner:
+    """The draft's KV and BucketPrograms of `_propose_fn`; only the KV is donated.
+
+    Args: as device.runner.Runner's (without max_proposals), and depth: K, the most proposals
+      per row.
+    """
+
+    def __init__(
+        self, cfg, params, num_blocks, block_size, max_slots, max_blocks_per_seq, kv_types,
+        attention_fn=None, grouped_matmul_fn=None, *, depth: int,
+    ):  # fmt: skip
+        self.cfg, self.params, self.depth = cfg, params, depth
+        self.block_size, self.max_slots, self.max_blocks = block_size, max_slots, max_blocks_per_seq
+        self.kv = dense.init_kv(cfg, num_blocks, block_size, *kv_types)
+        self._forward = functools.partial(
+            dense.forward, cfg=cfg, attention_fn=attention_fn, grouped_matmul=grouped_matmul_fn
+        )
+        self.programs = BucketPrograms(self.step_function, donate=(1,), name="draft")
+        self.propose_time: dict[int, float] = {}  # depth -> seconds (smallest bucket)
+
+    @property
+    def compiles(self) -> int:
+        return self.programs.compiles
+
+    def layout(self, T: int, S: int):
+        keep = [(n, s) for n, s in step_layout(T, S, S, self.max_blocks) if n in _KEYS]
+        return keep + [("want", (S,)), ("depth", (1,))]
+
+    def _propose_fn(self, params, kv, ints, *, T: int, S: int):
+        """A draft model's greedy proposals in one program; T, S static.
+
+        The catch-up batch (prompt chunks, and each speculating row's unfed tokens) runs as a
+        step; its rows with sample_mask propose argmax tokens, then up to depth - 1 batched
+        decode steps (a while loop: depth is data) feed each row its last proposal while the
+        row wants more. Rows that want no more write the sink.
+
+        Args: params; kv (donated); ints: int32 packed per `layout` (want [S]: proposals
+          per row, depth [1]: the largest).
+        Returns: (tokens int32 [S, K], kv).
+        """
+        batch = unpack(ints, self.layout(T, S))
+        logits, kv, _ = self._forward(params, kv, batch)
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+        out = jnp.zeros((S, self.depth), jnp.int32).at[:, 0].set(tok)
+        P, Td = self.block_size, max(S, 8)  # decode steps pad to 8 tokens, as the step's buckets
+        rows = jnp.arange(S)
+        live0 = batch["sample_mask"] > 0
+        pad = jnp.zeros(Td - S, jnp.int32)
+
+        def body(carry):
+            j, kv, tok, out = carry
+            live = live0 & (j < batch["want"])
+            pos = batch["kv_lens"] + j - 1
+            blk = batch["block_tables"][rows, jnp.where(live, pos // P, 0)]
+            dec = {
+                "tokens": jnp.concatenate([tok, pad]),
+                "positions": jnp.concatenate([jnp.where(live, pos, 0), pad]),
+                "seg_ids": jnp.concatenate([rows, pad + S - 1]),
+                "write_idx": jnp.concatenate([jnp.where(live, blk * P + pos % P, 0), pad]),
+                "block_tables": batch["block_tables"],
+                "kv_lens": jnp.where(live, pos + 1, 0),
+                "cu_q_lens": jnp.arange(S + 1, dtype=jnp.int32),
+                "logit_rows": rows,
+            }
+            logits, kv, _ = self._forward(params, kv, dec)
+            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return j + 1, kv, tok, out.at[:, j].set(tok)
+
+        carry = (jnp.int32(1), kv, tok, out)
+        _, kv, _, out = jax.lax.while_loop(lambda c: c[0] < batch["depth"][0], body, carry)
+        return out, kv
+
+    def step_function(self, T: int, S: int):
+        """The propose program for bucket (T, S) and abstract arguments to lower it with."""
+        ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
+        return functools.partial(self._propose_fn, T=T, S=S), (self.params, self.kv, ints)
+
+    def propose(self, rows, tables, t_bucket: int, s_bucket: int, want: list[int], depth=None):
+        """Greedy proposals (see _propose_fn); waits for them.
+
+        Args: rows: the catch-up batch (batch.Row; sample=True on speculating rows, whose
+          blocks must cover start + len(tokens) + want - 1); tables: int32 [slots, MB] block
+          tables; want: per row, proposals wanted (<= K); depth: loop count (default
+          max(want)).
+        Returns: int32 [len(rows), K]: row i's proposals are [i, :want[i]].
+        """
+        T, S = t_bucket, s_bucket
+        b = lower(rows, tables, self.block_size, T, S)
+        b["want"] = np.zeros(S, np.int32)
+        b["want"][: len(want)] = want
+        b["depth"] = np.array([max(want, default=0) if depth is None else depth], np.int32)
+        out, self.kv = self.programs[(T, S)](self.params, self.kv, pack(b, self.layout(T, S)))
+        return np.asarray(out)[: len(rows)]
+
+    def warmup(self, pairs: list[tuple[int, int]]) -> None:
+        """Compile every bucket; time the program at depth 1 and K on the smallest bucket
+        (proposals come with decode-sized catch-ups)."""
+        self.programs.warmup(pairs)
+        empty = np.zeros((1, self.max_blocks), np.int32)
+        for t, s in pairs:
+            self.propose([], empty, t, s, [])
+        t, s = pairs[0]
+        for d in (1, self.depth):
+            self.propose_time[d] = best_of_3(lambda d=d: self.propose([], empty, t, s, [], depth=d))
