@@ -2,7 +2,7 @@
 
 C requests are prefilled, then `--steps` engine steps (plan, lowering, the compiled step,
 sampling, bookkeeping) run under jax.profiler. Device kernel time is attributed to the named
-scopes of models/dense.py and runner.py (embed, qkv, kv_write, attention, attn_out, mlp,
+scopes of models/dense.py and device/runner.py (embed, qkv, kv_write, attention, attn_out, mlp,
 lm_head, sampling) through the compiled HLO's op metadata; the rest of the step's wall time
 is host time and device idle (planning, transfers, dispatch, waiting for sampled tokens).
 
@@ -253,7 +253,7 @@ def main():
 
 def write(results: list[dict], a) -> None:
     res = {"bench": "profile_step", **run_meta(), "results": results}
-    md = markdown(results, a.title)
+    md = markdown(results, a.title) + f"Command: `{res['command']}`\n"
     write_result(res, md, a.out)
 
 

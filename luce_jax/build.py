@@ -125,7 +125,7 @@ def _load_draft(config: EngineConfig, vocab):
 def kv_cache_types(config: EngineConfig, mc):
     """The runner's (k, v) cache types and the KV bytes one token takes over all layers.
 
-    Float types become dtypes; q8_0 / q4_0 stay names (models/kv_cache.py) and count their
+    Float types become dtypes; q8_0 / q4_0 stay names (pallas_kernels/kv_cache.py) and count their
     scales, so kv_pool_tokens=0 fits about 1.9x (q8_0) or 3.6x (q4_0) the bf16 tokens.
     """
     import jax.numpy as jnp

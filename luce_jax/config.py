@@ -9,7 +9,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on GPU, float32 on CPU
 FLOAT_CACHE_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
-# q8_0 / q4_0: int8 or packed 4-bit values with an f16 scale per 32 (models/kv_cache.py).
+# q8_0 / q4_0: int8 or packed 4-bit values with an f16 scale per 32 (pallas_kernels/kv_cache.py).
 CACHE_TYPES = ("auto", *FLOAT_CACHE_TYPES, "q8_0", "q4_0")
 # auto: the Pallas kernel on GPU (1.47x to 1.85x the XLA path's decode tok/s at 4k-token
 # contexts, C1 to C32, and 13x to 15x faster prefill on the H200:

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     threading.Thread(target=load, name="luce-load", daemon=True).start()
     server.run()
     if state.engine is not None:
-        state.engine.loop.stop()
+        state.engine.close()
     return 1 if failed else 0
 
 

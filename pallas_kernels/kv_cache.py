@@ -8,7 +8,9 @@ A plain cache is one [NB, P, K, D] array. A quantized cache is a `Quantized` pai
 Quantization equals ggml's reference (gguf.quants.quantize) bit for bit. The type of a cache is
 read off its arrays (int8 data: q8_0, uint8: q4_0), so caches stay plain pytrees.
 
-Shapes: NB blocks, P block size, K kv heads, D head dim, T rows.
+This is the format the kernels read, so it lives beside them (pallas_kernels imports nothing from
+luce_jax); the model writes its KV through it too. Shapes: NB blocks, P block size, K kv heads,
+D head dim, T rows.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ enough bytes to keep the memory system busy even for a single decode row. A long
 spread over several programs; their (max, sum, accumulator) partials are combined in jnp
 afterwards. Tokens past a sequence's kv length are masked loads, never read.
 
-KV types: plain float caches, and q8_0 / q4_0 (luce_jax/models/kv_cache.py), dequantized in
+KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file), dequantized in
 registers: a tile's bytes and scales are gathered per value column, then one dot per tile.
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block

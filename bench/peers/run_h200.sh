@@ -43,6 +43,39 @@ step_build() {
   tail -3 "$RES/llama_build.log"
 }
 
+step_build_bg() {  # the build in its own session: it outlives this call, for the next one
+  setsid nohup bash -c "bash bench/peers/build_llama_server.sh .peers/llama-cpp-11434-src.tar.xz \
+    $LLB cuda > $RES/llama_build.log 2>&1; echo done > $RES/llama_build.done" > /dev/null 2>&1 &
+  echo "build started in the background"
+}
+
+step_wait_build() {
+  local t=$SECONDS
+  until [ -f "$RES/llama_build.done" ] || [ $((SECONDS - t)) -gt 480 ]; do sleep 5; done
+  echo "waited $((SECONDS - t)) s for the build"
+  tail -2 "$RES/llama_build.log"
+}
+
+step_smoke() {  # the embedded model on this device: tokens, no compiles while serving
+  python3 - <<'PY' 2>&1 | grep -v "^WARNING"
+import time
+from luce_jax import LLM, SamplingParams
+llm = LLM(max_concurrency=8, max_ctx=512, compile_cache_dir="/tmp/xc")
+c0 = llm.engine.runner.compiles
+sp = SamplingParams(max_tokens=64, temperature=0)
+ps = ["def fibonacci(n):\n", "import os\n", "class Stack:\n", "def add(a, b):\n"] * 2
+t = time.perf_counter()
+outs = llm.generate(ps, sp)
+dt = time.perf_counter() - t
+alone = [llm.generate([p], sp)[0].token_ids for p in ps[:4]]
+same = sum(a == o.token_ids for a, o in zip(alone, outs))
+print(f"smoke: {sum(len(o.token_ids) for o in outs)} tokens in {dt:.2f} s; batched == alone "
+      f"for {same}/4; compiles while serving {llm.engine.runner.compiles - c0}")
+print(repr(outs[0].text[:80]))
+llm.close()
+PY
+}
+
 step_models() {  # $@ weight types (default bf16 q8_0)
   local types=("$@")
   [ $# -gt 0 ] || types=(bf16 q8_0)

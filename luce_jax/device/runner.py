@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..host.batch import layout_size, lower, pack, step_layout, unpack
-from ..host.slots import FLOAT_FIELDS, SlotTable
+from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense
 from . import sampling
 from .programs import BucketPrograms, best_of_3
@@ -157,7 +157,7 @@ class Runner:
         """An all-padding step of bucket (T, S): it writes only the sink block."""
         b = lower([], np.zeros((1, self.max_blocks), np.int32), self.block_size, T, S,
                   self.logit_width(T, S))  # fmt: skip
-        b.update(SlotTable(1).row_inputs(np.zeros(0, np.int32), np.zeros(0, bool), S))
+        b.update(padding_inputs(S))
         return b
 
     def warmup(self, pairs: list[tuple[int, int]]) -> None:

@@ -5,8 +5,10 @@ applies them between steps, so the scheduler and engine are never touched concur
 
 Each iteration:
   1. Apply pending submits and cancels (a cancel retires the slot before the next plan).
-  2. If there is work, run one scheduler step (admit, plan, engine step, route, retire).
-  3. If idle, sleep until a command arrives (or the coalesce window ends).
+  2. If there is work, run one scheduler step (admit, plan, dispatch the next step, collect
+     the previous one, route, retire; scheduler.py).
+  3. If idle (no request and no step in flight), sleep until a command arrives (or the
+     coalesce window ends).
 """
 
 from __future__ import annotations

@@ -55,7 +55,6 @@ class SlotTable:
     def __init__(self, n: int, seed: int = 0):
         self.n = n
         self.prompt: list[np.ndarray | None] = [None] * n  # int32 [prompt length], None: free
-        self.sampling: list[SamplingParams | None] = [None] * n
         self.prompt_len = np.zeros(n, np.int32)
         self.prefilled = np.zeros(n, np.int32)  # prompt tokens in dispatched steps
         self.generated = np.zeros(n, np.int32)  # tokens sampled by dispatched steps
@@ -78,7 +77,6 @@ class SlotTable:
     def claim(self, slot: int, prompt: list[int], sp: SamplingParams) -> None:
         assert not self.live(slot), f"slot {slot} is taken"
         self.prompt[slot] = np.asarray(prompt, np.int32)
-        self.sampling[slot] = sp
         self.prompt_len[slot] = len(prompt)
         self.prefilled[slot] = self.generated[slot] = 0
         self.max_tokens[slot] = sp.max_tokens
@@ -90,7 +88,7 @@ class SlotTable:
 
     def release(self, slot: int) -> None:
         """Free the slot; rows of steps still in flight for it become stale."""
-        self.prompt[slot] = self.sampling[slot] = None
+        self.prompt[slot] = None
         self.epoch[slot] += 1
 
     # -- progress ---------------------------------------------------------------------------
@@ -113,15 +111,22 @@ class SlotTable:
 
     # -- per-row step inputs ----------------------------------------------------------------
     def row_inputs(self, slots: np.ndarray, sample: np.ndarray, S: int) -> dict[str, np.ndarray]:
-        """Sampling inputs of a step's rows, padded to S: floats [6, S] (FLOAT_FIELDS), and
-        int32 top_k, seeds (bit pattern of the uint32 seed), steps (tokens generated before
-        the row's first sample, which with the seed fixes its noise) [S], want_logprobs [1]."""
-        n = len(slots)
-        floats = np.repeat(NEUTRAL[:, None], S, axis=1)
-        floats[:, :n] = np.where(sample, self.floats[:, slots], NEUTRAL[:, None])
-        ints = {k: np.zeros(S, np.int32) for k in ("top_k", "seeds", "steps")}
-        ints["top_k"][:n] = np.where(sample, self.top_k[slots], 0)
-        ints["seeds"][:n] = self.seeds[slots].view(np.int32)
-        ints["steps"][:n] = self.generated[slots]
-        ints["want_logprobs"] = np.array([self.logprobs[slots[sample]].any()], np.int32)
-        return {"floats": floats, **ints}
+        """Sampling inputs of a step's rows (`padding_inputs`' arrays, rows filled): each
+        sampling row gets its slot's parameters, seed and tokens generated so far."""
+        out, n = padding_inputs(S), len(slots)
+        out["floats"][:, :n] = np.where(sample, self.floats[:, slots], NEUTRAL[:, None])
+        out["top_k"][:n] = np.where(sample, self.top_k[slots], 0)
+        out["seeds"][:n] = self.seeds[slots].view(np.int32)
+        out["steps"][:n] = self.generated[slots]
+        out["want_logprobs"][0] = self.logprobs[slots[sample]].any()
+        return out
+
+
+def padding_inputs(S: int) -> dict[str, np.ndarray]:
+    """Sampling inputs of S padding rows: floats [6, S] (FLOAT_FIELDS, NEUTRAL), and int32
+    top_k, seeds (the uint32 seed's bits), steps (tokens generated before the row's first
+    sample, which with the seed fixes its noise) [S], want_logprobs [1]."""
+    out = {k: np.zeros(S, np.int32) for k in ("top_k", "seeds", "steps")}
+    out["floats"] = np.repeat(NEUTRAL[:, None], S, axis=1)
+    out["want_logprobs"] = np.zeros(1, np.int32)
+    return out
