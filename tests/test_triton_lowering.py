@@ -15,6 +15,7 @@ from jax._src.pallas.triton import pallas_call_registration as registration
 from pallas_kernels import kv_cache
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.quant_matmul import Q8_0, quant_matmul
 
 
 @pytest.fixture
@@ -68,4 +69,12 @@ def test_grouped_matmul_lowers_to_a_valid_triton_module(verified, swiglu, M, K, 
     w = jnp.zeros((8, K, 2 * N if swiglu else N), jnp.bfloat16)
     sizes = jnp.full((8,), M // 8, jnp.int32)
     lower_for_cuda(lambda *a: grouped_matmul(*a, swiglu=swiglu, interpret=False), x, w, sizes)
+    assert len(verified) == 1
+
+
+@pytest.mark.parametrize("M, K, N", [(1, 4096, 4096), (8, 12288, 4096), (300, 96, 40)])
+def test_quant_matmul_lowers_to_a_valid_triton_module(verified, M, K, N):
+    w = Q8_0(jnp.zeros((K, N), jnp.int8), jnp.zeros((K // 32, N), jnp.float16))
+    x = jnp.zeros((M, K), jnp.bfloat16)
+    lower_for_cuda(lambda x: quant_matmul(x, w, interpret=False), x)
     assert len(verified) == 1
