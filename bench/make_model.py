@@ -1,7 +1,8 @@
 """Random-weight GGUFs at real model shapes, with a real tokenizer copied from a vocab GGUF.
 
 Speed does not depend on weight values, so benchmarks run on these files; their text is
-meaningless. Rows are drawn from a small random pool and tiled, and tensors of one shape are
+meaningless. K-quant and IQ4_XS matrices are random block bytes with small finite scales (gguf-py
+cannot quantize to them), and `--type q4_k_m` mixes Q4_K and Q6_K as llama.cpp's Q4_K_M does. Rows are drawn from a small random pool and tiled, and tensors of one shape are
 shared by all layers, so an 8B file is written in seconds and a 30B one in little memory.
 
     python bench/make_model.py --shape qwen3-8b --type bf16 \
@@ -15,7 +16,7 @@ import logging
 import time
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 from luce_jax.loading.gguf import GGUFFile
@@ -30,30 +31,71 @@ SHAPES = {
     "qwen3-32b": dict(d=5120, L=64, H=64, K=8, D=128, F=25600, tied=False),
     "qwen3-30b-a3b": dict(d=2048, L=48, H=32, K=4, D=128, F=6144, tied=False, E=128, k=8, Fe=768),
 }
-F32 = GGMLQuantizationType.F32
+T = GGMLQuantizationType
+F32 = T.F32
+# --type: one GGML type for every matrix, or "q4_k_m", llama.cpp's Q4_K_M mix (`mix_type`).
 TYPES = {
-    "bf16": GGMLQuantizationType.BF16,
-    "f16": GGMLQuantizationType.F16,
-    "q8_0": GGMLQuantizationType.Q8_0,
-    "q4_0": GGMLQuantizationType.Q4_0,
+    "bf16": T.BF16,
+    "f16": T.F16,
+    "q8_0": T.Q8_0,
+    "q4_0": T.Q4_0,
+    "q4_k": T.Q4_K,
+    "q5_k": T.Q5_K,
+    "q6_k": T.Q6_K,
+    "iq4_xs": T.IQ4_XS,
+    "q4_k_m": None,
 }
+# Types gguf-py cannot quantize are written as random block bytes with their f16 scale
+# fields set to small finite values (byte offset in the block, magnitude), so the values stay
+# about the size of the others' (0.02) and every loader reads the same valid file.
+RANDOM_SCALES = {
+    T.Q4_K: ((0, 2e-5), (2, 2e-5)),
+    T.Q5_K: ((0, 1e-5), (2, 1e-5)),
+    T.Q6_K: ((208, 5e-6),),
+    T.IQ4_XS: ((0, 5e-6),),
+}
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of layers that keep more bits in its _M mixes."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def mix_type(name: str, layer: int | None, n_layers: int):
+    """The type llama.cpp's quantizer gives a matrix in a Q4_K_M file: Q6_K for the output
+    head, and for attn_v and ffn_down (experts too) in the layers use_more_bits picks; Q4_K
+    for the rest."""
+    if name == "output.weight":
+        return T.Q6_K
+    more = layer is not None and use_more_bits(layer, n_layers)
+    if more and (".attn_v." in name or ".ffn_down" in name):
+        return T.Q6_K
+    return T.Q4_K
 
 
 def random_rows(rows: int, cols: int, qtype, rng, pool: int = 64) -> np.ndarray:
     """[rows, bytes per row] uint8 of `qtype`, tiled from `pool` random rows."""
-    x = (rng.standard_normal((pool, cols)) * 0.02).astype(np.float32)
-    if qtype == GGMLQuantizationType.F16:
-        packed = x.astype(np.float16).view(np.uint8)
-    elif qtype == F32:
-        packed = x.view(np.uint8)
+    if qtype in RANDOM_SCALES:
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (pool * cols // block, size), dtype=np.uint8)
+        for off, mag in RANDOM_SCALES[qtype]:
+            d = (np.abs(rng.standard_normal(len(raw))) * mag).astype(np.float16)
+            raw[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
+        packed = raw.reshape(pool, -1)
     else:
-        packed = quantize(x, qtype)
+        x = (rng.standard_normal((pool, cols)) * 0.02).astype(np.float32)
+        if qtype == T.F16:
+            packed = x.astype(np.float16).view(np.uint8)
+        elif qtype == F32:
+            packed = x.view(np.uint8)
+        else:
+            packed = quantize(x, qtype)
     reps = -(-rows // pool)
     return np.tile(packed, (reps, 1))[:rows]
 
 
 def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) -> None:
-    s, qtype = SHAPES[shape], TYPES[type_name]
+    s, fixed = SHAPES[shape], TYPES[type_name]
     rng = np.random.default_rng(seed)
     md = GGUFFile(vocab_path).metadata
     tokens = md["tokenizer.ggml.tokens"]
@@ -90,8 +132,9 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
     # until the file is written, so a 61 GB file needs one layer's worth of memory, not 61 GB.
     drawn = {}
 
-    def mat(name, rows, cols, experts=0, pool=64):
-        key = (rows, cols, experts)
+    def mat(name, rows, cols, experts=0, pool=64, layer=None):
+        qtype = fixed if fixed is not None else mix_type(name, layer, s["L"])
+        key = (rows, cols, experts, qtype)
         if key not in drawn:
             data = random_rows(max(experts, 1) * rows, cols, qtype, rng, pool)
             drawn[key] = data.reshape(experts, rows, -1) if experts else data
@@ -110,10 +153,10 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
         mat("output.weight", V, d)
     for i in range(s["L"]):
         p = f"blk.{i}."
-        mat(p + "attn_q.weight", H * D, d)
-        mat(p + "attn_k.weight", K * D, d)
-        mat(p + "attn_v.weight", K * D, d)
-        mat(p + "attn_output.weight", d, H * D)
+        mat(p + "attn_q.weight", H * D, d, layer=i)
+        mat(p + "attn_k.weight", K * D, d, layer=i)
+        mat(p + "attn_v.weight", K * D, d, layer=i)
+        mat(p + "attn_output.weight", d, H * D, layer=i)
         norm(p + "attn_q_norm.weight", D)
         norm(p + "attn_k_norm.weight", D)
         norm(p + "attn_norm.weight", d)
@@ -122,13 +165,13 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
             E, Fe = s["E"], s["Fe"]
             router = random_rows(E, d, F32, rng, pool=E).view(np.float32)
             w.add_tensor(p + "ffn_gate_inp.weight", router)
-            mat(p + "ffn_gate_exps.weight", Fe, d, E)
-            mat(p + "ffn_up_exps.weight", Fe, d, E)
-            mat(p + "ffn_down_exps.weight", d, Fe, E)
+            mat(p + "ffn_gate_exps.weight", Fe, d, E, layer=i)
+            mat(p + "ffn_up_exps.weight", Fe, d, E, layer=i)
+            mat(p + "ffn_down_exps.weight", d, Fe, E, layer=i)
             continue
-        mat(p + "ffn_gate.weight", F, d)
-        mat(p + "ffn_up.weight", F, d)
-        mat(p + "ffn_down.weight", d, F)
+        mat(p + "ffn_gate.weight", F, d, layer=i)
+        mat(p + "ffn_up.weight", F, d, layer=i)
+        mat(p + "ffn_down.weight", d, F, layer=i)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=True)

@@ -68,6 +68,52 @@ def test_made_models_have_real_shapes_and_tokenizer(made):
     assert t["blk.0.ffn_up_exps.weight"].tensor_type.name == "Q8_0"
 
 
+def test_q4_k_m_files_mix_types_as_llama_cpp_and_load(fixtures_dir, tmp_path, monkeypatch):
+    """--type q4_k_m: Q6_K for the output head and for attn_v / ffn_down in the layers
+    use_more_bits picks (of 8: 0, 3, 6, 7), Q4_K elsewhere; random K-quant blocks with small
+    finite scales, so every tensor dequantizes to finite values of about the usual size."""
+    import numpy as np
+
+    from luce_jax.loading.gguf import GGUFFile, load_params, model_config
+
+    monkeypatch.setitem(make_model.SHAPES, "tiny-k", dict(d=256, L=8, H=4, K=2, D=64, F=512,
+                                                         tied=False))  # fmt: skip
+    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    path = str(tmp_path / "q4km.gguf")
+    make_model.write("tiny-k", "q4_k_m", vocab, path)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    more = [i for i in range(8) if types[f"blk.{i}.ffn_down.weight"] == "Q6_K"]
+    assert more == [0, 3, 6, 7] and more == [
+        i for i in range(8) if types[f"blk.{i}.attn_v.weight"] == "Q6_K"
+    ]
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    assert {types[f"blk.{i}.{n}.weight"] for i in range(8) for n in ("attn_q", "ffn_up")} == {
+        "Q4_K"
+    }
+    f = GGUFFile(path)
+    _, params = load_params(f, model_config(f.metadata), "float32")
+    for x in (params["layers"][0]["w_down"], params["layers"][1]["w_down"], params["lm_head"]):
+        x = np.asarray(x)
+        assert np.isfinite(x).all() and 1e-4 < np.abs(x).mean() < 1.0
+
+
+@pytest.mark.parametrize("type_name", ["q5_k", "iq4_xs"])
+def test_k_quant_and_iq4_xs_files_load(fixtures_dir, tmp_path, monkeypatch, type_name):
+    import numpy as np
+
+    from luce_jax.loading.gguf import GGUFFile, load_params, model_config
+
+    monkeypatch.setitem(make_model.SHAPES, "tiny-k", dict(d=256, L=1, H=4, K=2, D=64, F=512,
+                                                         tied=True))  # fmt: skip
+    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    path = str(tmp_path / f"{type_name}.gguf")
+    make_model.write("tiny-k", type_name, vocab, path)
+    assert GGUFReader(path).tensors[0].tensor_type.name == type_name.upper()
+    f = GGUFFile(path)
+    _, params = load_params(f, model_config(f.metadata), "float32")
+    assert np.isfinite(np.asarray(params["layers"][0]["wqkv"])).all()
+
+
 def test_roofline_counts_every_weight_a_decode_step_reads(made):
     dense, moe, _ = made
     # Independent count with gguf's own reader: all tensors but the untied embedding table.

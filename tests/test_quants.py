@@ -20,7 +20,9 @@ def random_blocks(qtype, rows, cols, rng):
         x = rng.standard_normal((rows, cols)).astype(np.float32)
         return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
-    scale_offsets = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+    scale_offsets = {
+        T.Q8_0: [0], T.Q4_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_XS: [0]
+    }  # fmt: skip
     for off in scale_offsets[qtype]:
         d = (rng.standard_normal(raw.shape[0]) * 0.01).astype(np.float16)
         raw[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)

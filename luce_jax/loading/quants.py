@@ -80,6 +80,24 @@ def q6_k(b: jax.Array) -> jax.Array:
     return (d * q.reshape(-1, 16, 16).astype(jnp.float32)).reshape(-1, QK_K)
 
 
+# IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def iq4_xs(b: jax.Array) -> jax.Array:
+    """Super-blocks of 256: f16 d, 8 six-bit scales (2 high bits each in a uint16, 4 low bits
+    in 4 bytes), then 8 groups of 32 four-bit indices into IQ4_VALUES."""
+    d = _f16(b[:, 0:2])
+    hi = jax.lax.bitcast_convert_type(b[:, 2:4].reshape(-1, 1, 2), jnp.uint16)  # [N, 1]
+    hi = (hi >> jnp.arange(0, 16, 2, dtype=jnp.uint16)) & jnp.uint16(3)  # [N, 8]
+    lo = (b[:, 4:8, None] >> jnp.array([0, 4], jnp.uint8)) & jnp.uint8(0x0F)  # [N, 4, 2]
+    scales = (lo.reshape(-1, 8) | (hi.astype(jnp.uint8) << 4)).astype(jnp.int8) - jnp.int8(32)
+    dl = (d * scales.astype(jnp.float32))[..., None]  # [N, 8, 1]
+    idx = _nibbles(b[:, 8:], 8, 16).reshape(-1, 8, 32)
+    vals = jnp.asarray(IQ4_VALUES, jnp.float32)[idx]
+    return (dl * vals).reshape(-1, QK_K)
+
+
 def bf16(b: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(b.reshape(-1, 1, 2), jnp.bfloat16).astype(jnp.float32)
 
@@ -102,6 +120,7 @@ DEQUANTIZERS = {
     T.Q4_K: q4_k,
     T.Q5_K: q5_k,
     T.Q6_K: q6_k,
+    T.IQ4_XS: iq4_xs,
 }
 
 
