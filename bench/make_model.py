@@ -1,9 +1,10 @@
 """Random-weight GGUFs at real model shapes, with a real tokenizer copied from a vocab GGUF.
 
 Speed does not depend on weight values, so benchmarks run on these files; their text is
-meaningless. K-quant and IQ4_XS matrices are random block bytes with small finite scales (gguf-py
-cannot quantize to them), and `--type q4_k_m` mixes Q4_K and Q6_K as llama.cpp's Q4_K_M does. Rows are drawn from a small random pool and tiled, and tensors of one shape are
+meaningless. Rows are drawn from a small random pool and tiled, and tensors of one shape are
 shared by all layers, so an 8B file is written in seconds and a 30B one in little memory.
+K-quant and IQ4_XS matrices are random block bytes with small finite scales (gguf-py cannot
+quantize to them), and `--type q4_k_m` mixes Q4_K and Q6_K as llama.cpp's Q4_K_M does.
 
     python bench/make_model.py --shape qwen3-8b --type bf16 \
         --vocab ../shared/fixtures/tokenizers/ggml-vocab-qwen2.gguf --out qwen3-8b-bf16.gguf
