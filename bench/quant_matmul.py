@@ -50,8 +50,10 @@ def timed(fn, x, ws, n=10) -> float:
 
 
 def parse_variant(v: str) -> dict:
-    bn, groups, warps, stages = (int(p) for p in v.split(":"))
-    return dict(block_n=bn, groups=groups, num_warps=warps, num_stages=stages)
+    """block_n:groups:warps:stages[:tile] (tile: quant_matmul's per_group=False)."""
+    bn, groups, warps, stages, *mode = v.split(":")
+    return dict(block_n=int(bn), groups=int(groups), num_warps=int(warps),
+                num_stages=int(stages), per_group=mode != ["tile"])  # fmt: skip
 
 
 def run_case(name, K, N, M, bw, variants, n_weights) -> list[dict]:
@@ -93,7 +95,7 @@ def main():
         "--variants",
         nargs="+",
         default=["128:4:4:3"],
-        help="Pallas tilings block_n:groups:num_warps:num_stages",
+        help="Pallas tilings block_n:groups:num_warps:num_stages[:tile]",
     )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
     ap.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")
@@ -108,7 +110,7 @@ def main():
         f"Q8_0 weights (Pallas, dequantized in registers) against bf16 weights (XLA dot); copy "
         f"bandwidth {bw / 1e9:.0f} GB/s. Time per call inside one executable of {LAYERS} "
         f"dependent calls cycling over {a.weights} weight buffers. Variant: "
-        "block_n:groups:warps:stages.",
+        "block_n:groups:warps:stages[:tile] (tile: one dot per chunk of scaled values).",
         "",
         "| case | M | variant | Q8_0 us | bf16 us | speedup | Q8_0 GB/s (of copy BW) | bf16 "
         "of copy BW | rel. error |",

@@ -8,13 +8,18 @@ as in the GGUF file (a file row is one output column here). It holds 1.0625 byte
 as the file does; `q8_0_from_blocks` reorders a file tensor's blocks once at load.
 
 Work split. Program (i, j, s) takes row tile i (BM rows), column tile j (BN columns) and
-contraction split s. It walks its split in chunks of BK = 32 * G values; per 32-value group it
-loads the int8 tile [32, BN], converts it to the activations' dtype, takes one dot with the
-rows' [BM, 32] slice and scales that partial product by the group's scale row [1, BN] before
-adding it to the float32 accumulator. The scale is applied once per group and column, not per
-weight, and no tile needs a reshape or a gathered scale per value. Decode-sized calls (few
-rows) have few column tiles for a narrow N, so the contraction is split until there are about
-`min_programs` programs to fill the GPU; the splits' float32 partials are summed afterwards.
+contraction split s. It walks its split in chunks of BK = 32 * G values. With `per_group` (the
+default) it loads, per 32-value group, the int8 tile [32, BN], converts it to the activations'
+dtype, takes one dot with the rows' [BM, 32] slice and scales that partial product by the
+group's scale row [1, BN] before adding it to the float32 accumulator: the scale is applied
+once per group and column, not per weight, and no tile needs a reshape. Otherwise it loads the
+whole chunk [BK, BN] with a scale per value (gathered: the 32 values of a group share an
+address), dequantizes it to the activations' dtype and takes one dot of depth BK, which uses the
+matrix units better for many rows. First H200 timings of the per-group form:
+bench/results/2026-11-30_quant_matmul_h200.md (41% of the copy bandwidth at decode; the
+per-tile form has not been timed). Decode-sized calls (few rows) have few column tiles for a
+narrow N, so the contraction is split until there are about `min_programs` programs to fill
+the GPU; the splits' float32 partials are summed afterwards.
 
 Triton backend: all indices are arrays and loads are masked, so K, N and M need not be tile
 multiples (K must be a multiple of 32, as every GGUF Q8_0 tensor's is). On CPU the kernel runs
@@ -84,7 +89,7 @@ def quant_matmul_reference(x, w: Q8_0):
     return jnp.dot(x.astype(jnp.float32), dequantize_q8_0(w), precision="highest")
 
 
-def _kernel(x_ref, q_ref, d_ref, o_ref, *, BM, BN, G, chunks, Ks):
+def _kernel(x_ref, q_ref, d_ref, o_ref, *, BM, BN, G, chunks, Ks, per_group):
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     M, K = x_ref.shape
     N = q_ref.shape[1]
@@ -93,34 +98,46 @@ def _kernel(x_ref, q_ref, d_ref, o_ref, *, BM, BN, G, chunks, Ks):
     rows = jnp.minimum(rows, M - 1)
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
-    lane = jnp.arange(GROUP)
 
-    def body(c, acc):
+    def load(k0, width: int, scale_per_value: bool):
+        """x [BM, width] and int8 values [width, BN] from contraction index k0, with their
+        scales: [width, BN] (one per value) or [1, BN] (the group's row, width 32)."""
+        ks = k0 + jnp.arange(width)
+        k_ok = ks < K
+        xb = plgpu.load(
+            x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0
+        )
+        qb = plgpu.load(
+            q_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0
+        )
+        grp = ks // GROUP if scale_per_value else jnp.full((1,), k0 // GROUP)
+        db = plgpu.load(
+            d_ref.at[grp[:, None], cols[None, :]],
+            mask=(grp < K // GROUP)[:, None] & col_ok[None, :],
+            other=0,
+        )
+        return xb, qb, db
+
+    def dot(a, b):
+        return jax.lax.dot_general(
+            a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    def body_per_group(c, acc):
         for g in range(G):  # one dot per 32-value group, scaled by its row of scales
-            k0 = s * Ks + (c * G + g) * GROUP
-            ks = k0 + lane
-            k_ok = ks < K
-            xb = plgpu.load(
-                x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0
-            )
-            qb = plgpu.load(
-                q_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0
-            )
-            grp = jnp.full((1,), k0 // GROUP)
-            db = plgpu.load(
-                d_ref.at[grp[:, None], cols[None, :]],
-                mask=(k0 < K) & col_ok[None, :],
-                other=0,
-            )
-            part = jax.lax.dot_general(
-                xb, qb.astype(xb.dtype), (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )  # fmt: skip
-            acc = acc + part * db.astype(jnp.float32)
+            xb, qb, db = load(s * Ks + (c * G + g) * GROUP, GROUP, False)
+            acc = acc + dot(xb, qb.astype(xb.dtype)) * db.astype(jnp.float32)
         return acc
 
-    acc = jax.lax.fori_loop(0, chunks, body, jnp.zeros((BM, BN), jnp.float32))
-    o_ref[...] = acc
+    def body_per_tile(c, acc):
+        # The chunk's values times their scales, gathered per value (repeated addresses: L1),
+        # rounded to x's dtype, then one dot over the whole chunk.
+        xb, qb, db = load(s * Ks + c * G * GROUP, G * GROUP, True)
+        w = (qb.astype(jnp.float32) * db.astype(jnp.float32)).astype(xb.dtype)
+        return acc + dot(xb, w)
+
+    body = body_per_group if per_group else body_per_tile
+    o_ref[...] = jax.lax.fori_loop(0, chunks, body, jnp.zeros((BM, BN), jnp.float32))
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -150,6 +167,7 @@ def quant_matmul(
     block_m: int = 64,
     block_n: int = 128,
     groups: int = 4,
+    per_group: bool = True,
     min_programs: int = 264,
     interpret: bool | None = None,
     num_warps: int = 4,
@@ -163,6 +181,8 @@ def quant_matmul(
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n: caps on BM (rows, at least 16) and BN (columns).
       groups: G, 32-value groups per loop iteration (BK = 32 G).
+      per_group: one dot per group, scaled after it (exact int8 values in the dot); else the
+        chunk dequantized to x's dtype first (scales gathered per value) and one dot of depth BK.
       min_programs: split the contraction until the grid has about this many programs (two
         per SM of an H200), never below one chunk per split.
       interpret: run in interpret mode (default: when the backend is the CPU).
@@ -186,8 +206,14 @@ def quant_matmul(
 
     parts = pl.pallas_call(
         functools.partial(
-            _kernel, BM=BM, BN=BN, G=groups, chunks=chunks, Ks=chunks * GROUP * groups
-        ),
+            _kernel,
+            BM=BM,
+            BN=BN,
+            G=groups,
+            chunks=chunks,
+            Ks=chunks * GROUP * groups,
+            per_group=per_group,
+        ),  # fmt: skip
         grid=(NI, NJ, S),
         in_specs=[full(x), full(w.qs), full(w.d)],
         out_specs=pl.BlockSpec((None, BM, BN), lambda i, j, s: (s, i, j)),

@@ -35,18 +35,19 @@ def test_q8_0_layout_is_ggmls_blocks_reordered():
     np.testing.assert_array_equal(np.asarray(ours.d), np.asarray(w.d))
 
 
+@pytest.mark.parametrize("per_group", [True, False], ids=["per-group", "per-tile"])
 @pytest.mark.parametrize("M", [1, 3, 8, 64, 300])
 @pytest.mark.parametrize(
     "K, N, groups",
     [(128, 128, 4), (96, 40, 4), (320, 24, 2)],
     ids=["tile-multiples", "ragged-k-and-n", "split-k"],
 )
-def test_kernel_matches_reference(M, K, N, groups):
+def test_kernel_matches_reference(M, K, N, groups, per_group):
     kx, kw = jax.random.split(jax.random.key(M * 1000 + K + N))
     x = jax.random.normal(kx, (M, K), jnp.float32)
     w = quantize_q8_0(jax.random.normal(kw, (K, N), jnp.float32))
     ref = quant_matmul_reference(x, w)
-    got = quant_matmul(x, w, groups=groups, min_programs=8, interpret=True)
+    got = quant_matmul(x, w, groups=groups, per_group=per_group, min_programs=8, interpret=True)
     assert got.shape == (M, N) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-3)
 
@@ -60,12 +61,14 @@ def test_a_split_whose_tail_is_past_k_adds_nothing():
     np.testing.assert_allclose(got, quant_matmul_reference(x, w), rtol=1e-4, atol=1e-3)
 
 
-def test_bfloat16_activations_and_output():
+@pytest.mark.parametrize("per_group", [True, False], ids=["per-group", "per-tile"])
+def test_bfloat16_activations_and_output(per_group):
     kx, kw = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (8, 256), jnp.float32)
     w = quantize_q8_0(jax.random.normal(kw, (256, 64), jnp.float32))
     ref = quant_matmul_reference(x.astype(jnp.bfloat16), w)
-    got = quant_matmul(x.astype(jnp.bfloat16), w, out_dtype=jnp.bfloat16, interpret=True)
+    xb = x.astype(jnp.bfloat16)
+    got = quant_matmul(xb, w, out_dtype=jnp.bfloat16, per_group=per_group, interpret=True)
     assert got.dtype == jnp.bfloat16
     err = np.linalg.norm(np.asarray(got, np.float32) - ref) / np.linalg.norm(ref)
     assert err < 1e-2  # bf16 operands: the activations and the dequantized int8 values

@@ -72,9 +72,10 @@ def test_grouped_matmul_lowers_to_a_valid_triton_module(verified, swiglu, M, K, 
     assert len(verified) == 1
 
 
+@pytest.mark.parametrize("per_group", [True, False], ids=["per-group", "per-tile"])
 @pytest.mark.parametrize("M, K, N", [(1, 4096, 4096), (8, 12288, 4096), (300, 96, 40)])
-def test_quant_matmul_lowers_to_a_valid_triton_module(verified, M, K, N):
+def test_quant_matmul_lowers_to_a_valid_triton_module(verified, M, K, N, per_group):
     w = Q8_0(jnp.zeros((K, N), jnp.int8), jnp.zeros((K // 32, N), jnp.float16))
     x = jnp.zeros((M, K), jnp.bfloat16)
-    lower_for_cuda(lambda x: quant_matmul(x, w, interpret=False), x)
+    lower_for_cuda(lambda x: quant_matmul(x, w, per_group=per_group, interpret=False), x)
     assert len(verified) == 1
