@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from pallas_kernels.moe_grouping import grouped_matmul
 
 from meta import meta_line, run_meta, write_result
 from roofline import copy_bandwidth
+from timing import per_call
 
 log = logging.getLogger("moe_kernel")
 LAYERS = 48
@@ -44,26 +44,9 @@ CASES = [
 ]
 
 
-def timed(fn, x, ws, sizes, n=5) -> float:
-    """Seconds per call in one executable of LAYERS dependent calls cycling over `ws`.
-
-    Each call reads other weights than the last few (len(ws) distinct buffers, together far over
-    the 60 MB L2), as the layers of a step do; one buffer reused would be served from L2.
-    """
-
-    def layers(x, ws):
-        for i in range(LAYERS):
-            y = fn(x, ws[i % len(ws)], sizes)
-            x = x + (y[0, 0] * 0).astype(x.dtype)  # dependent calls: no overlap
-        return x
-
-    f = jax.jit(layers)
-    jax.block_until_ready(f(x, ws))
-    t = time.perf_counter()
-    for _ in range(n):
-        out = f(x, ws)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / n / LAYERS
+def timed(fn, x, ws, sizes) -> float:
+    """Seconds per call of fn(x, w, sizes) in one executable of LAYERS dependent calls."""
+    return per_call(lambda x, w: fn(x, w, sizes), x, ws, LAYERS)
 
 
 def parse_variant(v: str) -> dict:

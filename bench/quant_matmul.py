@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, qu
 
 from meta import meta_line, run_meta, write_result
 from roofline import copy_bandwidth
+from timing import per_call
 
 log = logging.getLogger("quant_matmul")
 LAYERS = 8
@@ -31,22 +31,9 @@ SHAPES = [("gate/up", 4096, 24576), ("down", 12288, 4096), ("attn_out", 4096, 40
           ("qkv", 4096, 6144)]  # fmt: skip
 
 
-def timed(fn, x, ws, n=10) -> float:
-    """Seconds per call in one executable of LAYERS dependent calls cycling over `ws`."""
-
-    def layers(x, ws):
-        for i in range(LAYERS):
-            y = fn(x, ws[i % len(ws)])
-            x = x + (y[0, 0] * 0).astype(x.dtype)  # dependent calls: no overlap
-        return x
-
-    f = jax.jit(layers)
-    jax.block_until_ready(f(x, ws))
-    t = time.perf_counter()
-    for _ in range(n):
-        out = f(x, ws)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / n / LAYERS
+def timed(fn, x, ws) -> float:
+    """Seconds per call of fn(x, w) in one executable of LAYERS dependent calls."""
+    return per_call(fn, x, ws, LAYERS, n=10)
 
 
 def parse_variant(v: str) -> dict:
