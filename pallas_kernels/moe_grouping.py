@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .call_options import call_options, whole
 from .paged_attention import query_blocks
 
 
@@ -137,8 +138,6 @@ def grouped_matmul(
     if swiglu and Nw % 2:
         raise ValueError(f"swiglu needs [gate | up] columns; w has {Nw}")
     N = Nw // 2 if swiglu else Nw
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     # Row tiles sized to the mean rows per expert: a decode step puts a few rows on each expert,
     # and a 64-row tile would spend its matrix work on masked rows.
     BM, BN, BK = _tile(-(-M // E), block_m), _tile(N, block_n), _tile(K, block_k)
@@ -146,21 +145,15 @@ def grouped_matmul(
     # Every tile with rows holds at least one of the M rows, so at most M tiles have rows.
     meta = query_blocks(cu, M, BM, max_blocks=M)  # [NT, 3] (expert, first row, rows)
     NT, NJ = meta.shape[0], -(-N // BN)
-    params = {}
-    if not interpret:
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-    def full(a):
-        return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    options = call_options(interpret, num_warps, num_stages)
 
     tiles = pl.pallas_call(
         functools.partial(_kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu),
         grid=(NT, NJ),
-        in_specs=[full(meta), full(x), full(w)],
+        in_specs=[whole(meta), whole(x), whole(w)],
         out_specs=pl.BlockSpec((None, BM, BN), lambda i, j: (i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((NT, BM, NJ * BN), out_dtype),
-        interpret=interpret,
-        **params,
+        **options,
     )(meta, x, w)
     r = jnp.arange(BM)
     rows = jnp.where(r[None, :] < meta[:, 2:3], meta[:, 1:2] + r[None, :], M).reshape(-1)

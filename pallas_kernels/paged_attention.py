@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import kv_cache
+from .call_options import call_options, whole
 from .kv_cache import GROUP
 
 MASK_VALUE = -1e30  # finite: a fully masked row keeps m finite and contributes nothing
@@ -265,8 +266,6 @@ def paged_attention(
             f"metadata shapes cu_q_lens {cu_q_lens.shape}, kv_lens {kv_lens.shape}, "
             f"positions {positions.shape} do not fit {S} segments and {T} rows"
         )
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     bq, tps, ns = plan_tiles(T, S, Gp, MB, P, K, D, split_tokens, block_k)
     bqg = bq * Gp
     meta = query_blocks(cu_q_lens, T, bq)
@@ -278,20 +277,15 @@ def paged_attention(
     qk = qk.transpose(1, 0, 2, 3).reshape(K, (T + bq) * Gp, D).astype(cdt)
     qpos = jnp.repeat(jnp.pad(positions, (0, bq)), Gp)
 
-    def full(x):
-        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-
     inputs = (meta, block_tables, kv_lens, qk, qpos, *k_in, *v_in)
     kernel = functools.partial(
         _kernel, scale=scale, BQG=bqg, G=Gp, BK=block_k, TPS=tps, kinds=kinds
     )
-    params = {}
-    if not interpret:
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    options = call_options(interpret, num_warps, num_stages)
     acc, m, den = pl.pallas_call(
         kernel,
         grid=(nblk, K, ns),
-        in_specs=[full(x) for x in inputs],
+        in_specs=[whole(x) for x in inputs],
         out_specs=[
             pl.BlockSpec((None, None, None, bqg, D), lambda i, k, s: (i, k, s, 0, 0)),
             pl.BlockSpec((None, None, None, bqg), lambda i, k, s: (i, k, s, 0)),
@@ -302,8 +296,7 @@ def paged_attention(
             jax.ShapeDtypeStruct((nblk, K, ns, bqg), jnp.float32),
             jax.ShapeDtypeStruct((nblk, K, ns, bqg), jnp.float32),
         ],
-        interpret=interpret,
-        **params,
+        **options,
     )(*inputs)
     # Combine the splits: weights exp(m_s - max m) over splits that saw any key.
     mx = jnp.max(m, axis=2, keepdims=True)

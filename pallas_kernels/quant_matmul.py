@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import kv_cache
+from .call_options import call_options, whole
 
 GROUP = 32  # values per scale in a Q8_0 block
 Q8_0_BLOCK_BYTES = 2 + GROUP  # f16 scale, then 32 int8 values
@@ -193,16 +194,9 @@ def quant_matmul(
     Kw, N = w.qs.shape
     if Kw != K or K % GROUP or w.d.shape != (K // GROUP, N):
         raise ValueError(f"x {x.shape} and Q8_0 weight {w.qs.shape} / {w.d.shape} do not fit")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     BM, BN, S, chunks = tiling(M, K, N, block_m, block_n, groups, min_programs)
     NI, NJ = -(-M // BM), -(-N // BN)
-    params = {}
-    if not interpret:
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-    def full(a):
-        return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    options = call_options(interpret, num_warps, num_stages)
 
     parts = pl.pallas_call(
         functools.partial(
@@ -215,10 +209,9 @@ def quant_matmul(
             per_group=per_group,
         ),  # fmt: skip
         grid=(NI, NJ, S),
-        in_specs=[full(x), full(w.qs), full(w.d)],
+        in_specs=[whole(x), whole(w.qs), whole(w.d)],
         out_specs=pl.BlockSpec((None, BM, BN), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((S, NI * BM, NJ * BN), jnp.float32),
-        interpret=interpret,
-        **params,
+        **options,
     )(x, w.qs, w.d)
     return parts.sum(0)[:M, :N].astype(out_dtype)

@@ -1,0 +1,26 @@
+"""What every kernel's pallas_call shares: whole-array operands and the Triton options."""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def whole(a) -> pl.BlockSpec:
+    """The whole array as one block: the kernel indexes it itself (gathers through tables,
+    masked loads), as the Triton backend has no scalar prefetch."""
+    return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+
+
+def call_options(interpret: bool | None, num_warps: int, num_stages: int) -> dict:
+    """pallas_call's interpret flag (default: on the CPU, where there is no Triton) and, on
+    the GPU, the Triton compiler parameters."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if interpret:
+        return {"interpret": True}
+    return {
+        "interpret": False,
+        "compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    }
