@@ -11,6 +11,9 @@ log = logging.getLogger(__name__)
 
 # Device memory kept free for compile workspace and step activations when sizing the pool.
 WORKSPACE_FRACTION = 0.08
+# dtype=auto dequantizes only while the dequantized weights take at most this share of device
+# memory, which leaves the rest for the KV pool; beyond it they stay quantized.
+DEQUANTIZED_WEIGHTS_FRACTION = 0.6
 
 
 def load_engine(config: EngineConfig):
@@ -24,7 +27,7 @@ def load_engine(config: EngineConfig):
     from .device.programs import enable_compile_cache
     from .device.runner import Runner
     from .host.engine import DenseEngine
-    from .loading.gguf import GGUFFile, load_params, model_config
+    from .loading.gguf import GGUFFile, load_params, model_config, weight_bytes
     from .loading.tokenizer import GGUFTokenizer, GGUFVocab
     from .speculation.draft import DraftProposer
     from .speculation.draft_runner import DraftRunner
@@ -32,21 +35,29 @@ def load_engine(config: EngineConfig):
     from .speculation.policy import SpecPolicy
     from .speculation.speculator import Speculator
 
+    f = GGUFFile(config.model or DEFAULT_MODEL)
+    quantized = keep_quantized(config.dtype, f, jax.devices()[0])
     config = config.resolved(jax.default_backend())
     enable_compile_cache(config.compile_cache_dir)
-    f = GGUFFile(config.model or DEFAULT_MODEL)
     template = None
     if config.chat_template_file:
         with open(config.chat_template_file) as fh:
             template = fh.read()
     vocab = GGUFVocab.from_metadata(f.metadata)
     tokenizer = GGUFTokenizer(vocab, template)
-    mc, params = load_params(f, model_config(f.metadata), config.dtype)
+    mc, params = load_params(f, model_config(f.metadata), config.dtype, quantized)
+    file_bytes = sum(t.nbytes for t in f.tensors.values())
+    log.info(
+        "weights: %.2f GiB on the device, %.2fx the file's tensors (%s)",
+        weight_bytes(params) / 2**30,
+        weight_bytes(params) / file_bytes,
+        "quantized tensors kept in their GGUF blocks" if quantized else f"as {config.dtype}",
+    )
     config = fit_to_model(config, mc)
     per_token = kv_cache_types(config, mc)[1]
     draft = None
     if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
-        draft = _load_draft(config, vocab)
+        draft = _load_draft(config, vocab, quantized)
         per_token += kv_cache_types(config, draft[0])[1]
     num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token)
     log.info(
@@ -67,6 +78,7 @@ def load_engine(config: EngineConfig):
             kv_cache_types(config, model_cfg)[0],
             attention_fn(config.attention_backend),
             grouped_matmul_fn(config.moe_backend),
+            quant_matmul_fn(config.quant_backend),
             **kw,
         )
 
@@ -111,7 +123,7 @@ def load_engine(config: EngineConfig):
     return tokenizer, engine
 
 
-def _load_draft(config: EngineConfig, vocab):
+def _load_draft(config: EngineConfig, vocab, quantized: bool):
     """The draft model's (ModelConfig, params); its vocabulary must be the target's."""
     from .loading.gguf import GGUFFile, load_params, model_config
     from .loading.tokenizer import GGUFVocab
@@ -119,7 +131,33 @@ def _load_draft(config: EngineConfig, vocab):
     f = GGUFFile(config.draft_model)
     if GGUFVocab.from_metadata(f.metadata).tokens != vocab.tokens:
         raise ValueError(f"draft={config.draft_model!r}: its vocabulary differs from the model's")
-    return load_params(f, model_config(f.metadata), config.dtype)
+    return load_params(f, model_config(f.metadata), config.dtype, quantized)
+
+
+def keep_quantized(dtype: str, f, device) -> bool:
+    """Whether quantized tensors stay in their blocks: always for dtype=quantized, never for a
+    float dtype, and for auto when the weights dequantized to 2 bytes a value would take more
+    than DEQUANTIZED_WEIGHTS_FRACTION of the device's memory (on CPU, which reports none: no)."""
+    from gguf import GGML_QUANT_SIZES
+
+    if dtype != "auto":
+        return dtype == "quantized"
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return False
+    dequantized = 0
+    for t in f.tensors.values():
+        block, size = GGML_QUANT_SIZES[t.qtype]
+        values = t.nbytes // size * block
+        dequantized += values * 2 if block > 1 else t.nbytes  # float tensors stay as they are
+    keep = dequantized > DEQUANTIZED_WEIGHTS_FRACTION * stats["bytes_limit"]
+    log.info(
+        "dtype auto: dequantized weights would take %.1f GiB of %.1f GiB; %s",
+        dequantized / 2**30,
+        stats["bytes_limit"] / 2**30,
+        "keeping quantized tensors quantized" if keep else "dequantizing (faster where it fits)",
+    )
+    return keep
 
 
 def kv_cache_types(config: EngineConfig, mc):
@@ -164,6 +202,17 @@ def grouped_matmul_fn(backend: str):
     from .models.moe import grouped_matmul_xla
 
     return grouped_matmul_xla
+
+
+def quant_matmul_fn(backend: str):
+    """How projections with quantized weights run, for a resolved quant_backend."""
+    from .models.linear import QuantMatmul
+
+    if backend == "pallas":
+        from pallas_kernels.quant_matmul import quant_matmul
+
+        return QuantMatmul(quant_matmul)
+    return QuantMatmul()
 
 
 def fit_to_model(config: EngineConfig, mc) -> EngineConfig:

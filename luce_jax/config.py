@@ -7,7 +7,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 on GPU, float32 on CPU
+# Weights: a float dtype dequantizes every GGUF tensor to it at load; quantized keeps the
+# quantized ones (pallas_kernels/ggml_blocks.py FORMATS) in their blocks on the device, float
+# tensors and activations in bfloat16 on GPU, float32 on CPU. auto keeps them quantized only when
+# the dequantized weights would not fit (build.keep_quantized): the quantized matmuls still run
+# slower than XLA's bf16 dot (H200, Qwen3-8B shapes, decode: Q8_0 0.33x to 0.41x, Q4_K 0.54x to
+# 0.62x its time; bench/results/2026-11-30_quant_matmul_types_h200.md), so dequantizing is the
+# faster choice wherever it fits.
+DTYPES = ("auto", "quantized", "bfloat16", "float16", "float32")
 FLOAT_CACHE_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 # q8_0 / q4_0: int8 or packed 4-bit values with an f16 scale per 32 (pallas_kernels/kv_cache.py).
 CACHE_TYPES = ("auto", *FLOAT_CACHE_TYPES, "q8_0", "q4_0")
@@ -21,6 +28,11 @@ ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 # Qwen3-30B-A3B-shaped file, 8x faster prefill, on the H200:
 # bench/results/2026-11-30_engine_decode_qwen3-30b-a3b-bf16.md); xla on CPU.
 MOE_BACKENDS = ("auto", "pallas", "xla")
+# Projections with quantized weights: pallas runs pallas_kernels/quant_matmul.py for steps of at
+# most 64 tokens (faster than XLA's dequantize-then-dot there, slower above: models/linear.py)
+# and XLA's dequantize-then-dot for larger steps; xla always dequantizes-then-dots. auto: pallas
+# on GPU, xla on CPU.
+QUANT_BACKENDS = ("auto", "pallas", "xla")
 # Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
 # the sequence itself), verified by the target in the same packed step as everything else.
 SPEC_MODES = ("off", "ngram", "draft")
@@ -90,6 +102,7 @@ class EngineConfig:
     cache_type_v: str = "auto"
     attention_backend: str = "auto"
     moe_backend: str = "auto"
+    quant_backend: str = "auto"
     prefill_chunk: int = 512
     prefill_token_budget: int = 512
     max_concurrent_prefills: int = 4
@@ -112,6 +125,8 @@ class EngineConfig:
             bad("attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         if self.moe_backend not in MOE_BACKENDS:
             bad("moe_backend", f"must be one of {MOE_BACKENDS}")
+        if self.quant_backend not in QUANT_BACKENDS:
+            bad("quant_backend", f"must be one of {QUANT_BACKENDS}")
         if self.spec_mode not in SPEC_MODES:
             bad("spec_mode", f"must be one of {SPEC_MODES}")
         if self.draft is not None and not Path(self.draft).is_file():
@@ -153,20 +168,18 @@ class EngineConfig:
     def resolved(self, backend: str) -> EngineConfig:
         """Replace "auto" values for a backend: XLA's CPU backend emulates bfloat16 slowly, and
         the Pallas kernel runs on CPU only in interpret mode (and needs Triton: GPU)."""
-        dtype = (
-            self.dtype if self.dtype != "auto" else ("float32" if backend == "cpu" else "bfloat16")
-        )
+        # auto / quantized: the dtype activations and float tensors take
+        compute = "float32" if backend == "cpu" else "bfloat16"
+        dtype = compute if self.dtype in ("auto", "quantized") else self.dtype
         short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
         gpu = backend in ("gpu", "cuda", "rocm")
-        attention, moe = self.attention_backend, self.moe_backend
-        if attention == "auto":
-            attention = "pallas" if gpu else "xla"
-        if moe == "auto":
-            moe = "pallas" if gpu else "xla"
+        attention, moe, quant = self.attention_backend, self.moe_backend, self.quant_backend
+        auto = "pallas" if gpu else "xla"
         return self.replace(
             dtype=dtype,
-            attention_backend=attention,
-            moe_backend=moe,
+            attention_backend=auto if attention == "auto" else attention,
+            moe_backend=auto if moe == "auto" else moe,
+            quant_backend=auto if quant == "auto" else quant,
             cache_type_k=short if self.cache_type_k == "auto" else self.cache_type_k,
             cache_type_v=short if self.cache_type_v == "auto" else self.cache_type_v,
         )

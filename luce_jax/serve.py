@@ -19,6 +19,7 @@ from .config import (
     DEFAULT_MODEL,
     DTYPES,
     MOE_BACKENDS,
+    QUANT_BACKENDS,
     SPEC_MODES,
     EngineConfig,
 )
@@ -28,7 +29,8 @@ log = logging.getLogger("luce_jax.serve")
 HELP = {
     "model": "GGUF model file (default: the embedded model trained on the Python stdlib)",
     "model_name": "name served in /v1/models and expected in requests (none: the file stem)",
-    "dtype": f"weight dtype after dequantization: {', '.join(DTYPES)}",
+    "dtype": f"weights: {', '.join(DTYPES)} (a float type dequantizes at load; quantized keeps "
+    "GGUF blocks on the device; auto keeps them only when dequantized weights would not fit)",
     "max_concurrency": "sequence slots: requests decoding at once",
     "max_ctx": "longest prompt + output per request, in tokens",
     "kv_pool_tokens": "KV cache size in tokens; 0 = what free device memory holds",
@@ -40,6 +42,10 @@ HELP = {
     ),
     "moe_backend": (
         f"MoE grouped expert matmuls: {', '.join(MOE_BACKENDS)} (auto: pallas on GPU, xla on CPU)"
+    ),
+    "quant_backend": (
+        f"matmuls with quantized weights: {', '.join(QUANT_BACKENDS)} (auto: pallas on GPU, xla "
+        "on CPU)"
     ),
     "prefill_chunk": "prompt tokens one sequence appends per step",
     "prefill_token_budget": "tokens per step, decode rows included",

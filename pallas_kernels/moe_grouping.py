@@ -36,7 +36,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
+from .ggml_blocks import QuantWeight, contract_block, dequantize_weight
 from .paged_attention import query_blocks
+from .quant_matmul import block_loaders, dot_nt
+
+
+def expert_weights(w, dtype=None):
+    """Dense [E, K, N] of w (a QuantWeight [E, N, K] dequantized to dtype, default its own)."""
+    if isinstance(w, QuantWeight):
+        return jnp.swapaxes(dequantize_weight(w, dtype or w.dtype), -1, -2)
+    return w
 
 
 def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
@@ -44,11 +53,13 @@ def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
 
     Args:
       x: [M, K] rows grouped by expert (expert e's rows follow expert e-1's).
-      w: [E, K, N] (with swiglu: [E, K, 2N], gate columns then up columns).
+      w: [E, K, N] (with swiglu: [E, K, 2N], gate columns then up columns), or a
+        QuantWeight [E, N, K] ([E, 2N, K]), dequantized in float32.
       sizes: [E] int32 rows per expert; sum(sizes) <= M, rows past it belong to no expert.
     Returns:
       [M, N] float32; rows past sum(sizes) are zero.
     """
+    w = expert_weights(w, jnp.float32)
     M = x.shape[0]
     ends = jnp.cumsum(sizes)
     expert = jnp.searchsorted(ends, jnp.arange(M), side="right", method="compare_all")
@@ -98,6 +109,38 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
     o_ref[...] = y.astype(o_ref.dtype)
 
 
+def _quant_kernel(meta_ref, x_ref, w_ref, o_ref, *, fmt, BM, BN, N, swiglu):
+    """_kernel over an expert's GGML blocks (w_ref uint8 [E, N or 2N, K / B * type_size]),
+    a block at a time as quant_matmul's kernel walks them."""
+    i, j = pl.program_id(0), pl.program_id(1)
+    e, start, n = meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2]
+    M, K = x_ref.shape
+    rows = jnp.minimum(start + jnp.arange(BM), M - 1)
+    row_ok = jnp.arange(BM) < n
+    cols = j * BN + jnp.arange(BN)
+    col_ok = cols < N
+    cols = jnp.minimum(cols, N - 1)
+
+    def body(b, accs):
+        def load_x(first: int, width: int):
+            ks = b * fmt.block + first + jnp.arange(width)
+            return plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None], other=0)
+
+        out = []
+        for a, c in zip(accs, (cols, cols + N)[: len(accs)], strict=True):
+            load, load1 = block_loaders(
+                lambda r, c_: w_ref.at[e, r, c_], c, col_ok, b * fmt.type_size
+            )
+            out.append(contract_block(fmt, load, load1, load_x, a, dot_nt))
+        return tuple(out)
+
+    zero = jnp.zeros((BM, BN), jnp.float32)
+    n_k = (n > 0).astype(n.dtype) * (K // fmt.block)  # as in _kernel: int32 bounds
+    accs = jax.lax.fori_loop(n * 0, n_k, body, (zero, zero) if swiglu else (zero,))
+    y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
+    o_ref[...] = y.astype(o_ref.dtype)
+
+
 def _tile(n: int, cap: int) -> int:
     """The power of two nearest above n, at least 16 (Triton's smallest dot), at most cap."""
     return max(16, min(cap, 1 << (n - 1).bit_length()))
@@ -120,7 +163,8 @@ def grouped_matmul(
     """Pallas grouped matmul with grouped_matmul_reference's signature.
 
     Args:
-      x: [M, K] rows grouped by expert; w: [E, K, N] or, with swiglu, [E, K, 2N];
+      x: [M, K] rows grouped by expert; w: [E, K, N] or, with swiglu, [E, K, 2N], or a
+        QuantWeight [E, N, K] ([E, 2N, K]) whose blocks are decoded in registers;
       sizes: [E] int32 rows per expert.
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n, block_k: tile caps (BM rows, BN columns, BK contraction); BM is
@@ -132,7 +176,8 @@ def grouped_matmul(
       [M, N] in out_dtype; rows past sum(sizes) are zero.
     """
     M, K = x.shape
-    E, Kw, Nw = w.shape
+    quant = isinstance(w, QuantWeight)
+    E, Nw, Kw = w.shape if quant else (w.shape[0], w.shape[2], w.shape[1])
     if Kw != K or sizes.shape != (E,):
         raise ValueError(f"x {x.shape}, w {w.shape} and sizes {sizes.shape} do not fit")
     if swiglu and Nw % 2:
@@ -147,14 +192,19 @@ def grouped_matmul(
     NT, NJ = meta.shape[0], -(-N // BN)
     options = call_options(interpret, num_warps, num_stages)
 
+    if quant:
+        kernel = functools.partial(_quant_kernel, fmt=w.format, BM=BM, BN=BN, N=N, swiglu=swiglu)
+    else:
+        kernel = functools.partial(_kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu)
+    wdata = w.blocks if quant else w
     tiles = pl.pallas_call(
-        functools.partial(_kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu),
+        kernel,
         grid=(NT, NJ),
-        in_specs=[whole(meta), whole(x), whole(w)],
+        in_specs=[whole(meta), whole(x), whole(wdata)],
         out_specs=pl.BlockSpec((None, BM, BN), lambda i, j: (i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((NT, BM, NJ * BN), out_dtype),
         **options,
-    )(meta, x, w)
+    )(meta, x, wdata)
     r = jnp.arange(BM)
     rows = jnp.where(r[None, :] < meta[:, 2:3], meta[:, 1:2] + r[None, :], M).reshape(-1)
     # Tile rows past a tile's rows get index M, out of bounds, and are dropped.

@@ -1,144 +1,106 @@
-"""Matmuls with quantized weights dequantized in registers: x[M, K] @ W[K, N], W packed.
+"""Matmuls with GGML-quantized weights dequantized in registers: x[M, K] @ W[N, K]^T.
 
 Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas ops.
 
-Weight layout (Q8_0, ggml's block of 32 int8 values with one f16 scale): `Q8_0(qs, d)` with
-qs int8 [K, N] and d float16 [K/32, N], the 32-value groups running along the contraction K
-as in the GGUF file (a file row is one output column here). It holds 1.0625 bytes per weight,
-as the file does; `q8_0_from_blocks` reorders a file tensor's blocks once at load.
+Weight layout: a `QuantWeight` (ggml_blocks.py) holds the file's bytes unchanged, one row of
+blocks per output column (uint8 [N, K / B * type_size]), so a weight takes on the device what it
+takes in the file (Q8_0 1.0625 bytes per value, Q4_K 0.5625, IQ4_XS 0.53) and loading is a copy.
 
-Work split. Program (i, j, s) takes row tile i (BM rows), column tile j (BN columns) and
-contraction split s. It walks its split in chunks of BK = 32 * G values. With `per_group` (the
-default) it loads, per 32-value group, the int8 tile [32, BN], converts it to the activations'
-dtype, takes one dot with the rows' [BM, 32] slice and scales that partial product by the
-group's scale row [1, BN] before adding it to the float32 accumulator: the scale is applied
-once per group and column, not per weight, and no tile needs a reshape. Otherwise it loads the
-whole chunk [BK, BN] with a scale per value (gathered: the 32 values of a group share an
-address), dequantizes it to the activations' dtype and takes one dot of depth BK, which uses the
-matrix units better for many rows. First H200 timings of the per-group form:
-bench/results/2026-11-30_quant_matmul_h200.md (41% of the copy bandwidth at decode; the
-per-tile form has not been timed). Decode-sized calls (few rows) have few column tiles for a
-narrow N, so the contraction is split until there are about `min_programs` programs to fill
-the GPU; the splits' float32 partials are summed afterwards.
+Work split. Program (i, j, s) takes row tile i (BM rows of x), weight-row tile j (BN outputs)
+and contraction split s, and walks its split U blocks per loop step. For each block it decodes
+one group at a time (`ggml_blocks.contract_block`): the codes of a piece (16 or 32 values of BN
+weight rows, consecutive bytes per row) are loaded and unpacked, dotted with the matching [BM, n]
+activations, and the partial product is scaled by the group's scale row (plus the group's
+offset times the activations' sum for Q4_K / Q5_K), so a scale costs one multiply per group and
+output, never one per weight. Decode-sized calls (few rows) with a narrow N have few tiles, so
+the contraction is split until there are about `min_programs` programs to fill the GPU; the
+splits' float32 partials are summed afterwards.
 
-Triton backend: all indices are arrays and loads are masked, so K, N and M need not be tile
-multiples (K must be a multiple of 32, as every GGUF Q8_0 tensor's is). On CPU the kernel runs
-in interpret mode.
+Triton backend: all indices are arrays and loads are masked, so M and N need not be tile
+multiples (K is a whole number of blocks, as in every GGUF tensor). On CPU the kernel runs in
+interpret mode; tests/test_triton_lowering.py verifies its Triton module.
 
-Shapes: M rows, K contraction, N output columns, G groups per chunk.
+Shapes: M rows, K contraction, N outputs, B values per block, U blocks per loop step.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from . import kv_cache
 from .call_options import call_options, whole
-
-GROUP = 32  # values per scale in a Q8_0 block
-Q8_0_BLOCK_BYTES = 2 + GROUP  # f16 scale, then 32 int8 values
+from .ggml_blocks import BlockFormat, QuantWeight, contract_block, dequantize_weight
 
 
-class Q8_0(NamedTuple):
-    """A Q8_0 weight W [K, N]: qs int8 [K, N], d float16 [K/32, N]."""
-
-    qs: jax.Array
-    d: jax.Array
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.qs.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes
+def quant_matmul_reference(x, w: QuantWeight):
+    """x [M, K] @ W^T in float32, W dequantized first (bit-exact with gguf)."""
+    return jnp.dot(x.astype(jnp.float32), dequantize_weight(w).T, precision="highest")
 
 
-def quantize_q8_0(w) -> Q8_0:
-    """ggml's Q8_0 quantization of w [K, N] over groups of 32 along K (bit-exact)."""
-    q = kv_cache.quantize(jnp.asarray(w).T, "q8_0")  # groups along the last axis: [N, K]
-    return Q8_0(q.data.T, q.scale.T)
+def quant_matmul_xla(x, w: QuantWeight, *, out_dtype=jnp.float32):
+    """XLA's x @ W^T with W dequantized to the activations' dtype inside the step: the path
+    without Triton (CPU) and the baseline the kernel is timed against."""
+    wd = dequantize_weight(w, x.dtype)
+    return jax.lax.dot_general(
+        x, wd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    ).astype(out_dtype)
 
 
-def q8_0_from_blocks(blocks, K: int, N: int) -> Q8_0:
-    """A GGUF Q8_0 tensor of ggml shape (K, N) (N rows of K values) as Q8_0.
-
-    Args:
-      blocks: uint8 [N * K / 32, 34], the file's blocks in order.
-    """
-    b = jnp.asarray(blocks).reshape(N, K // GROUP, Q8_0_BLOCK_BYTES)
-    d = jax.lax.bitcast_convert_type(b[..., :2], jnp.float16)  # [N, K/32]
-    qs = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).reshape(N, K)
-    return Q8_0(qs.T, d.T)
+def dot_nt(x, codes):
+    """x [BM, n] times codes [BN, n] (integers) over n: [BM, BN] float32. The codes are exact
+    in x's dtype (|code| <= 128), so bf16 operands lose nothing but the activations' bits."""
+    return jax.lax.dot_general(
+        x, codes.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
 
 
-def dequantize_q8_0(w: Q8_0, dtype=jnp.float32):
-    """W [K, N] in dtype."""
-    K, N = w.qs.shape
-    vals = w.qs.astype(jnp.float32).reshape(K // GROUP, GROUP, N)
-    return (vals * w.d.astype(jnp.float32)[:, None, :]).reshape(K, N).astype(dtype)
+def block_loaders(w_at, wrows, wrow_ok, base):
+    """load(off, n) -> bytes [BN, n] and load1(off) -> [BN] of the block at byte `base` of
+    weight rows `wrows` (ggml_blocks.BlockFormat.decode's loaders); masked rows give zeros.
+    w_at(rows, bytes) indexes the weight ref (an expert's rows in the grouped kernel)."""
+
+    def load(off: int, n: int):
+        idx = base + off + jnp.arange(n)
+        return plgpu.load(w_at(wrows[:, None], idx[None, :]), mask=wrow_ok[:, None], other=0)
+
+    def load1(off: int):
+        return plgpu.load(w_at(wrows, base + off), mask=wrow_ok, other=0)
+
+    return load, load1
 
 
-def quant_matmul_reference(x, w: Q8_0):
-    """x [M, K] @ W in float32, W dequantized first."""
-    return jnp.dot(x.astype(jnp.float32), dequantize_q8_0(w), precision="highest")
-
-
-def _kernel(x_ref, q_ref, d_ref, o_ref, *, BM, BN, G, chunks, Ks, per_group):
+def _kernel(x_ref, w_ref, o_ref, *, fmt: BlockFormat, BM, BN, U, steps, n_blocks):
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    M, K = x_ref.shape
-    N = q_ref.shape[1]
+    M = x_ref.shape[0]
+    N = w_ref.shape[0]
     rows = i * BM + jnp.arange(BM)
     row_ok = rows < M
     rows = jnp.minimum(rows, M - 1)
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
+    cols = jnp.minimum(cols, N - 1)
 
-    def load(k0, width: int, scale_per_value: bool):
-        """x [BM, width] and int8 values [width, BN] from contraction index k0, with their
-        scales: [width, BN] (one per value) or [1, BN] (the group's row, width 32)."""
-        ks = k0 + jnp.arange(width)
-        k_ok = ks < K
-        xb = plgpu.load(
-            x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0
-        )
-        qb = plgpu.load(
-            q_ref.at[ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0
-        )
-        grp = ks // GROUP if scale_per_value else jnp.full((1,), k0 // GROUP)
-        db = plgpu.load(
-            d_ref.at[grp[:, None], cols[None, :]],
-            mask=(grp < K // GROUP)[:, None] & col_ok[None, :],
-            other=0,
-        )
-        return xb, qb, db
+    def body(c, acc):
+        for u in range(U):
+            blk = (s * steps + c) * U + u
+            ok = blk < n_blocks  # the last split's tail is past K: it adds zeros
+            load, load1 = block_loaders(
+                lambda r, b: w_ref.at[r, b], cols, col_ok & ok, blk * fmt.type_size
+            )
 
-    def dot(a, b):
-        return jax.lax.dot_general(
-            a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
+            def load_x(first: int, n: int, blk=blk, ok=ok):
+                ks = blk * fmt.block + first + jnp.arange(n)
+                m = row_ok[:, None] & ok
+                return plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=m, other=0)
 
-    def body_per_group(c, acc):
-        for g in range(G):  # one dot per 32-value group, scaled by its row of scales
-            xb, qb, db = load(s * Ks + (c * G + g) * GROUP, GROUP, False)
-            acc = acc + dot(xb, qb.astype(xb.dtype)) * db.astype(jnp.float32)
+            acc = contract_block(fmt, load, load1, load_x, acc, dot_nt)
         return acc
 
-    def body_per_tile(c, acc):
-        # The chunk's values times their scales, gathered per value (repeated addresses: L1),
-        # rounded to x's dtype, then one dot over the whole chunk.
-        xb, qb, db = load(s * Ks + c * G * GROUP, G * GROUP, True)
-        w = (qb.astype(jnp.float32) * db.astype(jnp.float32)).astype(xb.dtype)
-        return acc + dot(xb, w)
-
-    body = body_per_group if per_group else body_per_tile
-    o_ref[...] = jax.lax.fori_loop(0, chunks, body, jnp.zeros((BM, BN), jnp.float32))
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -146,72 +108,62 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, 1 << max(n - 1, 0).bit_length()))
 
 
-def tiling(M: int, K: int, N: int, block_m=64, block_n=128, groups=4, min_programs=264):
-    """(BM, BN, S, chunks): tile sizes, contraction splits and BK-chunks per split.
+def tiling(M: int, N: int, n_blocks: int, U: int, block_m=64, block_n=64, min_programs=264):
+    """(BM, BN, S, steps): tile sizes, contraction splits and U-block steps per split.
 
     Splits only where row and column tiles alone give fewer than `min_programs` programs, and
-    never more than one per chunk.
+    never more than one per step.
     """
     BM, BN = _pow2(M, 16, block_m), _pow2(N, 16, block_n)
     tiles = -(-M // BM) * -(-N // BN)
-    n_chunks = -(-K // (GROUP * groups))
-    S = max(1, min(n_chunks, min_programs // tiles))
-    chunks = -(-n_chunks // S)  # per split; the last split's tail is masked
-    return BM, BN, -(-n_chunks // chunks), chunks
+    n_steps = -(-n_blocks // U)
+    S = max(1, min(n_steps, min_programs // tiles))
+    steps = -(-n_steps // S)  # per split; the last split's tail is masked
+    return BM, BN, -(-n_steps // steps), steps
 
 
 def quant_matmul(
     x,
-    w: Q8_0,
+    w: QuantWeight,
     *,
     out_dtype=jnp.float32,
     block_m: int = 64,
-    block_n: int = 128,
-    groups: int = 4,
-    per_group: bool = True,
+    block_n: int = 64,
+    values_per_step: int = 256,
     min_programs: int = 264,
     interpret: bool | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 2,
 ):
-    """Pallas x @ W with W quantized (quant_matmul_reference's signature).
+    """Pallas x @ W^T with W quantized (quant_matmul_reference's signature).
 
     Args:
       x: [M, K] activations (bfloat16 on GPU; the dots run in x's dtype).
-      w: Q8_0 weight [K, N].
+      w: QuantWeight [N, K] of any ggml_blocks.FORMATS type.
       out_dtype: result dtype (accumulation is float32).
-      block_m, block_n: caps on BM (rows, at least 16) and BN (columns).
-      groups: G, 32-value groups per loop iteration (BK = 32 G).
-      per_group: one dot per group, scaled after it (exact int8 values in the dot); else the
-        chunk dequantized to x's dtype first (scales gathered per value) and one dot of depth BK.
+      block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows).
+      values_per_step: contraction values per loop step (U = this / B blocks, at least 1).
       min_programs: split the contraction until the grid has about this many programs (two
-        per SM of an H200), never below one chunk per split.
+        per SM of an H200), never below one step per split.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
     """
     M, K = x.shape
-    Kw, N = w.qs.shape
-    if Kw != K or K % GROUP or w.d.shape != (K // GROUP, N):
-        raise ValueError(f"x {x.shape} and Q8_0 weight {w.qs.shape} / {w.d.shape} do not fit")
-    BM, BN, S, chunks = tiling(M, K, N, block_m, block_n, groups, min_programs)
+    if len(w.shape) != 2 or w.shape[1] != K:
+        raise ValueError(f"x {x.shape} and {w.qtype} weight {w.shape} (N, K) do not fit")
+    N = w.shape[0]
+    fmt = w.format
+    n_blocks, U = K // fmt.block, max(1, values_per_step // fmt.block)
+    BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, min_programs)
     NI, NJ = -(-M // BM), -(-N // BN)
-    options = call_options(interpret, num_warps, num_stages)
-
+    kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, steps=steps, n_blocks=n_blocks)
     parts = pl.pallas_call(
-        functools.partial(
-            _kernel,
-            BM=BM,
-            BN=BN,
-            G=groups,
-            chunks=chunks,
-            Ks=chunks * GROUP * groups,
-            per_group=per_group,
-        ),  # fmt: skip
+        kernel,
         grid=(NI, NJ, S),
-        in_specs=[whole(x), whole(w.qs), whole(w.d)],
+        in_specs=[whole(x), whole(w.blocks)],
         out_specs=pl.BlockSpec((None, BM, BN), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((S, NI * BM, NJ * BN), jnp.float32),
-        **options,
-    )(x, w.qs, w.d)
+        **call_options(interpret, num_warps, num_stages),
+    )(x, w.blocks)
     return parts.sum(0)[:M, :N].astype(out_dtype)

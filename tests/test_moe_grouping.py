@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_quant_matmul import weight
 
 from pallas_kernels.moe_grouping import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.paged_attention import query_blocks
@@ -66,3 +67,18 @@ def test_bad_shapes_are_named():
         grouped_matmul(x[:, :8], w, sz, interpret=True)
     with pytest.raises(ValueError, match="swiglu"):
         grouped_matmul(x, w[:, :, :15], sz, swiglu=True, interpret=True)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k", "iq4_xs"])
+def test_quantized_experts_match_the_reference(qtype, swiglu):
+    """Experts kept in GGML blocks ([E, N, K], gate rows then up rows with swiglu) give the
+    dequantized experts' products; empty experts and padding rows as with dense weights."""
+    sizes, K, N = [3, 0, 9, 1], 512, 24
+    w = weight(qtype, 2 * N if swiglu else N, K, seed=5, lead=(len(sizes),))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((sum(sizes) + 2, K)), jnp.float32)
+    sz = jnp.asarray(sizes, jnp.int32)
+    got = grouped_matmul(x, w, sz, swiglu=swiglu, interpret=True, block_n=16)
+    ref = np.asarray(grouped_matmul_reference(x, w, sz, swiglu=swiglu))
+    assert got.shape == (x.shape[0], N) and not np.asarray(got)[-2:].any()
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())

@@ -13,9 +13,10 @@ import pytest
 from jax._src.pallas.triton import pallas_call_registration as registration
 
 from pallas_kernels import kv_cache
+from pallas_kernels.ggml_blocks import FORMATS, QuantWeight
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
-from pallas_kernels.quant_matmul import Q8_0, quant_matmul
+from pallas_kernels.quant_matmul import quant_matmul
 
 
 @pytest.fixture
@@ -72,10 +73,24 @@ def test_grouped_matmul_lowers_to_a_valid_triton_module(verified, swiglu, M, K, 
     assert len(verified) == 1
 
 
-@pytest.mark.parametrize("per_group", [True, False], ids=["per-group", "per-tile"])
-@pytest.mark.parametrize("M, K, N", [(1, 4096, 4096), (8, 12288, 4096), (300, 96, 40)])
-def test_quant_matmul_lowers_to_a_valid_triton_module(verified, M, K, N, per_group):
-    w = Q8_0(jnp.zeros((K, N), jnp.int8), jnp.zeros((K // 32, N), jnp.float16))
+def zero_weight(qtype: str, N: int, K: int, lead=()) -> QuantWeight:
+    f = FORMATS[qtype]
+    return QuantWeight(jnp.zeros((*lead, N, K // f.block * f.type_size), jnp.uint8), qtype)
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("M, K, N", [(1, 4096, 4096), (8, 12288, 4096), (300, 512, 40)])
+def test_quant_matmul_lowers_to_a_valid_triton_module(verified, qtype, M, K, N):
+    w = zero_weight(qtype, N, K)
     x = jnp.zeros((M, K), jnp.bfloat16)
-    lower_for_cuda(lambda x: quant_matmul(x, w, per_group=per_group, interpret=False), x)
+    lower_for_cuda(lambda x: quant_matmul(x, w, interpret=False), x)
+    assert len(verified) == 1
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+def test_grouped_matmul_of_quantized_experts_lowers(verified, qtype):
+    w = zero_weight(qtype, 2 * 768, 2048, lead=(8,))
+    x = jnp.zeros((64, 2048), jnp.bfloat16)
+    sizes = jnp.full((8,), 8, jnp.int32)
+    lower_for_cuda(lambda x: grouped_matmul(x, w, sizes, swiglu=True, interpret=False), x)
     assert len(verified) == 1

@@ -46,6 +46,7 @@ class Runner:
       num_blocks, block_size, max_slots, max_blocks_per_seq: the KV pool's shape.
       kv_types: (k, v) cache types (a dtype, or "q8_0" / "q4_0").
       attention_fn, grouped_matmul_fn: the attention and MoE matmul backends.
+      quant_matmul: how quantized projections run (models.linear.QuantMatmul).
       max_proposals: K, the most speculative proposals a verify row carries (0: no
         speculation, one logits row per row).
     """
@@ -61,6 +62,7 @@ class Runner:
         kv_types,
         attention_fn=None,
         grouped_matmul_fn=None,
+        quant_matmul=None,
         max_proposals: int = 0,
     ):
         self.cfg = cfg
@@ -77,6 +79,7 @@ class Runner:
         self.last_stats: dict = {}
         self._attention = attention_fn
         self._grouped_matmul = grouped_matmul_fn
+        self._quant_matmul = quant_matmul
         self.programs = BucketPrograms(self.step_function, donate=(1, 2), name="step")
 
     @property
@@ -101,7 +104,7 @@ class Runner:
         batch = unpack(ints, self.layout(T, S))
         batch["tokens"] = sampling.feed(batch, state)
         logits, kv, stats = dense.forward(
-            params, kv, batch, self.cfg, self._attention, self._grouped_matmul
+            params, kv, batch, self.cfg, self._attention, self._grouped_matmul, self._quant_matmul
         )
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             packed, top_ids, top_lp, state = sampling.sample_rows(

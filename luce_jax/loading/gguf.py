@@ -171,17 +171,25 @@ def _moe_config(get) -> dict:
     )
 
 
-def load_params(f: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16") -> tuple[ModelConfig, dict]:
-    """Copy the model's tensors to the device, dequantized to `dtype`.
+def load_params(
+    f: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", quantized: bool = False
+) -> tuple[ModelConfig, dict]:
+    """Copy the model's tensors to the device, dequantized to `dtype` or kept in their blocks.
 
+    Args:
+      dtype: the float dtype of dequantized weights, and the dtype every projection runs in.
+      quantized: keep quantized tensors (ggml_blocks.FORMATS types) in their GGUF blocks, as
+        QuantWeight [out, in]; float tensors are cast to dtype.
     Returns:
-      (cfg with tied_embeddings set, params). Linear weights are stored [in, out] and the
-      q/k/v and gate/up projections are fused: wqkv [d, (H+2K)*D], w_gu [d, 2F]; MoE layers
-      hold router [d, E], w_gu_exps [E, d, 2F] and w_down_exps [E, F, d] instead.
+      (cfg with tied_embeddings set, params). Dense linear weights are stored [in, out] and the
+      q/k/v and gate/up projections are fused: wqkv [d, (H+2K)*D], w_gu [d, 2F] (QuantWeights
+      of one type fuse along their rows; of different types they stay a tuple, see
+      models/linear.py); MoE layers hold router [d, E], w_gu_exps [E, d, 2F] and
+      w_down_exps [E, F, d] instead (QuantWeight [E, 2F, d] and [E, d, F]).
     """
     import jax.numpy as jnp
 
-    from .quants import dequantize
+    from .quants import dequantize, keep_quantized
 
     dt = jnp.dtype(dtype)
     names = [n for n in f.tensors]
@@ -193,39 +201,44 @@ def load_params(f: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16") -> tuple
         leave=False,
     )
 
-    def tensor(name, transpose=False, optional=False, out_dtype=dt):
+    def tensor(name, transpose=False, optional=False, out_dtype=dt, keep=False):
+        """A file tensor on the device: a QuantWeight if `keep` and quantized allow it, else
+        dequantized (and transposed to [in, out] for a linear weight)."""
         if name not in f.tensors:
             if optional:
                 return None
             raise ValueError(f"{f.path}: missing tensor {name!r}")
         t = f.tensors[name]
-        x = dequantize(f.raw(name), t.qtype, t.shape, out_dtype, transpose)
+        x = keep_quantized(f.raw(name), t.qtype, t.shape, dt) if keep and quantized else None
+        if x is None:
+            x = dequantize(f.raw(name), t.qtype, t.shape, out_dtype, transpose)
         bar.update(t.nbytes)
         return x
+
+    def linear(*names):
+        """One projection from the named file tensors, outputs concatenated in order."""
+        return fuse([tensor(n, True, keep=True) for n in names])
 
     f32 = jnp.float32
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        wq, wk, wv = (tensor(p + f"attn_{x}.weight", True) for x in "qkv")
         layer = {
             "attn_norm": tensor(p + "attn_norm.weight", out_dtype=f32),
-            "wqkv": jnp.concatenate([wq, wk, wv], axis=1),
-            "wo": tensor(p + "attn_output.weight", True),
+            "wqkv": linear(*(p + f"attn_{x}.weight" for x in "qkv")),
+            "wo": linear(p + "attn_output.weight"),
             "ffn_norm": tensor(p + "ffn_norm.weight", out_dtype=f32),
         }
         if cfg.n_experts:  # router [d, E]; experts [E, d, 2F] (gate | up) and [E, F, d]
             layer["router"] = tensor(p + "ffn_gate_inp.weight", True, out_dtype=f32)
-            layer["w_gu_exps"] = jnp.concatenate(
-                [tensor(p + "ffn_gate_exps.weight", True), tensor(p + "ffn_up_exps.weight", True)],
-                axis=2,
+            gate, up, down = (
+                tensor(p + f"ffn_{x}_exps.weight", True, keep=True) for x in ("gate", "up", "down")
             )
-            layer["w_down_exps"] = tensor(p + "ffn_down_exps.weight", True)
+            layer["w_gu_exps"] = fuse([gate, up], experts=True)
+            layer["w_down_exps"] = down
         else:
-            layer["w_gu"] = jnp.concatenate(
-                [tensor(p + "ffn_gate.weight", True), tensor(p + "ffn_up.weight", True)], axis=1
-            )
-            layer["w_down"] = tensor(p + "ffn_down.weight", True)
+            layer["w_gu"] = linear(p + "ffn_gate.weight", p + "ffn_up.weight")
+            layer["w_down"] = linear(p + "ffn_down.weight")
         if cfg.attn_bias:
             layer["bqkv"] = jnp.concatenate(
                 [tensor(p + f"attn_{x}.bias", out_dtype=f32) for x in "qkv"]
@@ -235,17 +248,56 @@ def load_params(f: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16") -> tuple
             layer["k_norm"] = tensor(p + "attn_k_norm.weight", out_dtype=f32)
         layers.append(layer)
     params = {
-        "embed": tensor("token_embd.weight"),
+        "embed": tensor("token_embd.weight", keep=True),
         "final_norm": tensor("output_norm.weight", out_dtype=f32),
         "layers": layers,
     }
-    lm_head = tensor("output.weight", True, optional=True)
+    lm_head = tensor("output.weight", True, optional=True, keep=True)
     if lm_head is not None:
         params["lm_head"] = lm_head
     freqs = tensor("rope_freqs.weight", optional=True, out_dtype=f32)
     if freqs is not None:
         params["rope_freqs"] = freqs
     bar.close()
-    if params["embed"].shape[0] != cfg.vocab_size:
-        cfg = dataclasses.replace(cfg, vocab_size=params["embed"].shape[0])
+    vocab = params["embed"].shape[0]
+    if vocab != cfg.vocab_size:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab)
     return dataclasses.replace(cfg, tied_embeddings=lm_head is None), params
+
+
+def fuse(parts: list, experts: bool = False):
+    """Projections that share an input as one weight: dense [in, out] parts concatenated along
+    their outputs, QuantWeights of one type along their rows; otherwise a tuple (models/linear.py
+    concatenates the outputs). Stacked experts must fuse: a tuple of QuantWeights of different
+    types is dequantized, with a warning."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.ggml_blocks import QuantWeight, dequantize_weight
+
+    if len(parts) == 1:
+        return parts[0]
+    quant = [p for p in parts if isinstance(p, QuantWeight)]
+    if not quant:
+        return jnp.concatenate(parts, axis=-1)
+    if len(quant) == len(parts) and len({p.qtype for p in quant}) == 1:
+        blocks = jnp.concatenate([p.blocks for p in quant], axis=-2)
+        return QuantWeight(blocks, quant[0].qtype, quant[0].dtype)
+    if not experts:
+        return tuple(parts)
+    log.warning(
+        "expert tensors of types %s cannot share one grouped matmul; dequantized",
+        [p.qtype if isinstance(p, QuantWeight) else str(p.dtype) for p in parts],
+    )
+    dt = quant[0].dtype
+    dense = [
+        jnp.swapaxes(dequantize_weight(p, dt), -1, -2) if isinstance(p, QuantWeight) else p
+        for p in parts
+    ]
+    return jnp.concatenate(dense, axis=-1)
+
+
+def weight_bytes(params) -> int:
+    """Device bytes of a params pytree (quantized blocks counted as stored)."""
+    import jax
+
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))

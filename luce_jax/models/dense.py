@@ -15,6 +15,7 @@ from pallas_kernels import kv_cache
 from ..config import ModelConfig
 from . import moe
 from .attention import paged_attention_xla
+from .linear import QuantMatmul, embed, linear, unembed, weight_dtype
 
 KV = list[tuple]  # per layer (k, v): [NB, P, K, D] arrays or kv_cache.Quantized
 
@@ -51,12 +52,14 @@ def apply_rope(x, cos, sin, cfg: ModelConfig):
     return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
 
 
-def _mm(x, w):
-    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-
-
 def forward(
-    params: dict, kv: KV, batch: dict, cfg: ModelConfig, attention_fn=None, grouped_matmul=None
+    params: dict,
+    kv: KV,
+    batch: dict,
+    cfg: ModelConfig,
+    attention_fn=None,
+    grouped_matmul=None,
+    quant_matmul: QuantMatmul | None = None,
 ):
     """One model step over packed tokens; writes this step's K/V and returns requested logits.
 
@@ -71,6 +74,7 @@ def forward(
       cfg: static model config.
       attention_fn: paged attention with paged_attention_xla's signature.
       grouped_matmul: MoE layers' grouped expert matmul (moe.grouped_matmul_xla's signature).
+      quant_matmul: how projections with quantized weights run (models/linear.py).
     Returns:
       (logits [R, V] float32, new kv, stats): stats holds expert_counts [L_moe, E] int32
       (real tokens routed to each expert in each MoE layer) for MoE models, else nothing.
@@ -79,7 +83,7 @@ def forward(
     T = batch["tokens"].shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     with jax.named_scope("embed"):
-        x = params["embed"][batch["tokens"]].astype(jnp.float32)  # residual stream in f32
+        x = embed(params["embed"], batch["tokens"])  # residual stream in f32
         cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
     scale = 1.0 / (D**0.5)
     new_kv, counts = [], []
@@ -89,7 +93,7 @@ def forward(
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
         with jax.named_scope("qkv"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-            qkv = _mm(h, lp["wqkv"])
+            qkv = linear(h, lp["wqkv"], quant_matmul)
             if "bqkv" in lp:
                 qkv = qkv + lp["bqkv"]
             q = qkv[:, : H * D].reshape(T, H, D)
@@ -110,7 +114,7 @@ def forward(
             vc = kv_cache.write(vc, batch["write_idx"], v)
         with jax.named_scope("attention"):
             o = attn(
-                q.astype(kv_cache.compute_dtype(kc, lp["wqkv"].dtype)),
+                q.astype(kv_cache.compute_dtype(kc, weight_dtype(lp["wqkv"]))),
                 kc,
                 vc,
                 batch["seg_ids"],
@@ -121,7 +125,7 @@ def forward(
                 cu_q_lens=batch["cu_q_lens"],
             )
         with jax.named_scope("attn_out"):
-            x = x + _mm(o.reshape(T, H * D), lp["wo"])
+            x = x + linear(o.reshape(T, H * D), lp["wo"], quant_matmul)
         with jax.named_scope("mlp"):
             h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
             if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
@@ -129,18 +133,15 @@ def forward(
                 x = x + y
                 counts.append(sizes)
             else:
-                gate, up = jnp.split(_mm(h, lp["w_gu"]), 2, axis=-1)
-                x = x + _mm(jax.nn.silu(gate) * up, lp["w_down"])
+                gate, up = jnp.split(linear(h, lp["w_gu"], quant_matmul), 2, axis=-1)
+                x = x + linear(jax.nn.silu(gate) * up, lp["w_down"], quant_matmul)
         new_kv.append((kc, vc))
     with jax.named_scope("lm_head"):
         h = rms_norm(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
         if "lm_head" in params:
-            logits = _mm(h, params["lm_head"])
+            logits = linear(h, params["lm_head"], quant_matmul)
         else:
-            emb = params["embed"]
-            logits = jnp.einsum(
-                "rd,vd->rv", h.astype(emb.dtype), emb, preferred_element_type=jnp.float32
-            )
+            logits = unembed(h, params["embed"], quant_matmul)
     stats = {"expert_counts": jnp.stack(counts)} if counts else {}
     return logits, new_kv, stats
 

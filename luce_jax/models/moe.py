@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe_grouping import expert_weights
+
 from ..config import ModelConfig
 
 
@@ -56,12 +58,14 @@ def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float
     """XLA's grouped matmul, with the Pallas kernel's signature (pallas_kernels/moe_grouping.py).
 
     Args:
-      x: [M, K] rows grouped by expert; w: [E, K, N] (with swiglu [E, K, 2N]: gate | up);
+      x: [M, K] rows grouped by expert; w: [E, K, N] (with swiglu [E, K, 2N]: gate | up), or
+        a QuantWeight [E, N, K];
       sizes: [E] int32 rows per expert.
     Returns:
       [M, N] in out_dtype: x @ w[expert], then silu(gate) * up with swiglu.
     """
-    y = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    w = expert_weights(w)  # a quantized stack is dequantized whole, every step (CPU path)
+    y = jax.lax.ragged_dot(x, w.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
     if swiglu:
         gate, up = jnp.split(y, 2, axis=-1)
         y = jax.nn.silu(gate) * up

@@ -31,13 +31,17 @@ class DraftRunner:
 
     def __init__(
         self, cfg, params, num_blocks, block_size, max_slots, max_blocks_per_seq, kv_types,
-        attention_fn=None, grouped_matmul_fn=None, *, depth: int,
+        attention_fn=None, grouped_matmul_fn=None, quant_matmul=None, *, depth: int,
     ):  # fmt: skip
         self.cfg, self.params, self.depth = cfg, params, depth
         self.block_size, self.max_slots, self.max_blocks = block_size, max_slots, max_blocks_per_seq
         self.kv = dense.init_kv(cfg, num_blocks, block_size, *kv_types)
         self._forward = functools.partial(
-            dense.forward, cfg=cfg, attention_fn=attention_fn, grouped_matmul=grouped_matmul_fn
+            dense.forward,
+            cfg=cfg,
+            attention_fn=attention_fn,
+            grouped_matmul=grouped_matmul_fn,
+            quant_matmul=quant_matmul,
         )
         self.programs = BucketPrograms(self.step_function, donate=(1,), name="draft")
         self.propose_time: dict[int, float] = {}  # depth -> seconds (smallest bucket)

@@ -1,0 +1,78 @@
+"""Linear layers over dense or GGML-quantized weights: one call site for every projection.
+
+A weight is a dense array [in, out], a QuantWeight [out, in] (the file's blocks, kept on the
+device), or a tuple of these whose outputs are concatenated (q / k / v or gate / up stored in
+different GGML types, which cannot share one block matrix).
+
+Shapes: T tokens, K input width, N output width, V vocabulary, d model width.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from pallas_kernels.ggml_blocks import QuantWeight, dequantize_weight
+from pallas_kernels.quant_matmul import quant_matmul_xla
+
+
+class QuantMatmul(NamedTuple):
+    """How quantized projections run: `kernel` (quant_matmul's signature, None: XLA only) for
+    calls of at most `max_rows` rows, XLA's dequantize-then-dot above it.
+
+    Per bucket, since T is static: on the H200 the Pallas kernel beat XLA's dequantize-then-dot
+    at decode sizes (Q4_K gate/up M 1: 95 vs 125 us) and lost badly at prefill sizes (M 512:
+    1011 vs 231 us), bench/results/2026-11-30_quant_matmul_types_h200.md.
+    """
+
+    kernel: object = None
+    max_rows: int = 64
+
+
+def linear(x, w, qmm: QuantMatmul | None = None):
+    """x [T, K] @ w -> [T, N] float32.
+
+    Args:
+      x: activations (cast to the weight's dtype: the dots run in it).
+      w: dense [K, N], QuantWeight [N, K], or a tuple of these (outputs concatenated).
+      qmm: how quantized weights run (default: XLA's dequantize-then-dot).
+    """
+    if isinstance(w, tuple):
+        return jnp.concatenate([linear(x, p, qmm) for p in w], axis=-1)
+    if isinstance(w, QuantWeight):
+        x = x.astype(w.dtype)
+        if qmm is not None and qmm.kernel is not None and x.shape[0] <= qmm.max_rows:
+            return qmm.kernel(x, w)
+        return quant_matmul_xla(x, w)
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def embed(table, tokens):
+    """Rows of the embedding table [V, d] for tokens [T], float32; a quantized table is
+    gathered a row of blocks at a time and only those rows are dequantized."""
+    if isinstance(table, QuantWeight):
+        rows = QuantWeight(table.blocks[tokens], table.qtype, table.dtype)
+        return dequantize_weight(rows)
+    return table[tokens].astype(jnp.float32)
+
+
+def unembed(h, table, qmm: QuantMatmul | None = None):
+    """Logits h [R, d] @ table^T for tied embeddings (table [V, d], dense or quantized)."""
+    if isinstance(table, QuantWeight):  # [V, d] is a QuantWeight's [N, K] already
+        return linear(h, table, qmm)
+    return jnp.einsum("rd,vd->rv", h.astype(table.dtype), table, preferred_element_type=jnp.float32)
+
+
+def weight_dtype(w) -> jnp.dtype:
+    """The dtype projections with w run in (a tuple's first part's)."""
+    if isinstance(w, tuple):
+        return weight_dtype(w[0])
+    return jnp.dtype(w.dtype)
+
+
+def out_width(w) -> int:
+    """N of a weight (summed over a tuple's parts)."""
+    if isinstance(w, tuple):
+        return sum(out_width(p) for p in w)
+    return w.shape[-2] if isinstance(w, QuantWeight) else w.shape[-1]

@@ -1,0 +1,308 @@
+"""GGML's block formats: dequantized whole (jnp, the reference) and a block at a time inside a
+kernel (`FORMATS`), for weights kept in their file layout on the device.
+
+`DEQUANTIZERS` map uint8 blocks [N, type_size] to float32 values [N, block_size], bit-exact
+with gguf.quants.dequantize. `FORMATS` describe the quantized types for the matmul kernels
+(quant_matmul.py, moe_grouping.py): a block of B values splits into groups that share one
+scale, and a group's values into pieces (runs of 16 or 32 consecutive values whose codes sit in
+consecutive bytes, low or high nibbles, plus high bits for Q5_K / Q6_K). A kernel loads a
+piece's bytes for BN weight rows at once, decodes them to small integers (or IQ4_XS's table
+values), takes one dot with the matching activations and scales the partial product by the
+group's scale row, so scales cost one multiply per group and output column, not per weight.
+All offsets below are static: a kernel unrolls a block's groups.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from gguf import GGMLQuantizationType
+
+QK_K = 256
+
+
+def _f16(b: jax.Array) -> jax.Array:
+    """[N, 2] uint8 little-endian -> [N, 1] float32."""
+    return jax.lax.bitcast_convert_type(b.reshape(-1, 1, 2), jnp.float16).astype(jnp.float32)
+
+
+def _nibbles(qs: jax.Array, groups: int, width: int) -> jax.Array:
+    """[N, groups*width] uint8 -> [N, groups, 2, width]: low nibbles then high nibbles."""
+    qs = qs.reshape(-1, groups, 1, width)
+    return (qs >> jnp.array([0, 4], jnp.uint8).reshape(1, 1, 2, 1)) & jnp.uint8(0x0F)
+
+
+def q8_0(b: jax.Array) -> jax.Array:
+    d = _f16(b[:, :2])
+    x = jax.lax.bitcast_convert_type(b[:, 2:], jnp.int8).astype(jnp.float32)
+    return x * d
+
+
+def q4_0(b: jax.Array) -> jax.Array:
+    d = _f16(b[:, :2])
+    q = _nibbles(b[:, 2:], 1, 16).reshape(-1, 32).astype(jnp.int8) - jnp.int8(8)
+    return d * q.astype(jnp.float32)
+
+
+def _k_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Unpack the 12-byte 6-bit scales/mins of Q4_K and Q5_K into [N, 8] each."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def q4_k(b: jax.Array) -> jax.Array:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    d = (d * sc.astype(jnp.float32))[..., None]
+    dm = (dmin * mn.astype(jnp.float32))[..., None]
+    q = _nibbles(b[:, 16:], 4, 32).reshape(-1, 8, 32).astype(jnp.float32)
+    return (d * q - dm).reshape(-1, QK_K)
+
+
+def q5_k(b: jax.Array) -> jax.Array:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    d = (d * sc.astype(jnp.float32))[..., None]
+    dm = (dmin * mn.astype(jnp.float32))[..., None]
+    qh = b[:, 16:48].reshape(-1, 1, 1, 32) >> jnp.arange(8, dtype=jnp.uint8).reshape(1, 1, 8, 1)
+    qh = (qh & jnp.uint8(1)).reshape(-1, 8, 32)
+    ql = _nibbles(b[:, 48:], 4, 32).reshape(-1, 8, 32)
+    q = (ql | (qh << jnp.uint8(4))).astype(jnp.float32)
+    return (d * q - dm).reshape(-1, QK_K)
+
+
+def q6_k(b: jax.Array) -> jax.Array:
+    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]
+    scales = jax.lax.bitcast_convert_type(scales, jnp.int8).astype(jnp.float32)
+    d = (_f16(d) * scales).reshape(-1, 16, 1)
+    ql = _nibbles(ql, 2, 64).reshape(-1, 8, 32)
+    qh = qh.reshape(-1, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(1, 1, 4, 1)
+    qh = (qh & jnp.uint8(3)).reshape(-1, 8, 32)
+    q = (ql | (qh << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)
+    return (d * q.reshape(-1, 16, 16).astype(jnp.float32)).reshape(-1, QK_K)
+
+
+# IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def iq4_xs(b: jax.Array) -> jax.Array:
+    """Super-blocks of 256: f16 d, 8 six-bit scales (2 high bits each in a uint16, 4 low bits
+    in 4 bytes), then 8 groups of 32 four-bit indices into IQ4_VALUES."""
+    d = _f16(b[:, 0:2])
+    hi = jax.lax.bitcast_convert_type(b[:, 2:4].reshape(-1, 1, 2), jnp.uint16)  # [N, 1]
+    hi = (hi >> jnp.arange(0, 16, 2, dtype=jnp.uint16)) & jnp.uint16(3)  # [N, 8]
+    lo = (b[:, 4:8, None] >> jnp.array([0, 4], jnp.uint8)) & jnp.uint8(0x0F)  # [N, 4, 2]
+    scales = (lo.reshape(-1, 8) | (hi.astype(jnp.uint8) << 4)).astype(jnp.int8) - jnp.int8(32)
+    dl = (d * scales.astype(jnp.float32))[..., None]  # [N, 8, 1]
+    idx = _nibbles(b[:, 8:], 8, 16).reshape(-1, 8, 32)
+    vals = jnp.asarray(IQ4_VALUES, jnp.float32)[idx]
+    return (dl * vals).reshape(-1, QK_K)
+
+
+def bf16(b: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(b.reshape(-1, 1, 2), jnp.bfloat16).astype(jnp.float32)
+
+
+def f16(b: jax.Array) -> jax.Array:
+    return _f16(b)
+
+
+def f32(b: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(b.reshape(-1, 1, 4), jnp.float32)
+
+
+T = GGMLQuantizationType
+DEQUANTIZERS = {
+    T.F32: f32,
+    T.F16: f16,
+    T.BF16: bf16,
+    T.Q8_0: q8_0,
+    T.Q4_0: q4_0,
+    T.Q4_K: q4_k,
+    T.Q5_K: q5_k,
+    T.Q6_K: q6_k,
+    T.IQ4_XS: iq4_xs,
+}
+
+
+# --- weights kept quantized: the container and the kernels' block decoding ------------------
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["qtype", "dtype"]
+)
+@dataclass(frozen=True)
+class QuantWeight:
+    """A GGML-quantized matrix of N rows of K values (a file tensor, [out, in]) on the device.
+
+    blocks: uint8 [..., N, K / B * type_size], each row the file's blocks in order (leading
+      axes for stacked experts). qtype: a FORMATS key. dtype: the activations' dtype the
+      matmuls run in (the dtype the weight would have had if dequantized).
+    """
+
+    blocks: jax.Array
+    qtype: str
+    dtype: str = "bfloat16"
+
+    @property
+    def format(self) -> BlockFormat:
+        return FORMATS[self.qtype]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(..., N, K)."""
+        *lead, n, row_bytes = self.blocks.shape
+        return (*lead, n, row_bytes // self.format.type_size * self.format.block)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
+def dequantize_weight(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
+    """W [..., N, K] in dtype (bit-exact with gguf in float32)."""
+    fmt = w.format
+    vals = DEQUANTIZERS[fmt.qtype](w.blocks.reshape(-1, fmt.type_size))
+    return vals.reshape(w.shape).astype(dtype)
+
+
+def _byte_f16(load1, off: int):
+    """[BN] float32 from the little-endian f16 at a static block offset."""
+    lo, hi = load1(off).astype(jnp.uint16), load1(off + 1).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(lo | (hi << 8), jnp.float16).astype(jnp.float32)
+
+
+def _int(v):
+    return v.astype(jnp.int32)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """How a kernel decodes one block of a type, a group at a time.
+
+    `decode(load, load1, g)` returns (a, b, pieces) for group g: the group's values are
+    a * code + b, with a and b float32 [BN] (b None where there is no offset), and pieces
+    [(first value, codes [BN, n] int32)]. load(off, n) gives the block's bytes [BN, n] at a
+    static offset, load1(off) one byte [BN].
+    """
+
+    qtype: GGMLQuantizationType
+    block: int  # values per block (B)
+    type_size: int  # bytes per block
+    group: int  # values per scale
+    decode: object
+
+    @property
+    def groups(self) -> int:
+        return self.block // self.group
+
+
+def _q8_0(load, load1, g):
+    return (
+        _byte_f16(load1, 0),
+        None,
+        [(0, _int(jax.lax.bitcast_convert_type(load(2, 32), jnp.int8)))],
+    )
+
+
+def _q4_0(load, load1, g):
+    q = _int(load(2, 16))
+    return _byte_f16(load1, 0), None, [(0, (q & 15) - 8), (16, (q >> 4) - 8)]
+
+
+def _k_scale_min_of(load1, g: int):
+    """Q4_K / Q5_K's 6-bit scale and min of group g (of 8) from the 12 bytes at offset 4."""
+    q = lambda i: _int(load1(4 + i))  # noqa: E731
+    if g < 4:
+        return q(g) & 63, q(g + 4) & 63
+    return (q(g + 4) & 15) | ((q(g - 4) >> 6) << 4), (q(g + 4) >> 4) | ((q(g) >> 6) << 4)
+
+
+def _k_affine(load1, g):
+    sc, m = _k_scale_min_of(load1, g)
+    a = _byte_f16(load1, 0) * sc.astype(jnp.float32)
+    return a, -(_byte_f16(load1, 2) * m.astype(jnp.float32))
+
+
+def _q4_k(load, load1, g):
+    # 4 runs of 32 bytes; run r's low nibbles are group 2r, its high nibbles group 2r + 1
+    codes = (_int(load(16 + 32 * (g // 2), 32)) >> (4 * (g % 2))) & 15
+    return (*_k_affine(load1, g), [(0, codes)])
+
+
+def _q5_k(load, load1, g):
+    low = (_int(load(48 + 32 * (g // 2), 32)) >> (4 * (g % 2))) & 15
+    high = (_int(load(16, 32)) >> g) & 1  # bit g of the 32 high-bit bytes
+    return (*_k_affine(load1, g), [(0, low | (high << 4))])
+
+
+def _q6_k(load, load1, g):
+    # Two halves of 128 values; in half h, value v (< 128) has its low 4 bits in byte
+    # 64 h + v % 64 (high nibble if v >= 64) and its top 2 bits in byte 128 + 32 h + v % 32
+    # at bit 2 (v // 32). Groups are 16 values, so one group is one run of each.
+    h, v = divmod(g * 16, 128)
+    low = (_int(load(64 * h + v % 64, 16)) >> (4 * (v // 64))) & 15
+    high = (_int(load(128 + 32 * h + v % 32, 16)) >> (2 * (v // 32))) & 3
+    a = _byte_f16(load1, 208) * jax.lax.bitcast_convert_type(load1(192 + g), jnp.int8).astype(
+        jnp.float32
+    )
+    return a, None, [(0, (low | (high << 4)) - 32)]
+
+
+def _iq4_value(q):
+    """IQ4_VALUES[q] for 4-bit codes, as a tree of selects on q's bits (no table gather)."""
+    vals = [jnp.int32(v) for v in IQ4_VALUES]
+    for bit in range(4):  # halve the candidates by one bit of q, lowest bit first
+        on = (q >> bit) & 1
+        vals = [jnp.where(on == 1, hi, lo) for lo, hi in zip(vals[0::2], vals[1::2], strict=True)]
+    return vals[0]
+
+
+def _iq4_xs(load, load1, g):
+    low = (_int(load1(4 + g // 2)) >> (4 * (g % 2))) & 15
+    high = (_int(load1(2 + g // 4)) >> (2 * (g % 4))) & 3
+    a = _byte_f16(load1, 0) * ((low | (high << 4)) - 32).astype(jnp.float32)
+    q = _int(load(8 + 16 * g, 16))
+    return a, None, [(0, _iq4_value(q & 15)), (16, _iq4_value(q >> 4))]
+
+
+FORMATS = {
+    "q8_0": BlockFormat(T.Q8_0, 32, 34, 32, _q8_0),
+    "q4_0": BlockFormat(T.Q4_0, 32, 18, 32, _q4_0),
+    "q4_k": BlockFormat(T.Q4_K, QK_K, 144, 32, _q4_k),
+    "q5_k": BlockFormat(T.Q5_K, QK_K, 176, 32, _q5_k),
+    "q6_k": BlockFormat(T.Q6_K, QK_K, 210, 16, _q6_k),
+    "iq4_xs": BlockFormat(T.IQ4_XS, QK_K, 136, 32, _iq4_xs),
+}
+QTYPES = {f.qtype: name for name, f in FORMATS.items()}  # GGML type -> FORMATS key
+
+
+def contract_block(fmt: BlockFormat, load, load1, load_x, acc, dot):
+    """acc [BM, BN] + x's BM rows times one block of BN weight rows, over the block's values.
+
+    Args:
+      load, load1: the block's bytes (BlockFormat.decode's).
+      load_x(first, n): activations [BM, n] of the block's values first .. first + n.
+      dot(x [BM, n], codes [BN, n]) -> [BM, BN] float32.
+    """
+    for g in range(fmt.groups):
+        a, b, pieces = fmt.decode(load, load1, g)
+        part = xsum = None
+        for first, codes in pieces:
+            xb = load_x(g * fmt.group + first, codes.shape[1])
+            p = dot(xb, codes)
+            part = p if part is None else part + p
+            if b is not None:
+                s = jnp.sum(xb.astype(jnp.float32), axis=1)
+                xsum = s if xsum is None else xsum + s
+        acc = acc + part * a[None, :]
+        if b is not None:
+            acc = acc + xsum[:, None] * b[None, :]
+    return acc

@@ -1,0 +1,180 @@
+"""Weights kept in their GGUF blocks (dtype=quantized): what is loaded, what it costs in
+memory, and that the model computes what the dequantized model computes."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_dense_model import run
+
+from luce_jax.build import keep_quantized
+from luce_jax.config import EngineConfig
+from luce_jax.host.batch import Row
+from luce_jax.loading.gguf import GGUFFile, load_params, model_config, weight_bytes
+from luce_jax.models import dense
+from luce_jax.models.linear import QuantMatmul, embed, linear, unembed
+from pallas_kernels.ggml_blocks import QuantWeight, dequantize_weight
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import make_model  # noqa: E402
+
+SHAPES = {
+    # 4 layers: use_more_bits picks 2 and 3, whose attn_v and ffn_down are Q6_K
+    "q4-k-m": dict(d=256, L=4, H=4, K=2, D=64, F=512, tied=False),
+    "tied": dict(d=256, L=1, H=4, K=2, D=64, F=256, tied=True),
+    "moe": dict(d=256, L=2, H=4, K=2, D=64, F=256, tied=False, E=4, k=2, Fe=256),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, fixtures_dir):
+    """name -> GGUF path: a Q4_K_M mix, a tied IQ4_XS model (quantized embedding table used
+    as the output head) and a Q4_K_M MoE."""
+    d = tmp_path_factory.mktemp("quantized")
+    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, shape in SHAPES.items():
+            mp.setitem(make_model.SHAPES, name, shape)
+            path = str(d / f"{name}.gguf")
+            make_model.write(name, "iq4_xs" if name == "tied" else "q4_k_m", vocab, path)
+            out[name] = path
+    return out
+
+
+def load(path, quantized):
+    f = GGUFFile(path)
+    cfg, params = load_params(f, model_config(f.metadata), "float32", quantized)
+    return f, cfg, params
+
+
+def test_a_q4_k_m_file_keeps_its_types_and_its_size(files):
+    f, _, params = load(files["q4-k-m"], True)
+    layers = params["layers"]
+    # q, k, v of one type fuse into one block matrix; a Q6_K v keeps them apart
+    assert isinstance(layers[0]["wqkv"], QuantWeight) and layers[0]["wqkv"].qtype == "q4_k"
+    assert layers[0]["wqkv"].shape == (4 * 64 + 2 * 2 * 64, 256)
+    assert [w.qtype for w in layers[2]["wqkv"]] == ["q4_k", "q4_k", "q6_k"]
+    assert [layers[i]["w_down"].qtype for i in range(4)] == ["q4_k", "q4_k", "q6_k", "q6_k"]
+    assert layers[0]["w_gu"].shape == (2 * 512, 256) and params["lm_head"].qtype == "q6_k"
+    assert params["embed"].qtype == "q4_k"
+    file_bytes = sum(t.nbytes for t in f.tensors.values())
+    assert weight_bytes(params) == file_bytes  # blocks as stored, float tensors as they are
+    _, _, dequantized = load(files["q4-k-m"], False)
+    assert weight_bytes(dequantized) > 5 * file_bytes  # float32 for contrast
+    _, _, moe = load(files["moe"], True)  # experts: gate | up fused, down on its own
+    gu, down = moe["layers"][1]["w_gu_exps"], moe["layers"][1]["w_down_exps"]
+    assert (gu.qtype, gu.shape, down.qtype, down.shape) == (
+        "q4_k",
+        (4, 512, 256),
+        "q6_k",
+        (4, 256, 256),
+    )
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_quantized_model_computes_what_the_dequantized_one_does(files, name):
+    """Logits of a packed prefill step and a decode step from the paged cache, with weights
+    kept quantized (XLA's dequantize-then-dot, expert stacks included) against weights
+    dequantized at load."""
+    rng = np.random.default_rng(0)
+    prompts = [tuple(rng.integers(0, 1000, n).tolist()) for n in (5, 9)]
+    tables = {0: (1,), 1: (2,)}
+    outs = []
+    for quantized in (True, False):
+        _, cfg, params = load(files[name], quantized)
+        kv = dense.init_kv(cfg, 4, 16, jnp.float32)
+        rows = [Row(s, p, 0, True) for s, p in enumerate(prompts)]
+        a, kv = run(cfg, params, kv, rows, tables, t_bucket=16, s_bucket=2)
+        nxt = [Row(s, (7,), len(p), True) for s, p in enumerate(prompts)]
+        b, _ = run(cfg, params, kv, nxt, tables, t_bucket=2, s_bucket=2)
+        outs.append(np.concatenate([a, b]))
+    scale = np.abs(outs[1]).max()
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5 * scale)
+
+
+def qweight(N=24, K=64, seed=0, dtype="float32"):
+    from test_quant_matmul import weight
+
+    w = weight("q8_0", N, K, seed)
+    return QuantWeight(w.blocks, w.qtype, dtype)
+
+
+def test_linear_concatenates_parts_of_any_kind():
+    x = jax.random.normal(jax.random.key(0), (3, 64), jnp.float32)
+    wq, dense_w = qweight(), jax.random.normal(jax.random.key(1), (64, 8), jnp.float32)
+    got = linear(x, (wq, dense_w))
+    ref = np.concatenate([x @ dequantize_weight(wq).T, x @ dense_w], axis=1)
+    assert got.shape == (3, 32)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_the_kernel_runs_only_steps_up_to_its_row_limit():
+    """Decode-sized steps go to the kernel; larger ones to XLA's dequantize-then-dot."""
+    seen = []
+
+    def kernel(x, w):
+        seen.append(x.shape[0])
+        return jnp.zeros((x.shape[0], w.shape[0]), jnp.float32)
+
+    qmm, w = QuantMatmul(kernel, max_rows=4), qweight()
+    assert not np.asarray(linear(jnp.ones((4, 64)), w, qmm)).any()
+    assert np.asarray(linear(jnp.ones((5, 64)), w, qmm)).any()
+    assert seen == [4]
+
+
+def test_a_quantized_embedding_table_is_gathered_by_rows_and_tied_as_the_head():
+    table = qweight(N=40)  # vocabulary of 40, width 64
+    tokens = jnp.asarray([3, 0, 39, 3])
+    full = np.asarray(dequantize_weight(table))
+    np.testing.assert_array_equal(np.asarray(embed(table, tokens)), full[[3, 0, 39, 3]])
+    h = jax.random.normal(jax.random.key(2), (2, 64), jnp.float32)
+    np.testing.assert_allclose(unembed(h, table), h @ full.T, rtol=1e-5, atol=1e-4)
+
+
+class FakeDevice:
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return None if self.limit is None else {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+
+def test_auto_keeps_quantized_weights_only_where_dequantized_ones_would_not_fit(files):
+    f = GGUFFile(files["q4-k-m"])
+    values = sum(t.nbytes // make_model.GGML_QUANT_SIZES[t.qtype][1]
+                 * make_model.GGML_QUANT_SIZES[t.qtype][0] for t in f.tensors.values())  # fmt: skip
+    assert keep_quantized("auto", f, FakeDevice(100 * values)) is False
+    assert keep_quantized("auto", f, FakeDevice(values)) is True  # 2 bytes a value > 60%
+    assert keep_quantized("auto", f, FakeDevice(None)) is False  # CPU: no memory statistics
+    assert keep_quantized("quantized", f, FakeDevice(100 * values)) is True
+    assert keep_quantized("bfloat16", f, FakeDevice(values)) is False
+
+
+def test_config_names_the_quantized_choices():
+    c = EngineConfig(dtype="quantized").resolved("cpu")
+    assert c.dtype == "float32" and c.quant_backend == "xla"
+    assert EngineConfig().resolved("gpu").quant_backend == "pallas"
+    with pytest.raises(ValueError, match="quant_backend"):
+        EngineConfig(quant_backend="triton")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="q4_k")
+
+
+def test_engine_greedy_tokens_equal_with_the_kernel_and_xla(compile_cache):
+    """The embedded model (Q8_0) kept quantized through the whole engine, the Pallas kernel
+    (interpret mode) on decode steps: the same tokens as the model dequantized at load."""
+    from luce_jax import LLM, SamplingParams
+
+    prompts = ["def fib(n):", "import os\n"]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = {}
+    for dtype, backend in (("quantized", "pallas"), ("float32", "xla")):
+        kw = dict(max_ctx=64, max_concurrency=2, prefill_chunk=16, prefill_token_budget=16)
+        kw["compile_cache_dir"] = compile_cache
+        with LLM(dtype=dtype, quant_backend=backend, **kw) as llm:
+            out[dtype, backend] = [c.token_ids for c in llm.generate(prompts, sp)]
+    assert out["quantized", "pallas"] == out["float32", "xla"]
