@@ -11,9 +11,9 @@ from pathlib import Path
 # quantized ones (pallas_kernels/ggml_blocks.py FORMATS) in their blocks on the device, float
 # tensors and activations in bfloat16 on GPU, float32 on CPU. auto keeps them quantized only when
 # the dequantized weights would not fit (build.keep_quantized): the quantized matmuls still run
-# slower than XLA's bf16 dot (H200, Qwen3-8B shapes, decode: Q8_0 0.33x to 0.41x, Q4_K 0.54x to
-# 0.62x its time; bench/results/2026-11-30_quant_matmul_types_h200.md), so dequantizing is the
-# faster choice wherever it fits.
+# slower than XLA's bf16 dot (H200, Qwen3-8B shapes, decode: Q8_0 at 0.33x to 0.41x its speed,
+# Q4_K at 0.54x to 0.62x; bench/results/2026-11-30_quant_matmul_types_h200.md), so dequantizing
+# is the faster choice wherever it fits.
 DTYPES = ("auto", "quantized", "bfloat16", "float16", "float32")
 FLOAT_CACHE_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 # q8_0 / q4_0: int8 or packed 4-bit values with an f16 scale per 32 (pallas_kernels/kv_cache.py).

@@ -143,8 +143,13 @@ class QuantWeight:
     """A GGML-quantized matrix of N rows of K values (a file tensor, [out, in]) on the device.
 
     blocks: uint8 [..., N, K / B * type_size], each row the file's blocks in order (leading
-      axes for stacked experts). qtype: a FORMATS key. dtype: the activations' dtype the
-      matmuls run in (the dtype the weight would have had if dequantized).
+      axes for stacked experts), exactly the file's bytes. Reordering them at load to
+      [K / B, type_size, N] (a byte position's tile contiguous over the outputs) made the
+      kernel no faster on the H200 (Q4_K decode 1.5x to 2.1x slower, Q8_0 0.9x to 1.5x:
+      bench/results/2026-11-30_quant_matmul_layout_h200.md; that run clamped the output
+      indices, which may have kept Triton from vectorizing the contiguous loads).
+    qtype: a FORMATS key. dtype: the activations' dtype the matmuls run in (the dtype the
+      weight would have had if dequantized).
     """
 
     blocks: jax.Array

@@ -119,7 +119,6 @@ def _quant_kernel(meta_ref, x_ref, w_ref, o_ref, *, fmt, BM, BN, N, swiglu):
     row_ok = jnp.arange(BM) < n
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
-    cols = jnp.minimum(cols, N - 1)
 
     def body(b, accs):
         def load_x(first: int, width: int):

@@ -16,6 +16,16 @@ output, never one per weight. Decode-sized calls (few rows) with a narrow N have
 the contraction is split until there are about `min_programs` programs to fill the GPU; the
 splits' float32 partials are summed afterwards.
 
+Speed (H200, Qwen3-8B shapes, bench/quant_matmul.py: 2026-11-30_quant_matmul_types_h200.md and
+_tiling_h200.md): at decode sizes (M 1 and 8) the best tiling reads 14% to 20% of the copy
+bandwidth for Q8_0, Q4_K and Q6_K and 8% to 10% for IQ4_XS, and takes 1.6x (Q4_K) to 3x (Q8_0)
+the time of XLA's bf16 dot, which reads at 90% to 110%; XLA's dequantize-then-dot takes 1.9x to
+2.4x. At M 512 the kernel is 6x to 15x slower than the bf16 dot and dequantize-then-dot 1.3x to
+1.7x, which is why models/linear.py sends steps of more
+than 64 rows to it. A row-wise Q8_0 layout with int8 values [K, N] and its own f16 scale array
+reached 41% (2026-11-30_quant_matmul_h200.md), so loads, not the decoding arithmetic, are the
+suspect: the unaligned 34-byte Q8_0 blocks and the f16 scales assembled from bytes.
+
 Triton backend: all indices are arrays and loads are masked, so M and N need not be tile
 multiples (K is a whole number of blocks, as in every GGUF tensor). On CPU the kernel runs in
 interpret mode; tests/test_triton_lowering.py verifies its Triton module.
@@ -82,7 +92,6 @@ def _kernel(x_ref, w_ref, o_ref, *, fmt: BlockFormat, BM, BN, U, steps, n_blocks
     rows = jnp.minimum(rows, M - 1)
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
-    cols = jnp.minimum(cols, N - 1)
 
     def body(c, acc):
         for u in range(U):
@@ -141,7 +150,9 @@ def quant_matmul(
       x: [M, K] activations (bfloat16 on GPU; the dots run in x's dtype).
       w: QuantWeight [N, K] of any ggml_blocks.FORMATS type.
       out_dtype: result dtype (accumulation is float32).
-      block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows).
+      block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows). The defaults
+        (64 weight rows, 256 values per step, 4 warps, 2 stages) were the fastest of six
+        tilings at decode (2026-11-30_quant_matmul_tiling_h200.md).
       values_per_step: contraction values per loop step (U = this / B blocks, at least 1).
       min_programs: split the contraction until the grid has about this many programs (two
         per SM of an H200), never below one step per split.
