@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 from .call_options import call_options, whole
 from .ggml_blocks import QuantWeight, contract_block, dequantize_weight
 from .paged_attention import query_blocks
-from .quant_matmul import block_loaders, dot_nt
+from .quant_matmul import block_loaders, dot_nn, dot_nt
 
 
 def expert_weights(w, dtype=None):
@@ -72,7 +72,10 @@ def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
     return jnp.where(real[:, None], y, 0.0)
 
 
-def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
+def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu, fmt=None):
+    """One (row tile, column tile) program. With fmt (a ggml_blocks.BlockFormat), w_ref holds
+    the experts' GGML blocks (uint8 [E, N or 2N, K / B * type_size]) and the contraction walks
+    them a block at a time, as quant_matmul's kernel does; else BK values at a time."""
     i, j = pl.program_id(0), pl.program_id(1)
     e, start, n = meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2]
     M, K = x_ref.shape
@@ -80,8 +83,9 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
     row_ok = jnp.arange(BM) < n
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
+    halves = (cols, cols + N)[: 2 if swiglu else 1]  # gate and up column tiles
 
-    def body(kk, accs):
+    def dense_body(kk, accs):
         ks = kk * BK + jnp.arange(BK)
         k_ok = ks < K
         xb = plgpu.load(
@@ -89,53 +93,33 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu):
         )
         wmask = k_ok[:, None] & col_ok[None, :]
         out = []
-        for a, c in zip(accs, (cols, cols + N)[: len(accs)], strict=True):
+        for a, c in zip(accs, halves, strict=True):
             wb = plgpu.load(w_ref.at[e, ks[:, None], c[None, :]], mask=wmask, other=0)
-            wb = wb.astype(xb.dtype)
-            out.append(
-                a
-                + jax.lax.dot_general(
-                    xb, wb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-                )
-            )
+            out.append(a + dot_nn(xb, wb))
         return tuple(out)
 
-    zero = jnp.zeros((BM, BN), jnp.float32)
-    # A tile with no rows skips the contraction. Bounds are int32 values computed in the kernel:
-    # Triton's scf.for needs equal bound types, and jnp.where(n > 0, 1, 0) lowered to i1.
-    n_k = (n > 0).astype(n.dtype) * ((K + BK - 1) // BK)
-    accs = jax.lax.fori_loop(n * 0, n_k, body, (zero, zero) if swiglu else (zero,))
-    y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
-    o_ref[...] = y.astype(o_ref.dtype)
-
-
-def _quant_kernel(meta_ref, x_ref, w_ref, o_ref, *, fmt, BM, BN, N, swiglu):
-    """_kernel over an expert's GGML blocks (w_ref uint8 [E, N or 2N, K / B * type_size]),
-    a block at a time as quant_matmul's kernel walks them."""
-    i, j = pl.program_id(0), pl.program_id(1)
-    e, start, n = meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2]
-    M, K = x_ref.shape
-    rows = jnp.minimum(start + jnp.arange(BM), M - 1)
-    row_ok = jnp.arange(BM) < n
-    cols = j * BN + jnp.arange(BN)
-    col_ok = cols < N
-
-    def body(b, accs):
+    def quant_body(b, accs):
         def load_x(first: int, width: int):
             ks = b * fmt.block + first + jnp.arange(width)
             return plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None], other=0)
 
         out = []
-        for a, c in zip(accs, (cols, cols + N)[: len(accs)], strict=True):
+        for a, c in zip(accs, halves, strict=True):
             load, load1 = block_loaders(
                 lambda r, c_: w_ref.at[e, r, c_], c, col_ok, b * fmt.type_size
             )
             out.append(contract_block(fmt, load, load1, load_x, a, dot_nt))
         return tuple(out)
 
+    if fmt is None:
+        body, steps = dense_body, (K + BK - 1) // BK
+    else:
+        body, steps = quant_body, K // fmt.block
     zero = jnp.zeros((BM, BN), jnp.float32)
-    n_k = (n > 0).astype(n.dtype) * (K // fmt.block)  # as in _kernel: int32 bounds
-    accs = jax.lax.fori_loop(n * 0, n_k, body, (zero, zero) if swiglu else (zero,))
+    # A tile with no rows skips the contraction. Bounds are int32 values computed in the kernel:
+    # Triton's scf.for needs equal bound types, and jnp.where(n > 0, 1, 0) lowered to i1.
+    n_k = (n > 0).astype(n.dtype) * steps
+    accs = jax.lax.fori_loop(n * 0, n_k, body, (zero,) * len(halves))
     y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
     o_ref[...] = y.astype(o_ref.dtype)
 
@@ -191,10 +175,9 @@ def grouped_matmul(
     NT, NJ = meta.shape[0], -(-N // BN)
     options = call_options(interpret, num_warps, num_stages)
 
-    if quant:
-        kernel = functools.partial(_quant_kernel, fmt=w.format, BM=BM, BN=BN, N=N, swiglu=swiglu)
-    else:
-        kernel = functools.partial(_kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu)
+    kernel = functools.partial(
+        _kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu, fmt=w.format if quant else None
+    )
     wdata = w.blocks if quant else w
     tiles = pl.pallas_call(
         kernel,

@@ -68,6 +68,13 @@ def dot_nt(x, codes):
     )
 
 
+def dot_nn(x, w):
+    """x [BM, n] @ w [n, BN] in x's dtype (w cast to it): [BM, BN] float32."""
+    return jax.lax.dot_general(
+        x, w.astype(x.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
 def block_loaders(w_at, wrows, wrow_ok, base):
     """load(off, n) -> bytes [BN, n] and load1(off) -> [BN] of the block at byte `base` of
     weight rows `wrows` (ggml_blocks.BlockFormat.decode's loaders); masked rows give zeros.
