@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -173,8 +174,16 @@ async def detokenize(request: Request, state: ServerState, engine, body: dict) -
     return JSONResponse({"prompt": engine.tokenizer.decode(ids)})
 
 
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own errors (an unknown path: 404, a wrong method: 405) in the OpenAI error
+    shape every other error has, naming the method and path as OpenAI's "Invalid URL" does."""
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    return error_response(P.APIError(exc.status_code, message, headers=exc.headers))
+
+
 def create_app(state: ServerState) -> Starlette:
     app = Starlette(
+        exception_handlers={HTTPException: http_error},
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -183,7 +192,7 @@ def create_app(state: ServerState) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
-        ]
+        ],
     )
     app.state.luce = state
     return app

@@ -107,6 +107,17 @@ def test_sse_sends_keepalive_comments_while_waiting():
         h.loop.stop()
 
 
+def test_unknown_paths_and_methods_answer_in_the_openai_error_shape():
+    c = TestClient(create_app(ServerState(model_name="fake")))
+    r = c.get("/v1/nope")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "GET /v1/nope" in err["message"]
+    r = c.get("/v1/completions")
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert "GET /v1/completions" in r.json()["error"]["message"]
+
+
 def test_loading_server_answers_503():
     c = TestClient(create_app(ServerState(model_name="fake")))
     assert c.get("/health").status_code == 503
