@@ -261,7 +261,7 @@ class EngineHandle:
         return len(self.scheduler.running)
 
     def waiting(self) -> int:
-        return len(self.scheduler.queue)
+        return self.loop.waiting()
 
     def blocks_used(self) -> int:
         return self.engine.pool.used

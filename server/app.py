@@ -32,16 +32,6 @@ class ServerState:
         self.metrics = Metrics(self)
 
 
-def _admit_check(engine) -> None:
-    if engine.waiting() >= engine.config.max_queue:
-        raise P.APIError(
-            429,
-            "the request queue is full; retry later",
-            type_="rate_limit",
-            headers={"Retry-After": "1"},
-        )
-
-
 def _engine_endpoint(handler):
     """Wrap `handler(request, state, engine, body)`: the engine must be ready, the body a JSON
     object naming this server's model (or none); any APIError becomes its JSON response."""
@@ -100,7 +90,6 @@ async def completions(request: Request, state: ServerState, engine, body: dict) 
         logprobs=P.completion_logprobs(body),
     )
     stream, include_usage = P.stream_flags(body)
-    _admit_check(engine)
     return await respond(request, state, engine, ids, sp, stream, include_usage, chat=False)
 
 
@@ -119,7 +108,6 @@ async def chat_completions(request: Request, state: ServerState, engine, body: d
         logprobs=P.chat_logprobs(body),
     )
     stream, include_usage = P.stream_flags(body)
-    _admit_check(engine)
     return await respond(request, state, engine, ids, sp, stream, include_usage, chat=True)
 
 

@@ -29,6 +29,7 @@ class Stream:
         metrics=None,
         max_buffer=MAX_BUFFER,
         stall_s=STALL_S,
+        max_waiting: int | None = None,
     ):
         self._engine = engine_loop
         self._aloop = asyncio.get_running_loop()
@@ -43,9 +44,10 @@ class Stream:
         self.prompt_tokens = len(prompt)
         self._metrics = metrics
         self._last_token: float | None = None
+        # Raises QueueFull before anything is counted or sent (the caller answers 429).
+        self.req = engine_loop.submit(prompt, sampling, self._on_event, max_waiting)
         if metrics is not None:
             metrics.prompt_tokens.inc(len(prompt))
-        self.req = engine_loop.submit(prompt, sampling, self._on_event)
 
     @staticmethod
     def _size(ev) -> int:

@@ -7,6 +7,8 @@ import json
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from luce_jax.host.scheduler import QueueFull
+
 from . import protocol as P
 from .bridge import Stream
 
@@ -123,10 +125,20 @@ async def respond(
     include_usage: bool,
     chat: bool,
 ) -> Response:
-    """Submit `ids` and answer in OpenAI's completion (chat=False) or chat shape."""
-    gen = Generation(
-        state, Stream(engine.loop, ids, sp, state.metrics), engine.tokenizer, sp.logprobs
-    )
+    """Submit `ids` and answer in OpenAI's completion (chat=False) or chat shape.
+
+    A full queue is decided here, before any response starts: 429 with Retry-After for
+    streaming and non-streaming requests alike."""
+    try:
+        s = Stream(engine.loop, ids, sp, state.metrics, max_waiting=engine.config.max_queue)
+    except QueueFull:
+        raise P.APIError(
+            429,
+            "the request queue is full; retry later",
+            type_="rate_limit",
+            headers={"Retry-After": "1"},
+        ) from None
+    gen = Generation(state, s, engine.tokenizer, sp.logprobs)
     rid, created = P.new_id("chatcmpl" if chat else "cmpl"), P.now()
 
     def envelope(obj, choices, usage=None):

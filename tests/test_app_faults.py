@@ -2,13 +2,14 @@
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from starlette.testclient import TestClient
 
 from luce_jax.config import EngineConfig
 from luce_jax.host.loop import EngineLoop
-from luce_jax.host.scheduler import Scheduler
+from luce_jax.host.scheduler import QueueFull, Scheduler
 from luce_jax.sampling_params import SamplingParams
 from server.app import ServerState, create_app
 from server.bridge import Stream
@@ -32,21 +33,22 @@ class ByteTokenizer:
 
 
 class Handle:
-    def __init__(self, engine, waiting=None, spec=None):
-        self.config = EngineConfig(max_ctx=64, max_queue=4)
+    def __init__(self, engine, spec=None, max_queue=4, start=True):
+        self.config = EngineConfig(max_ctx=64, max_queue=max_queue)
         self.tokenizer = ByteTokenizer()
         self.vocab_size = 256
         self.engine = engine
-        self.sched = Scheduler(engine, self.tokenizer)
-        self.loop = EngineLoop(self.sched).start()
-        self._waiting = waiting
+        self.sched = Scheduler(engine, self.tokenizer, max_queue=max_queue)
+        self.loop = EngineLoop(self.sched)
+        if start:
+            self.loop.start()
         self._spec = spec
 
     def running(self):
         return len(self.sched.running)
 
     def waiting(self):
-        return self._waiting if self._waiting is not None else len(self.sched.queue)
+        return self.loop.waiting()
 
     def blocks_used(self):
         return self.engine.pool.used
@@ -81,14 +83,43 @@ def test_failed_step_fails_only_its_request_and_the_server_goes_on():
         h.loop.stop()
 
 
-def test_full_queue_answers_429_with_retry_after():
-    h = Handle(FakeEngine(), waiting=4)
+def test_the_queue_limit_counts_submits_the_engine_thread_has_not_applied():
+    loop = EngineLoop(Scheduler(FakeEngine(), ByteTokenizer()))  # not started: nothing applied
+    sp = SamplingParams(max_tokens=2)
+    for _ in range(2):
+        loop.submit([1, 2], sp, lambda ev: None, max_waiting=2)
+    assert loop.waiting() == 2
+    with pytest.raises(QueueFull):
+        loop.submit([1], sp, lambda ev: None, max_waiting=2)
+    assert loop.waiting() == 2  # the refused request counts for nothing
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_full_queue_answers_429_with_retry_after_streaming_or_not(stream):
+    """Requests the engine thread has not yet taken count: a full queue is 429 before any
+    response starts, never a 500 or an error event inside a 200 stream."""
+    h = Handle(FakeEngine(), start=False)
+    for _ in range(4):
+        h.loop.submit([1], SamplingParams(max_tokens=2), lambda ev: None)
+    body = {"prompt": "x", "max_tokens": 2, "stream": stream}
+    r = app_for(h).post("/v1/completions", json=body)
+    assert r.status_code == 429 and r.headers["retry-after"]
+    assert r.json()["error"]["type"] == "rate_limit"
+
+
+def test_a_burst_over_the_queue_gets_answers_or_429_never_500():
+    h = Handle(FakeEngine(slots=2, delay=0.02), max_queue=2)
+    c = app_for(h)
+
+    def post(i):
+        return c.post("/v1/completions", json={"prompt": f"x{i}", "max_tokens": 3}).status_code
+
     try:
-        r = app_for(h).post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        assert r.status_code == 429 and r.headers["retry-after"]
-        assert r.json()["error"]["type"] == "rate_limit"
+        with ThreadPoolExecutor(24) as ex:
+            codes = list(ex.map(post, range(24)))
     finally:
         h.loop.stop()
+    assert set(codes) <= {200, 429} and 200 in codes and 429 in codes
 
 
 def test_sse_sends_keepalive_comments_while_waiting():

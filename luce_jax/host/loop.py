@@ -30,6 +30,10 @@ class EngineLoop:
         self.scheduler = scheduler
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
+        # Submits not yet applied by the engine thread; counted with the scheduler's queue so
+        # that admission sees every request it has let in (`waiting`).
+        self._pending = 0
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="luce-engine", daemon=True)
         self.step_listeners: list = []  # callables(seconds) told each step's duration
 
@@ -42,8 +46,24 @@ class EngineLoop:
         self._commands.put(("wake", None))
         self._thread.join(timeout)
 
-    def submit(self, prompt: list[int], sampling: SamplingParams, on_event) -> Request:
-        """Queue a request; `on_event(Event)` is called on the engine thread. Thread-safe."""
+    def waiting(self) -> int:
+        """Requests submitted and not yet admitted: queued, or not yet seen by the loop."""
+        return self._pending + len(self.scheduler.queue)
+
+    def submit(
+        self, prompt: list[int], sampling: SamplingParams, on_event, max_waiting: int | None = None
+    ) -> Request:
+        """Queue a request; `on_event(Event)` is called on the engine thread. Thread-safe.
+
+        Raises:
+          QueueFull: `max_waiting` requests are already waiting; nothing was submitted. The
+            check and the count are one step under a lock, so callers racing each other (a
+            burst of HTTP requests) cannot overfill the queue between check and submit.
+        """
+        with self._pending_lock:
+            if max_waiting is not None and self.waiting() >= max_waiting:
+                raise QueueFull(f"queue is full ({max_waiting} requests waiting)")
+            self._pending += 1
         req = Request(list(prompt), sampling, on_event)
         self._commands.put(("submit", req))
         return req
@@ -65,6 +85,9 @@ class EngineLoop:
                 except QueueFull as e:
                     req.phase = "failed"
                     req.emit(Event(finish_reason="error", error=str(e)))
+                finally:
+                    with self._pending_lock:
+                        self._pending -= 1
             elif kind == "cancel":
                 self.scheduler.cancel(req)
             try:
