@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -79,12 +80,18 @@ class Generation:
             raise P.APIError(500, self.error or "generation failed", type_="server_error")
 
 
-async def collect(request: Request, gen: Generation) -> None:
-    """Wait for a non-streamed generation; a client that goes away cancels it."""
+async def collect(request: Request, gen: Generation, poll_s: float = 0.5) -> None:
+    """Wait for a non-streamed generation; a client that goes away cancels it. The connection
+    is checked every poll_s whether or not tokens are arriving: checked only when none came
+    for a second, a request kept its slot to max_tokens after its client left."""
+    last_poll = time.monotonic()
     while gen.finish_reason is None:
         try:
-            gen.absorb(await gen.stream.get(timeout=1.0))
+            gen.absorb(await gen.stream.get(timeout=poll_s))
         except TimeoutError:
+            pass
+        if time.monotonic() - last_poll >= poll_s:
+            last_poll = time.monotonic()
             if await request.is_disconnected():
                 gen.stream.cancel()
                 return

@@ -81,14 +81,40 @@ CHAT_FIELDS = _COMMON | {
 }
 
 
+MAX_NESTING = 64  # JSON levels a request body may have (chat content parts need 6; schemas more)
+
+
 def parse_json(raw: bytes) -> dict:
+    """The request body as a dict: valid JSON, an object, at most MAX_NESTING levels deep, and
+    every string valid Unicode (JSON's \\ud800 escapes decode to lone surrogates, which no
+    tokenizer can encode); otherwise a 400 naming the first bad field."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"request body is nested deeper than {MAX_NESTING} levels") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    _check_values(body, "", 1)
     return body
+
+
+def _check_values(v, path: str, depth: int) -> None:
+    if depth > MAX_NESTING:
+        raise APIError(400, f"{path}: nested deeper than {MAX_NESTING} levels", path)
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(path or "body", "is not valid Unicode (a lone UTF-16 surrogate)") from None
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_values(k, path or "body", depth)
+            _check_values(x, f"{path}.{k}" if path else k, depth + 1)
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _check_values(x, f"{path}[{i}]", depth + 1)
 
 
 def check_fields(body: dict, allowed: set[str]) -> None:

@@ -9,6 +9,7 @@ from starlette.testclient import TestClient
 
 from luce_jax.config import EngineConfig
 from luce_jax.host.loop import EngineLoop
+from luce_jax.host.request import Event
 from luce_jax.host.scheduler import QueueFull, Scheduler
 from luce_jax.sampling_params import SamplingParams
 from server.app import ServerState, create_app
@@ -216,3 +217,64 @@ def test_metrics_report_speculation_totals_and_acceptance_lengths():
     }
     assert le == {"0": 2, "1": 5, "2": 5, "3": 12, "+Inf": 12}
     assert m[f"luce_spec_acceptance_length_sum[{mode}]"] == 3 + 21
+
+
+@pytest.fixture
+def served():
+    """A client of the app over a running fake engine."""
+    h = Handle(FakeEngine())
+    try:
+        yield app_for(h)
+    finally:
+        h.loop.stop()
+
+
+@pytest.mark.parametrize(
+    "path, raw, field",
+    [
+        ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+         "messages[0].content"),
+        ("/tokenize", '{"prompt": "\\udfff"}', "prompt"),
+    ],
+)  # fmt: skip
+def test_lone_surrogates_are_a_400_naming_the_field(served, path, raw, field):
+    r = served.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("depth", [100, 5000])
+def test_deeply_nested_json_is_a_400(served, depth):
+    raw = '{"prompt": "x", "extra": ' + "[" * depth + "]" * depth + "}"
+    r = served.post("/v1/completions", content=raw)
+    assert r.status_code == 400 and "nested deeper" in r.json()["error"]["message"]
+
+
+class Disconnecting:
+    """A request whose client has gone: is_disconnected() is True."""
+
+    async def is_disconnected(self):
+        return True
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_cancelled_while_tokens_flow():
+    """Tokens keep arriving (the stream never times out), yet the dropped client is seen
+    within the poll interval and the generation is cancelled, not run to max_tokens."""
+    from server.generation import Generation, collect
+
+    class Flowing:
+        cancelled = False
+        produced = 0
+
+        async def get(self, timeout):
+            await asyncio.sleep(0.01)
+            self.produced += 1
+            return Event(text="a", token_ids=[97])
+
+        def cancel(self):
+            self.cancelled = True
+
+    stream = Flowing()
+    gen = Generation(None, stream, ByteTokenizer(), None)
+    asyncio.run(asyncio.wait_for(collect(Disconnecting(), gen, poll_s=0.05), timeout=5))
+    assert stream.cancelled and stream.produced < 50
