@@ -21,7 +21,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-ctx", type=int, default=4096)
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument(
+        "--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"]
+    )
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -38,7 +40,10 @@ def main(argv=None) -> int:
         prompts = [
             llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
         ]
-    for out in llm.generate(prompts, sp):
+    outs = llm.generate(prompts, sp)
+    for i, out in enumerate(outs):
+        if len(outs) > 1:  # one header line per output, so several stay apart
+            sys.stdout.write(f"--- {i + 1}: {out.finish_reason} ---\n")
         sys.stdout.write(out.text + "\n")
     llm.close()
     return 0

@@ -60,11 +60,12 @@ class LLM:
         outs = [Completion("", [], None, prompt_token_ids=i) for i in ids]
         done = threading.Semaphore(0)
 
-        def listener(out: Completion):
+        def listener(out: Completion, n_top: int | None):
             def on_event(ev: Event):
                 out.text += ev.text
                 out.token_ids.extend(ev.token_ids)
-                out.logprobs.extend(ev.logprobs)
+                # the device computes the top 20; a request gets the alternatives it asked for
+                out.logprobs.extend((lp, top[:n_top]) for lp, top in ev.logprobs)
                 if ev.final:
                     out.finish_reason, out.error = ev.finish_reason, ev.error
                     done.release()
@@ -72,7 +73,7 @@ class LLM:
             return on_event
 
         for i, sp, out in zip(ids, sps, outs, strict=True):
-            self.loop.submit(i, sp, listener(out))
+            self.loop.submit(i, sp, listener(out, sp.logprobs))
         for _ in outs:
             done.acquire()
         return outs

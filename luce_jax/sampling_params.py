@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # OpenAI's maximum; device/sampling.TOP_LOGPROBS computes this many
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -36,8 +38,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if not 0 <= self.temperature <= 100:
-            bad("temperature", "must be in [0, 100]")
+        if not 0 <= self.temperature <= 2:  # OpenAI's range, as the HTTP API takes it
+            bad("temperature", "must be in [0, 2]")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -51,6 +53,10 @@ class SamplingParams:
             bad("repetition_penalty", "must be in (0, 10]")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token)")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
 

@@ -62,11 +62,20 @@ HELP = {
 }
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default, except None: the help text says what no value means."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m luce_jax.serve",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsFormatter,
     )
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8000, help="port to listen on")

@@ -48,11 +48,16 @@ def test_logprobs_are_returned_when_asked(llm):
     assert len(out.logprobs) == len(out.token_ids)
     lp, top = out.logprobs[0]
     assert top[0][0] == out.token_ids[0] and abs(top[0][1] - lp) < 1e-5 and lp <= 0
+    assert all(len(t) == 5 for _, t in out.logprobs)  # as many alternatives as asked
 
 
 def test_bad_arguments_are_clear(llm, tiny_gguf):
     with pytest.raises(ValueError, match="sampling"):
         llm.generate(["a", "b"], [SamplingParams()])
+    with pytest.raises(ValueError, match="logprobs=100"):
+        SamplingParams(logprobs=100)  # OpenAI's and the HTTP API's limit is 20
+    with pytest.raises(ValueError, match="temperature=5"):
+        SamplingParams(temperature=5)  # the HTTP API's range, [0, 2]
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[1, 2, 10**6]])
     with pytest.raises(ValueError, match="max_concurrency"):
@@ -61,3 +66,28 @@ def test_bad_arguments_are_clear(llm, tiny_gguf):
         LLM(model="/nonexistent.gguf")
     with pytest.raises(ValueError, match="attention_backend='flash'"):
         LLM(model=tiny_gguf, attention_backend="flash")
+
+
+def test_generate_cli_refuses_bad_flags_and_separates_outputs(monkeypatch, capsys):
+    from luce_jax import generate
+
+    for argv in (["--temperature", "5", "x"], ["--log-level", "bogus", "x"]):
+        with pytest.raises(SystemExit) as e:
+            generate.main(argv)
+        assert e.value.code == 2
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            pass
+
+        def generate(self, prompts, sp):
+            return [Completion(f"out {p}", [], "length") for p in prompts]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(generate, "LLM", FakeLLM)
+    assert generate.main(["a", "b"]) == 0
+    assert capsys.readouterr().out == "--- 1: length ---\nout a\n--- 2: length ---\nout b\n"
+    assert generate.main(["a"]) == 0
+    assert capsys.readouterr().out == "out a\n"  # a single output needs no header

@@ -406,9 +406,11 @@ def test_cli_help_lists_every_flag():
         "--chat-template-file",
         "--compile-cache-dir",
         "--dtype",
+        "--quant-backend",
         "--log-level",
     ):
         assert flag in r.stdout
+    assert "(default: None)" not in r.stdout  # the help text says what no value means
 
 
 def test_missing_model_file_exits_nonzero():
