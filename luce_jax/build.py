@@ -216,10 +216,14 @@ def quant_matmul_fn(backend: str):
 
 
 def fit_to_model(config: EngineConfig, mc) -> EngineConfig:
-    """Clamp max_ctx to the model's context length (RoPE past it is untrained)."""
+    """Clamp max_ctx to the model's context length (RoPE past it is untrained): a warning when
+    the max_ctx was asked for, a note when it is the default (every start of the embedded
+    model, whose context is 2048, would warn otherwise)."""
     if config.max_ctx <= mc.context_length:
         return config
-    log.warning(
+    asked = config.max_ctx != EngineConfig.max_ctx
+    log.log(
+        logging.WARNING if asked else logging.INFO,
         "max_ctx %d exceeds the model's context length %d; using %d",
         config.max_ctx,
         mc.context_length,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -115,6 +116,26 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
         ap.error(f"--{name.replace('_', '-')}: {e}")
 
 
+class _DropHealthChecks(logging.Filter):
+    """Drops uvicorn's access-log lines of GET /health: a load balancer or a client waiting for
+    the server polls it every second or so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) >= 3 and args[1] == "GET" and str(args[2]).startswith("/health"))
+
+
+def quiet_logs() -> None:
+    """Silence what says nothing to a user: JAX's note that it found no TPU (INFO), health-check
+    access lines, and XLA's C++ warnings (GPU autotuning's "Delay kernel timed out"; set
+    TF_CPP_MIN_LOG_LEVEL to see them)."""
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _DropHealthChecks) for f in access.filters):
+        access.addFilter(_DropHealthChecks())
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # read when jax's backend starts
+
+
 def main(argv=None) -> int:
     import uvicorn
 
@@ -126,6 +147,7 @@ def main(argv=None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    quiet_logs()
     state = ServerState(model_name=config.model_name)
     server = uvicorn.Server(
         uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level)

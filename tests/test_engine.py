@@ -95,12 +95,19 @@ def test_seeded_sampling_is_reproducible_under_batching(loaded, engine_config):
     assert mixed[1] == alone
 
 
-def test_max_ctx_is_clamped_to_the_model_context():
+def test_max_ctx_is_clamped_to_the_model_context(caplog):
+    """Clamped with a warning when asked for, quietly (INFO) when it is the default."""
+    import logging
+
     from luce_jax.build import fit_to_model
     from luce_jax.config import EngineConfig, ModelConfig
 
     mc = ModelConfig("qwen3", 100, 64, 2, 4, 2, 16, 96, context_length=2048)
-    assert fit_to_model(EngineConfig(max_ctx=4096), mc).max_ctx == 2048
+    with caplog.at_level(logging.INFO, logger="luce_jax.build"):
+        assert fit_to_model(EngineConfig(), mc).max_ctx == 2048  # the default 4096
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
+        assert fit_to_model(EngineConfig(max_ctx=8192), mc).max_ctx == 2048
+        assert caplog.records[-1].levelno == logging.WARNING
     assert fit_to_model(EngineConfig(max_ctx=1024), mc).max_ctx == 1024
 
 

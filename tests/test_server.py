@@ -426,3 +426,21 @@ def test_missing_model_file_exits_nonzero():
 def test_server_package_imports_no_jax():
     code = "import sys, server.app, luce_jax.serve; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_health_polls_and_the_no_tpu_note_stay_out_of_the_log():
+    import logging
+
+    from luce_jax.serve import quiet_logs
+
+    quiet_logs()
+    assert logging.getLogger("jax._src.xla_bridge").getEffectiveLevel() == logging.WARNING
+    access = logging.getLogger("uvicorn.access")
+
+    def line(path):
+        fmt = '%s - "%s %s HTTP/%s" %d'
+        args = ("127.0.0.1:5", "GET", path, "1.1", 200)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, fmt, args, None)
+
+    assert not access.filter(line("/health"))
+    assert access.filter(line("/v1/models"))
