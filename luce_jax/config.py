@@ -164,6 +164,8 @@ class EngineConfig:
             bad("prefill_chunk", f"must be <= prefill_token_budget ({self.prefill_token_budget})")
         if self.model is not None and not Path(self.model).is_file():
             bad("model", "no such file")
+        if self.chat_template_file is not None and not Path(self.chat_template_file).is_file():
+            bad("chat_template_file", "no such file")
 
     def resolved(self, backend: str) -> EngineConfig:
         """Replace "auto" values for a backend: XLA's CPU backend emulates bfloat16 slowly, and

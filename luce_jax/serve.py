@@ -110,10 +110,22 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
     if not 0 < args.port < 65536:
         ap.error(f"--port {args.port}: must be in 1..65535")
     try:
-        return args, EngineConfig(**kw)
+        config = EngineConfig(**kw)
     except ValueError as e:
         name = str(e).split("=", 1)[0]
         ap.error(f"--{name.replace('_', '-')}: {e}")
+    try:  # before anything listens: a bad file ends here, not in a traceback after start-up
+        check_model_file(config.model)
+    except ValueError as e:
+        ap.error(f"--model: {e}")
+    return args, config
+
+
+def check_model_file(path: str) -> None:
+    """Raise ValueError unless `path` is a complete GGUF of a supported architecture."""
+    from .loading.gguf import GGUFFile, model_config
+
+    model_config(GGUFFile(path).metadata)
 
 
 class _DropHealthChecks(logging.Filter):

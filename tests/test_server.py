@@ -444,3 +444,23 @@ def test_health_polls_and_the_no_tpu_note_stay_out_of_the_log():
 
     assert not access.filter(line("/health"))
     assert access.filter(line("/v1/models"))
+
+
+@pytest.mark.parametrize("kind", ["half", "random", "empty", "100 bytes", "template"])
+def test_a_bad_model_or_template_file_exits_2_naming_the_flag(tmp_path, capsys, kind):
+    """Checked while parsing flags, before anything binds the port: status 2 and one line."""
+    from luce_jax.config import DEFAULT_MODEL
+    from luce_jax.serve import parse_config
+
+    good = DEFAULT_MODEL.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes({"half": good[: len(good) // 2], "random": os.urandom(4096), "empty": b"",
+                     "100 bytes": good[:100], "template": good}[kind])  # fmt: skip
+    argv = ["--model", str(bad)]
+    if kind == "template":
+        argv += ["--chat-template-file", str(tmp_path / "none.jinja")]
+    with pytest.raises(SystemExit) as e:
+        parse_config(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    flag = "--chat-template-file" if kind == "template" else "--model"
+    assert e.value.code == 2 and f"error: {flag}" in err and "Traceback" not in err

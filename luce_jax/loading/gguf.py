@@ -52,7 +52,24 @@ class GGUFFile:
     """A parsed GGUF header plus a read-only memory map of the tensor data."""
 
     def __init__(self, path: str | Path):
+        """Parse the header. A file that is not a complete GGUF (empty, cut short, random
+        bytes) is a ValueError that says so, not a struct or mmap error."""
         self.path = str(path)
+        try:
+            self._parse()
+        except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as e:
+            raise ValueError(f"{self.path}: not a GGUF file, or cut short ({e})") from None
+        size = len(self._mm)
+        for t in self.tensors.values():
+            if t.offset + t.nbytes > size:
+                raise ValueError(
+                    f"{self.path}: cut short: tensor {t.name!r} ends at byte "
+                    f"{t.offset + t.nbytes}, the file has {size}"
+                )
+
+    def _parse(self) -> None:
+        if Path(self.path).stat().st_size == 0:
+            raise ValueError(f"{self.path}: empty file")
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         buf = self._mm
         if bytes(buf[:4]) != b"GGUF":
