@@ -148,6 +148,30 @@ def quiet_logs() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # read when jax's backend starts
 
 
+SHUTDOWN_S = 5  # the longest a connection may hold up exit after SIGINT / SIGTERM
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server that, on SIGINT / SIGTERM, first closes the engine: new requests
+        get 503, and requests in flight end at once (an error event on a stream, 503
+        otherwise), so exit does not wait for generations to run out."""
+
+        def __init__(self, state, config):
+            super().__init__(config)
+            self.state = state
+
+        def handle_exit(self, sig, frame):
+            if self.state.engine is not None and self.state.engine.loop.closed is None:
+                log.info("shutting down: closing the engine to requests")
+                self.state.engine.loop.close("the server is shutting down")
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
 def main(argv=None) -> int:
     import uvicorn
 
@@ -156,13 +180,21 @@ def main(argv=None) -> int:
     from .build import start_engine
 
     args, config = parse_config(argv)
+    Server = _server_class()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     quiet_logs()
     state = ServerState(model_name=config.model_name)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    server = Server(
+        state,
+        uvicorn.Config(
+            create_app(state),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=SHUTDOWN_S,
+        ),
     )
     failed = []
 

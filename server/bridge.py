@@ -67,6 +67,11 @@ class Stream:
             m.requests.labels(ev.finish_reason).inc()
             m.e2e.observe(t - self.arrival)
 
+    @property
+    def closed_by_server(self) -> bool:
+        """The engine was closed (shutdown) while this request ran."""
+        return self._engine.closed is not None
+
     def _on_event(self, ev) -> None:  # engine thread
         if self._metrics is not None:
             self._observe(ev)

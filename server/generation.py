@@ -8,7 +8,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from luce_jax.host.scheduler import QueueFull
+from luce_jax.host.scheduler import Closed, QueueFull
 
 from . import protocol as P
 from .bridge import Stream
@@ -77,7 +77,13 @@ class Generation:
 
     def raise_if_failed(self) -> None:
         if self.finish_reason == "error":
+            if self.stream.closed_by_server:
+                raise shutting_down(self.error)
             raise P.APIError(500, self.error or "generation failed", type_="server_error")
+
+
+def shutting_down(message: str) -> P.APIError:
+    return P.APIError(503, message, type_="service_unavailable", headers={"Retry-After": "5"})
 
 
 async def collect(request: Request, gen: Generation, poll_s: float = 0.5) -> None:
@@ -145,6 +151,8 @@ async def respond(
             type_="rate_limit",
             headers={"Retry-After": "1"},
         ) from None
+    except Closed as e:
+        raise shutting_down(str(e)) from None
     gen = Generation(state, s, engine.tokenizer, sp.logprobs)
     rid, created = P.new_id("chatcmpl" if chat else "cmpl"), P.now()
 

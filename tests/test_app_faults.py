@@ -1,6 +1,8 @@
 """Server behaviour under faults, against a fake engine: failed steps, full queue, slow reader."""
 
 import asyncio
+import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -278,3 +280,37 @@ def test_a_non_streamed_request_whose_client_leaves_is_cancelled_while_tokens_fl
     gen = Generation(None, stream, ByteTokenizer(), None)
     asyncio.run(asyncio.wait_for(collect(Disconnecting(), gen, poll_s=0.05), timeout=5))
     assert stream.cancelled and stream.produced < 50
+
+
+def test_closing_the_engine_ends_requests_in_flight_and_refuses_new_ones():
+    """What a shutdown does (serve.py's Server.handle_exit): a stream in flight gets an error
+    event at once instead of running to max_tokens, a non-streamed one a 503, new ones 503."""
+    h = Handle(FakeEngine(delay=0.02))
+    c = app_for(h)
+    body = {"prompt": "x", "max_tokens": 60, "stream": True}
+    try:
+        t0 = time.monotonic()
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: ") and not lines:
+                    h.loop.close("the server is shutting down")
+                lines.append(line)
+        assert time.monotonic() - t0 < 60 * 0.02  # well before max_tokens
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert events[-1]["error"]["message"] == "the server is shutting down"
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"]
+    finally:
+        h.loop.stop()
+
+
+def test_a_non_streamed_request_in_flight_at_shutdown_gets_503():
+    h = Handle(FakeEngine(delay=0.05))
+    c = app_for(h)
+    try:
+        threading.Timer(0.2, h.loop.close, ("the server is shutting down",)).start()
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 60})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    finally:
+        h.loop.stop()

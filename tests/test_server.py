@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SERVER = {}  # the module's server process (the shutdown test, last in this file, stops it)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,7 @@ def base_url(tiny_gguf, compile_cache):
     ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    SERVER["proc"] = proc
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     saw_loading = False
@@ -464,3 +469,20 @@ def test_a_bad_model_or_template_file_exits_2_naming_the_flag(tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()[-1]
     flag = "--chat-template-file" if kind == "template" else "--model"
     assert e.value.code == 2 and f"error: {flag}" in err and "Traceback" not in err
+
+
+def test_sigint_with_a_stream_in_flight_exits_within_5_s(base_url):
+    """Ctrl-C: the stream in flight gets an error event and the server exits within 5 s, not
+    when the generation would have ended. Keep this test last: it stops the module's server."""
+    proc = SERVER["proc"]
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 3000, "min_tokens": 3000,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(x for x in lines if x.startswith("data: "))
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rest = list(lines)
+    proc.wait(10)
+    assert time.monotonic() - t0 < 5
+    assert any("shutting down" in x for x in rest)

@@ -20,7 +20,7 @@ import time
 
 from ..sampling_params import SamplingParams
 from .request import Event, Request
-from .scheduler import QueueFull, Scheduler
+from .scheduler import Closed, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class EngineLoop:
         # that admission sees every request it has let in (`waiting`).
         self._pending = 0
         self._pending_lock = threading.Lock()
+        self.closed: str | None = None  # why submits are refused (close())
         self._thread = threading.Thread(target=self._run, name="luce-engine", daemon=True)
         self.step_listeners: list = []  # callables(seconds) told each step's duration
 
@@ -56,17 +57,28 @@ class EngineLoop:
         """Queue a request; `on_event(Event)` is called on the engine thread. Thread-safe.
 
         Raises:
+          Closed: close() was called; nothing was submitted.
           QueueFull: `max_waiting` requests are already waiting; nothing was submitted. The
             check and the count are one step under a lock, so callers racing each other (a
             burst of HTTP requests) cannot overfill the queue between check and submit.
         """
         with self._pending_lock:
+            if self.closed is not None:
+                raise Closed(self.closed)
             if max_waiting is not None and self.waiting() >= max_waiting:
                 raise QueueFull(f"queue is full ({max_waiting} requests waiting)")
             self._pending += 1
         req = Request(list(prompt), sampling, on_event)
         self._commands.put(("submit", req))
         return req
+
+    def close(self, error: str) -> None:
+        """Refuse new requests (Closed) and finish every request in flight with `error`, so
+        their clients hear at once rather than when generation would have ended. Thread-safe;
+        for a server shutting down."""
+        with self._pending_lock:
+            self.closed = error
+        self._commands.put(("fail_all", error))
 
     def cancel(self, req: Request) -> None:
         """Thread-safe; the slot and its blocks are free before the next step."""
@@ -90,6 +102,8 @@ class EngineLoop:
                         self._pending -= 1
             elif kind == "cancel":
                 self.scheduler.cancel(req)
+            elif kind == "fail_all":
+                self.scheduler.fail_all(req)  # req is the error message here
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:

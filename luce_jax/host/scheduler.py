@@ -39,6 +39,10 @@ class QueueFull(Exception):
     pass
 
 
+class Closed(Exception):
+    """The engine takes no more requests: the server is shutting down."""
+
+
 class Scheduler:
     def __init__(self, engine, tokenizer=None, max_queue: int = 256, coalesce_ms: float = 0.0):
         self.engine = engine
@@ -66,6 +70,15 @@ class Scheduler:
         else:
             self._retire(req)
         self._finish(req, "cancelled")
+
+    def fail_all(self, error: str) -> None:
+        """Finish every queued and running request with `error`, retiring their slots."""
+        for req in list(self.queue) + list(self.running.values()):
+            if req.phase == "queued":
+                self.queue.remove(req)
+            else:
+                self._retire(req)
+            self._finish(req, "error", error=error)
 
     @property
     def idle(self) -> bool:
