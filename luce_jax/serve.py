@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8000, help="port to listen on")
     ap.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 << 20,
+        help="larger request bodies are refused with 413",
+    )
+    ap.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -109,6 +115,8 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
         kw["model_name"] = Path(kw["model"]).stem
     if not 0 < args.port < 65536:
         ap.error(f"--port {args.port}: must be in 1..65535")
+    if args.max_request_bytes < 1:
+        ap.error(f"--max-request-bytes {args.max_request_bytes}: must be positive")
     try:
         config = EngineConfig(**kw)
     except ValueError as e:
@@ -185,7 +193,7 @@ def main(argv=None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     quiet_logs()
-    state = ServerState(model_name=config.model_name)
+    state = ServerState(model_name=config.model_name, max_request_bytes=args.max_request_bytes)
     server = Server(
         state,
         uvicorn.Config(

@@ -26,6 +26,7 @@ class ServerState:
     model_name: str
     engine: object = None  # serve.EngineHandle
     keepalive_s: float = 5.0
+    max_request_bytes: int = 4 << 20  # larger bodies get 413 before they are read whole
     metrics: Metrics = field(init=False)
 
     def __post_init__(self):
@@ -46,7 +47,7 @@ def _engine_endpoint(handler):
                     type_="service_unavailable",
                     headers={"Retry-After": "5"},
                 )
-            body = P.parse_json(await request.body())
+            body = P.parse_json(await read_body(request, state.max_request_bytes))
             model = body.get("model")
             if model is not None and model != state.model_name:
                 raise P.APIError(
@@ -60,6 +61,35 @@ def _engine_endpoint(handler):
             return error_response(e)
 
     return endpoint
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to pass `limit` bytes (from its
+    Content-Length, else while it arrives), so a huge body is never held whole."""
+    too_big = P.APIError(413, f"request body is over {limit} bytes (--max-request-bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_length_bound(engine, text: str, field: str) -> None:
+    """Refuse a prompt that cannot fit the context before tokenizing it: no token stands for
+    more than the vocabulary's longest token's bytes, so bytes / that is a lower bound on its
+    tokens (a 50 MB prompt took 67 s to tokenize before the context check refused it)."""
+    longest = max(map(len, engine.tokenizer.token_bytes)) or 1
+    at_least = len(text.encode("utf-8", "surrogatepass")) // longest
+    if at_least >= engine.config.max_ctx:
+        raise P.bad(
+            field,
+            f"the prompt has at least {at_least} tokens; the context is {engine.config.max_ctx}",
+        )
 
 
 def _chat_prompt(engine, body: dict) -> str:
@@ -77,6 +107,8 @@ def _chat_prompt(engine, body: dict) -> str:
 @_engine_endpoint
 async def completions(request: Request, state: ServerState, engine, body: dict) -> Response:
     prompt = P.completion_prompt(body, engine.vocab_size)
+    if isinstance(prompt, str):
+        check_length_bound(engine, prompt, "prompt")
     ids = (
         await run_in_threadpool(engine.tokenizer.encode, prompt)
         if isinstance(prompt, str)
@@ -96,7 +128,9 @@ async def completions(request: Request, state: ServerState, engine, body: dict) 
 @_engine_endpoint
 async def chat_completions(request: Request, state: ServerState, engine, body: dict) -> Response:
     P.check_fields(body, P.CHAT_FIELDS)
-    ids = await run_in_threadpool(engine.tokenizer.encode, _chat_prompt(engine, body), False)
+    text = await run_in_threadpool(_chat_prompt, engine, body)
+    check_length_bound(engine, text, "messages")
+    ids = await run_in_threadpool(engine.tokenizer.encode, text, False)
     mt_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     sp = P.sampling_from(
         body,
@@ -146,11 +180,13 @@ async def metrics(request: Request) -> Response:
 
 @_engine_endpoint
 async def tokenize(request: Request, state: ServerState, engine, body: dict) -> Response:
+    # rendering and tokenizing run off the event loop: a long text never stalls other requests
     if "messages" in body:
-        ids = engine.tokenizer.encode(_chat_prompt(engine, body), False)
+        text = await run_in_threadpool(_chat_prompt, engine, body)
+        ids = await run_in_threadpool(engine.tokenizer.encode, text, False)
     elif isinstance(body.get("prompt"), str):
         add_special = body.get("add_special_tokens", True) is not False
-        ids = engine.tokenizer.encode(body["prompt"], add_special)
+        ids = await run_in_threadpool(engine.tokenizer.encode, body["prompt"], add_special)
     else:
         raise P.bad("prompt", "must be a string (or pass messages)")
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.config.max_ctx})

@@ -314,3 +314,47 @@ def test_a_non_streamed_request_in_flight_at_shutdown_gets_503():
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
     finally:
         h.loop.stop()
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_413(declared):
+    h = Handle(FakeEngine(), start=False)
+    state = ServerState(model_name="fake", max_request_bytes=1000)
+    state.engine = h
+    c = TestClient(create_app(state))
+    raw = json.dumps({"prompt": "x" * 2000}).encode()
+    content = raw if declared else iter([raw[:500], raw[500:]])
+    r = c.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(served):
+    """64-token context, 1-byte tokens: 100 kB is at least 100k tokens, refused unread."""
+    r = served.post("/v1/completions", json={"prompt": "y" * 100_000, "max_tokens": 2})
+    assert r.status_code == 400 and "at least 100000 tokens" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt"
+
+
+def test_tokenizing_a_long_text_does_not_stall_other_requests():
+    class SlowTokenizer(ByteTokenizer):
+        def encode(self, text, add_special=True):
+            time.sleep(1.0)
+            return super().encode(text, add_special)
+
+    h = Handle(FakeEngine())
+    h.tokenizer = SlowTokenizer()
+    state = ServerState(model_name="fake")
+    state.engine = h
+    try:
+        with TestClient(create_app(state)) as c:  # one event loop for every request
+            slow = threading.Thread(
+                target=c.post, args=("/tokenize",), kwargs={"json": {"prompt": "x"}}
+            )
+            slow.start()
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            assert c.get("/health").status_code == 200
+            assert time.monotonic() - t0 < 0.5
+            slow.join()
+    finally:
+        h.loop.stop()

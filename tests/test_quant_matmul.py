@@ -55,7 +55,7 @@ def kernel_cases():
 def test_kernel_matches_reference(qtype, K, N, vps, M):
     w = weight(qtype, N, K, seed=M)
     x = jax.random.normal(jax.random.key(M + K), (M, K), jnp.float32)
-    got = quant_matmul(x, w, block_n=32, values_per_step=vps, min_programs=8, interpret=True)
+    got = quant_matmul(x, w, block_n=32, values_per_step=vps, min_programs=1, interpret=True)
     ref = quant_matmul_reference(x, w)
     assert got.shape == (M, N) and got.dtype == jnp.float32
     ref = np.asarray(ref)  # sums of hundreds of terms: compare against the output's scale
