@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -79,11 +80,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+@functools.lru_cache(maxsize=4)
+def _longest_token(tokenizer) -> int:
+    """Bytes of the vocabulary's longest token: once per tokenizer, not per request."""
+    return max(map(len, tokenizer.token_bytes)) or 1
+
+
 def check_length_bound(engine, text: str, field: str) -> None:
     """Refuse a prompt that cannot fit the context before tokenizing it: no token stands for
     more than the vocabulary's longest token's bytes, so bytes / that is a lower bound on its
     tokens (a 50 MB prompt took 67 s to tokenize before the context check refused it)."""
-    longest = max(map(len, engine.tokenizer.token_bytes)) or 1
+    longest = _longest_token(engine.tokenizer)
     at_least = len(text.encode("utf-8", "surrogatepass")) // longest
     if at_least >= engine.config.max_ctx:
         raise P.bad(

@@ -69,10 +69,3 @@ def weight_dtype(w) -> jnp.dtype:
     if isinstance(w, tuple):
         return weight_dtype(w[0])
     return jnp.dtype(w.dtype)
-
-
-def out_width(w) -> int:
-    """N of a weight (summed over a tuple's parts)."""
-    if isinstance(w, tuple):
-        return sum(out_width(p) for p in w)
-    return w.shape[-2] if isinstance(w, QuantWeight) else w.shape[-1]
