@@ -8,6 +8,9 @@ of the bytes a call must move (weights as stored, rows in and out) against the c
 measured in the same run. Weights are random valid blocks (make_model.random_rows).
 
     python bench/quant_matmul.py --types q8_0 q4_k --variants 128:256:4:3 --out qmm.json
+
+`--live L`: also time each variant told that only the first L rows are real (a decode step of
+L tokens in a bigger bucket), which takes the kernel's vector path for L <= vector_rows.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def parse_variant(v: str) -> dict:
     return kw | ({"min_programs": mp[0]} if mp else {})
 
 
-def run_case(qtype, name, K, N, M, bw, variants, n_weights, xla: bool) -> list[dict]:
+def run_case(qtype, name, K, N, M, bw, variants, n_weights, xla: bool, lives=()) -> list[dict]:
     rng = np.random.default_rng(0)
     fmt = FORMATS[qtype]
     x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
@@ -58,13 +61,18 @@ def run_case(qtype, name, K, N, M, bw, variants, n_weights, xla: bool) -> list[d
                       LAYERS)  # fmt: skip
     fns = [(v, functools.partial(quant_matmul, out_dtype=jnp.bfloat16, **parse_variant(v)))
            for v in variants]  # fmt: skip
+    for n in lives:
+        live = jnp.int32(n)
+        fns += [(f"{v} live {n}", functools.partial(quant_matmul, live=live,
+                 out_dtype=jnp.bfloat16, **parse_variant(v))) for v in variants]  # fmt: skip
     if xla:
         fns.append(("xla", functools.partial(quant_matmul_xla, out_dtype=jnp.bfloat16)))
     rows = []
     for v, fn in fns:
         try:
             got = jax.jit(fn)(x, quant[0]).astype(jnp.float32)
-            err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+            n = int(v.split(" live ")[1]) if " live " in v else M  # rows past live: unspecified
+            err = float(jnp.linalg.norm(got[:n] - ref[:n]) / jnp.linalg.norm(ref[:n]))
             t = per_call(fn, x, quant, LAYERS)
         except Exception as e:  # a variant Triton cannot build is recorded, not fatal
             log.warning("%s %s M=%d %s failed: %s", qtype, name, M, v, str(e).splitlines()[0][:200])
@@ -94,12 +102,14 @@ def main():
     ap.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")
     ap.add_argument("--weights", type=int, default=4, help="distinct weight buffers cycled")
     ap.add_argument("--no-xla", action="store_true", help="skip XLA's dequantize-then-dot")
+    ap.add_argument("--live", type=int, nargs="*", default=[], help="also with these live rows")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bw = copy_bandwidth()
     shapes = [SHAPES[i] for i in a.shapes] if a.shapes is not None else SHAPES
     rows = [r for t in a.types for s in shapes for M in a.rows
-            for r in run_case(t, *s, M, bw, a.variants, a.weights, not a.no_xla)]  # fmt: skip
+            for r in run_case(t, *s, M, bw, a.variants, a.weights, not a.no_xla,
+                              [n for n in a.live if n < M])]  # fmt: skip
     meta = run_meta()
     lines = [
         f"GGML-quantized weights (Pallas kernel, dequantized in registers; `xla`: XLA "

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from gguf import GGMLQuantizationType
 
 QK_K = 256
@@ -136,23 +137,28 @@ DEQUANTIZERS = {
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["qtype", "dtype"]
+    jax.tree_util.register_dataclass, data_fields=["head", "body"], meta_fields=["qtype", "dtype"]
 )
 @dataclass(frozen=True)
 class QuantWeight:
     """A GGML-quantized matrix of N rows of K values (a file tensor, [out, in]) on the device.
 
-    blocks: uint8 [..., N, K / B * type_size], each row the file's blocks in order (leading
-      axes for stacked experts), exactly the file's bytes. Reordering them at load to
-      [K / B, type_size, N] (a byte position's tile contiguous over the outputs) made the
-      kernel no faster on the H200 (Q4_K decode 1.5x to 2.1x slower, Q8_0 0.9x to 1.5x:
-      bench/results/2026-11-30_quant_matmul_layout_h200.md; that run clamped the output
-      indices, which may have kept Triton from vectorizing the contiguous loads).
+    The file's bytes, reordered once at load into two arrays (together exactly the file's
+    size): each block's few scale bytes (`BlockFormat.head`) go to `head`, its code bytes to
+    `body`. Q8_0's 34-byte blocks (and Q6_K's 210) put the codes at offsets no wider load can
+    use; split, every row of codes starts aligned and Triton reads it 16 bytes per load, and a
+    block's scale byte for BN outputs is one contiguous run. On the H200 this split took a
+    Q8_0 decode-sized call from 141 to 94 us (bench/results/2026-12-01_quant_gemv_h200.md).
+
+    head: uint8 [..., K / B * hs, N]: byte h of block k of every row is row k * hs + h.
+    body: uint8 [..., N, K / B * bs]: one row of code bytes per output, blocks in order.
+      (hs + bs = type_size; leading axes for stacked experts.)
     qtype: a FORMATS key. dtype: the activations' dtype the matmuls run in (the dtype the
       weight would have had if dequantized).
     """
 
-    blocks: jax.Array
+    head: jax.Array
+    body: jax.Array
     qtype: str
     dtype: str = "bfloat16"
 
@@ -163,18 +169,60 @@ class QuantWeight:
     @property
     def shape(self) -> tuple[int, ...]:
         """(..., N, K)."""
-        *lead, n, row_bytes = self.blocks.shape
-        return (*lead, n, row_bytes // self.format.type_size * self.format.block)
+        *lead, n, body_bytes = self.body.shape
+        return (*lead, n, body_bytes // self.format.body_size * self.format.block)
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes
+        return self.head.nbytes + self.body.nbytes
+
+    @classmethod
+    def from_rows(cls, rows, qtype: str, dtype="bfloat16") -> QuantWeight:
+        """From the file's bytes, uint8 [..., N, K / B * type_size] (NumPy: reordered on the
+        host, so the device never holds both layouts)."""
+        xp = np if isinstance(rows, np.ndarray) else jnp
+        fmt = FORMATS[qtype]
+        h0, hs = fmt.head
+        *lead, n, row_bytes = rows.shape
+        b = rows.reshape(*lead, n, row_bytes // fmt.type_size, fmt.type_size)
+        head = xp.swapaxes(b[..., h0 : h0 + hs].reshape(*lead, n, -1), -1, -2)
+        body = xp.concatenate([b[..., :h0], b[..., h0 + hs :]], axis=-1)
+        return cls(
+            jnp.asarray(xp.ascontiguousarray(head) if xp is np else head),
+            jnp.asarray(body.reshape(*lead, n, -1)),
+            qtype,
+            jnp.dtype(dtype).name,
+        )
+
+    def rows(self) -> jax.Array:
+        """The file's bytes, uint8 [..., N, K / B * type_size] (from_rows undone)."""
+        fmt = self.format
+        h0, hs = fmt.head
+        *lead, n, _ = self.body.shape
+        head = jnp.swapaxes(self.head, -1, -2).reshape(*lead, n, -1, hs)
+        body = self.body.reshape(*lead, n, head.shape[-2], fmt.body_size)
+        b = jnp.concatenate([body[..., :h0], head, body[..., h0:]], axis=-1)
+        return b.reshape(*lead, n, -1)
+
+    def take(self, ids) -> QuantWeight:
+        """Rows ids [T] of a [N, K] weight (an embedding lookup), a QuantWeight [T, K]."""
+        return QuantWeight(self.head[:, ids], self.body[ids], self.qtype, self.dtype)
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """QuantWeights of one type and K stacked along their rows (N)."""
+    return QuantWeight(
+        jnp.concatenate([p.head for p in parts], axis=-1),
+        jnp.concatenate([p.body for p in parts], axis=-2),
+        parts[0].qtype,
+        parts[0].dtype,
+    )
 
 
 def dequantize_weight(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
     """W [..., N, K] in dtype (bit-exact with gguf in float32)."""
     fmt = w.format
-    vals = DEQUANTIZERS[fmt.qtype](w.blocks.reshape(-1, fmt.type_size))
+    vals = DEQUANTIZERS[fmt.qtype](w.rows().reshape(-1, fmt.type_size))
     return vals.reshape(w.shape).astype(dtype)
 
 
@@ -195,7 +243,8 @@ class BlockFormat:
     `decode(load, load1, g)` returns (a, b, pieces) for group g: the group's values are
     a * code + b, with a and b float32 [BN] (b None where there is no offset), and pieces
     [(first value, codes [BN, n] int32)]. load(off, n) gives the block's bytes [BN, n] at a
-    static offset, load1(off) one byte [BN].
+    static offset (code bytes only), load1(off) one byte [BN] (head bytes only). Offsets are
+    the file block's.
     """
 
     qtype: GGMLQuantizationType
@@ -203,10 +252,15 @@ class BlockFormat:
     type_size: int  # bytes per block
     group: int  # values per scale
     decode: object
+    head: tuple[int, int]  # (first byte, bytes) of the scales, the rest being codes
 
     @property
     def groups(self) -> int:
         return self.block // self.group
+
+    @property
+    def body_size(self) -> int:
+        return self.type_size - self.head[1]
 
 
 def _q8_0(load, load1, g):
@@ -279,12 +333,12 @@ def _iq4_xs(load, load1, g):
 
 
 FORMATS = {
-    "q8_0": BlockFormat(T.Q8_0, 32, 34, 32, _q8_0),
-    "q4_0": BlockFormat(T.Q4_0, 32, 18, 32, _q4_0),
-    "q4_k": BlockFormat(T.Q4_K, QK_K, 144, 32, _q4_k),
-    "q5_k": BlockFormat(T.Q5_K, QK_K, 176, 32, _q5_k),
-    "q6_k": BlockFormat(T.Q6_K, QK_K, 210, 16, _q6_k),
-    "iq4_xs": BlockFormat(T.IQ4_XS, QK_K, 136, 32, _iq4_xs),
+    "q8_0": BlockFormat(T.Q8_0, 32, 34, 32, _q8_0, (0, 2)),
+    "q4_0": BlockFormat(T.Q4_0, 32, 18, 32, _q4_0, (0, 2)),
+    "q4_k": BlockFormat(T.Q4_K, QK_K, 144, 32, _q4_k, (0, 16)),
+    "q5_k": BlockFormat(T.Q5_K, QK_K, 176, 32, _q5_k, (0, 16)),
+    "q6_k": BlockFormat(T.Q6_K, QK_K, 210, 16, _q6_k, (192, 18)),
+    "iq4_xs": BlockFormat(T.IQ4_XS, QK_K, 136, 32, _iq4_xs, (0, 8)),
 }
 QTYPES = {f.qtype: name for name, f in FORMATS.items()}  # GGML type -> FORMATS key
 

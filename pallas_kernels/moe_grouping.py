@@ -72,10 +72,13 @@ def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
     return jnp.where(real[:, None], y, 0.0)
 
 
-def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu, fmt=None):
-    """One (row tile, column tile) program. With fmt (a ggml_blocks.BlockFormat), w_ref holds
-    the experts' GGML blocks (uint8 [E, N or 2N, K / B * type_size]) and the contraction walks
-    them a block at a time, as quant_matmul's kernel does; else BK values at a time."""
+def _kernel(meta_ref, x_ref, *refs, BM, BN, BK, N, swiglu, fmt=None):
+    """One (row tile, column tile) program. With fmt (a ggml_blocks.BlockFormat), the weight
+    refs are the experts' QuantWeight head and body ([E, K / B * hs, N or 2N] and
+    [E, N or 2N, K / B * bs]) and the contraction walks them a block at a time, as
+    quant_matmul's kernel does; else one dense w_ref, BK values at a time."""
+    *w_refs, o_ref = refs
+    w_ref = w_refs[0]
     i, j = pl.program_id(0), pl.program_id(1)
     e, start, n = meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2]
     M, K = x_ref.shape
@@ -106,7 +109,12 @@ def _kernel(meta_ref, x_ref, w_ref, o_ref, *, BM, BN, BK, N, swiglu, fmt=None):
         out = []
         for a, c in zip(accs, halves, strict=True):
             load, load1 = block_loaders(
-                lambda r, c_: w_ref.at[e, r, c_], c, col_ok, b * fmt.type_size
+                fmt,
+                lambda r, c_: w_refs[1].at[e, r, c_],
+                lambda h, r: w_refs[0].at[e, h, r],
+                c,
+                col_ok,
+                b,
             )
             out.append(contract_block(fmt, load, load1, load_x, a, dot_nt))
         return tuple(out)
@@ -178,15 +186,15 @@ def grouped_matmul(
     kernel = functools.partial(
         _kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu, fmt=w.format if quant else None
     )
-    wdata = w.blocks if quant else w
+    wdata = (w.head, w.body) if quant else (w,)
     tiles = pl.pallas_call(
         kernel,
         grid=(NT, NJ),
-        in_specs=[whole(meta), whole(x), whole(wdata)],
+        in_specs=[whole(meta), whole(x), *map(whole, wdata)],
         out_specs=pl.BlockSpec((None, BM, BN), lambda i, j: (i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((NT, BM, NJ * BN), out_dtype),
         **options,
-    )(meta, x, wdata)
+    )(meta, x, *wdata)
     r = jnp.arange(BM)
     rows = jnp.where(r[None, :] < meta[:, 2:3], meta[:, 1:2] + r[None, :], M).reshape(-1)
     # Tile rows past a tile's rows get index M, out of bounds, and are dropped.

@@ -75,48 +75,96 @@ def dot_nn(x, w):
     )
 
 
-def block_loaders(w_at, wrows, wrow_ok, base):
-    """load(off, n) -> bytes [BN, n] and load1(off) -> [BN] of the block at byte `base` of
-    weight rows `wrows` (ggml_blocks.BlockFormat.decode's loaders); masked rows give zeros.
-    w_at(rows, bytes) indexes the weight ref (an expert's rows in the grouped kernel)."""
+def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
+    """load(off, n) -> code bytes [BN, n] and load1(off) -> head byte [BN] of block `blk` of
+    weight rows `cols` (BlockFormat.decode's loaders; off is a file-block offset); rows where
+    `ok` is False give zeros. body_at(rows, bytes) and head_at(head row, rows) index the
+    weight's refs (an expert's in the grouped kernel)."""
+    h0, hs = fmt.head
 
     def load(off: int, n: int):
-        idx = base + off + jnp.arange(n)
-        return plgpu.load(w_at(wrows[:, None], idx[None, :]), mask=wrow_ok[:, None], other=0)
+        b = off - hs if h0 == 0 else off  # the head is at the block's start or its end
+        assert 0 <= b and b + n <= fmt.body_size, (fmt.qtype, off, n)
+        idx = blk * fmt.body_size + b + jnp.arange(n)
+        return plgpu.load(body_at(cols[:, None], idx[None, :]), mask=ok[:, None], other=0)
 
     def load1(off: int):
-        return plgpu.load(w_at(wrows, base + off), mask=wrow_ok, other=0)
+        assert h0 <= off < h0 + hs, (fmt.qtype, off)
+        return plgpu.load(head_at(blk * hs + off - h0, cols), mask=ok, other=0)
 
     return load, load1
 
 
-def _kernel(x_ref, w_ref, o_ref, *, fmt: BlockFormat, BM, BN, U, steps, n_blocks):
+def _kernel(live_ref, x_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps, n_blocks, R):
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    M = x_ref.shape[0]
-    N = w_ref.shape[0]
-    rows = i * BM + jnp.arange(BM)
-    row_ok = rows < M
-    rows = jnp.minimum(rows, M - 1)
+    M, K = x_ref.shape
+    N = b_ref.shape[0]
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
 
-    def body(c, acc):
-        for u in range(U):
-            blk = (s * steps + c) * U + u
-            ok = blk < n_blocks  # the last split's tail is past K: it adds zeros
-            load, load1 = block_loaders(
-                lambda r, b: w_ref.at[r, b], cols, col_ok & ok, blk * fmt.type_size
-            )
+    def block(c, u):
+        blk = (s * steps + c) * U + u
+        ok = blk < n_blocks  # the last split's tail is past K: it adds zeros
+        loaders = block_loaders(
+            fmt, lambda r, b: b_ref.at[r, b], lambda h, r: h_ref.at[h, r], cols, col_ok & ok, blk
+        )
+        return blk, ok, loaders
 
-            def load_x(first: int, n: int, blk=blk, ok=ok):
-                ks = blk * fmt.block + first + jnp.arange(n)
-                m = row_ok[:, None] & ok
-                return plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=m, other=0)
+    def dots():
+        rows = i * BM + jnp.arange(BM)
+        row_ok = rows < M
+        rows = jnp.minimum(rows, M - 1)
 
-            acc = contract_block(fmt, load, load1, load_x, acc, dot_nt)
-        return acc
+        def body(c, acc):
+            for u in range(U):
+                blk, ok, (load, load1) = block(c, u)
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
+                def load_x(first: int, n: int, blk=blk, ok=ok):
+                    ks = blk * fmt.block + first + jnp.arange(n)
+                    m = row_ok[:, None] & ok
+                    return plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=m, other=0)
+
+                acc = contract_block(fmt, load, load1, load_x, acc, dot_nt)
+            return acc
+
+        return jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
+
+    def vectors():
+        """Rows 0 .. R-1 on the vector units: per row, codes times activations summed."""
+
+        def body(c, accs):
+            accs = list(accs)
+            for u in range(U):
+                blk, ok, (load, load1) = block(c, u)
+                for g in range(fmt.groups):
+                    a, b, pieces = fmt.decode(load, load1, g)
+                    for m in range(R):
+                        part = xsum = 0.0
+                        for first, codes in pieces:
+                            ks = (
+                                blk * fmt.block + g * fmt.group + first + jnp.arange(codes.shape[1])
+                            )
+                            xm = plgpu.load(x_ref.at[m, ks], mask=ks < K, other=0)
+                            xm = xm.astype(jnp.float32)
+                            part += jnp.sum(codes.astype(jnp.float32) * xm[None, :], axis=1)
+                            if b is not None:
+                                xsum += jnp.sum(xm)
+                        accs[m] = accs[m] + a * part + (0.0 if b is None else xsum * b)
+            return tuple(accs)
+
+        zero = jnp.zeros((BN,), jnp.float32)
+        accs = jax.lax.fori_loop(0, steps, body, (zero,) * R)
+        r = jnp.arange(BM)[:, None]
+        out = jnp.zeros((BM, BN), jnp.float32)
+        for m in range(R):
+            out = jnp.where(r == m, accs[m][None, :], out)
+        return out
+
+    if R == 0:
+        o_ref[...] = dots()
+    else:
+        few = (live_ref[0] <= R) & (i == 0)
+        o_ref[...] = jax.lax.cond(few, vectors, dots)
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -141,12 +189,15 @@ def tiling(M: int, N: int, n_blocks: int, U: int, block_m=64, block_n=64, min_pr
 def quant_matmul(
     x,
     w: QuantWeight,
+    live=None,
     *,
     out_dtype=jnp.float32,
     block_m: int = 64,
     block_n: int = 64,
     values_per_step: int = 256,
     min_programs: int = 264,
+    vector_rows: int = 1,
+    vector_programs: int = 2112,
     interpret: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -156,6 +207,9 @@ def quant_matmul(
     Args:
       x: [M, K] activations (bfloat16 on GPU; the dots run in x's dtype).
       w: QuantWeight [N, K] of any ggml_blocks.FORMATS type.
+      live: int32 scalar, the rows that matter (the step's real tokens; rows at or past it are
+        padding and their results unspecified), or None (all M). A call with at most
+        `vector_rows` live rows takes the vector-unit path.
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows). The defaults
         (64 weight rows, 256 values per step, 4 warps, 2 stages) were the fastest of six
@@ -163,6 +217,9 @@ def quant_matmul(
       values_per_step: contraction values per loop step (U = this / B blocks, at least 1).
       min_programs: split the contraction until the grid has about this many programs (two
         per SM of an H200), never below one step per split.
+      vector_rows, vector_programs: with `live`, rows up to vector_rows take the vector path
+        when live <= vector_rows, and the grid is split to about vector_programs programs (the
+        vector path's best on the H200, 2026-12-01_quant_gemv_h200.md).
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
@@ -172,16 +229,21 @@ def quant_matmul(
         raise ValueError(f"x {x.shape} and {w.qtype} weight {w.shape} (N, K) do not fit")
     N = w.shape[0]
     fmt = w.format
+    R = 0 if live is None else min(vector_rows, M)
     n_blocks, U = K // fmt.block, max(1, values_per_step // fmt.block)
-    BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, min_programs)
+    programs = vector_programs if R else min_programs
+    BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
     NI, NJ = -(-M // BM), -(-N // BN)
-    kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, steps=steps, n_blocks=n_blocks)
+    kernel = functools.partial(
+        _kernel, fmt=fmt, BM=BM, BN=BN, U=U, steps=steps, n_blocks=n_blocks, R=R
+    )
+    live = jnp.full((1,), M if live is None else live, jnp.int32)
     parts = pl.pallas_call(
         kernel,
         grid=(NI, NJ, S),
-        in_specs=[whole(x), whole(w.blocks)],
+        in_specs=[whole(live), whole(x), whole(w.head), whole(w.body)],
         out_specs=pl.BlockSpec((None, BM, BN), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((S, NI * BM, NJ * BN), jnp.float32),
         **call_options(interpret, num_warps, num_stages),
-    )(x, w.blocks)
+    )(live, x, w.head, w.body)
     return parts.sum(0)[:M, :N].astype(out_dtype)

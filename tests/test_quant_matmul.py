@@ -26,13 +26,17 @@ def weight(qtype: str, N: int, K: int, seed=0, lead=()) -> QuantWeight:
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kept_blocks_dequantize_as_gguf_does(qtype):
-    """A file tensor of N rows of K values stays its bytes on the device ([N, K/B * size])
-    and dequantizes bit-exactly to gguf's values."""
+    """A file tensor of N rows of K values stays its bytes on the device (split into scale and
+    code bytes, together the file's size, and reassembled exactly) and dequantizes bit-exactly
+    to gguf's values."""
     t = FORMATS[qtype].qtype
     raw = random_blocks(t, 6, 512, np.random.default_rng(1))
     w = keep_quantized(raw, t, (6, 512), jnp.bfloat16)
     assert w.shape == (6, 512) and w.nbytes == raw.nbytes and w.dtype == "bfloat16"
-    np.testing.assert_array_equal(np.asarray(w.blocks), raw.reshape(6, -1))
+    np.testing.assert_array_equal(np.asarray(w.rows()), raw.reshape(6, -1))
+    h0, hs = FORMATS[qtype].head
+    blocks = raw.reshape(6, -1, FORMATS[qtype].type_size)
+    np.testing.assert_array_equal(np.asarray(w.head[:hs, 2]), blocks[2, 0, h0 : h0 + hs])
     np.testing.assert_array_equal(np.asarray(dequantize_weight(w)), dequantize(raw, t))
 
 
@@ -60,6 +64,20 @@ def test_kernel_matches_reference(qtype, K, N, vps, M):
     assert got.shape == (M, N) and got.dtype == jnp.float32
     ref = np.asarray(ref)  # sums of hundreds of terms: compare against the output's scale
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("live, vector_rows", [(2, 2), (3, 2)])
+@pytest.mark.parametrize("qtype, K, N, vps", list(kernel_cases())[1::2], ids=lambda v: str(v))
+def test_live_rows_match_the_reference_on_either_path(qtype, K, N, vps, live, vector_rows):
+    """A step's real rows lead x; with at most vector_rows of them the vector-unit path runs
+    (the dot path otherwise), and the real rows equal the reference either way."""
+    w = weight(qtype, N, K, seed=live)
+    x = jax.random.normal(jax.random.key(live + K), (8, K), jnp.float32)
+    got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=vps,
+                       vector_rows=vector_rows, vector_programs=4, interpret=True)  # fmt: skip
+    ref = np.asarray(quant_matmul_reference(x, w))[:live]
+    np.testing.assert_allclose(np.asarray(got)[:live], ref, rtol=1e-4,
+                               atol=1e-5 * np.abs(ref).max())  # fmt: skip
 
 
 @pytest.mark.parametrize("qtype", TYPES)

@@ -100,7 +100,7 @@ def qweight(N=24, K=64, seed=0, dtype="float32"):
     from test_quant_matmul import weight
 
     w = weight("q8_0", N, K, seed)
-    return QuantWeight(w.blocks, w.qtype, dtype)
+    return QuantWeight(w.head, w.body, w.qtype, dtype)
 
 
 def test_linear_concatenates_parts_of_any_kind():
@@ -116,7 +116,7 @@ def test_the_kernel_runs_only_steps_up_to_its_row_limit():
     """Decode-sized steps go to the kernel; larger ones to XLA's dequantize-then-dot."""
     seen = []
 
-    def kernel(x, w):
+    def kernel(x, w, live):
         seen.append(x.shape[0])
         return jnp.zeros((x.shape[0], w.shape[0]), jnp.float32)
 
@@ -166,11 +166,12 @@ def test_config_names_the_quantized_choices():
 
 def test_engine_greedy_tokens_equal_with_the_kernel_and_xla(compile_cache):
     """The embedded model (Q8_0) kept quantized through the whole engine, the Pallas kernel
-    (interpret mode) on decode steps: the same tokens as the model dequantized at load."""
+    (interpret mode) on decode steps: the same tokens as the model dequantized at load. One
+    request runs 4 steps longer, alone: its steps take the kernel's one-row path."""
     from luce_jax import LLM, SamplingParams
 
     prompts = ["def fib(n):", "import os\n"]
-    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (8, 4)]
     out = {}
     for dtype, backend in (("quantized", "pallas"), ("float32", "xla")):
         kw = dict(max_ctx=64, max_concurrency=2, prefill_chunk=16, prefill_token_budget=16)

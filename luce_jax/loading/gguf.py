@@ -289,7 +289,7 @@ def fuse(parts: list, experts: bool = False):
     types is dequantized, with a warning."""
     import jax.numpy as jnp
 
-    from pallas_kernels.ggml_blocks import QuantWeight, dequantize_weight
+    from pallas_kernels.ggml_blocks import QuantWeight, concat_rows, dequantize_weight
 
     if len(parts) == 1:
         return parts[0]
@@ -297,8 +297,7 @@ def fuse(parts: list, experts: bool = False):
     if not quant:
         return jnp.concatenate(parts, axis=-1)
     if len(quant) == len(parts) and len({p.qtype for p in quant}) == 1:
-        blocks = jnp.concatenate([p.blocks for p in quant], axis=-2)
-        return QuantWeight(blocks, quant[0].qtype, quant[0].dtype)
+        return concat_rows(quant)
     if not experts:
         return tuple(parts)
     log.warning(

@@ -68,12 +68,10 @@ def dequantize(
 def keep_quantized(
     raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], dtype
 ) -> QuantWeight | None:
-    """The tensor's blocks on the device as a QuantWeight [..., N, K] (file order, one row of
-    blocks per output), or None for a type the kernels do not take (float types)."""
+    """The tensor's blocks on the device as a QuantWeight [..., N, K] (split into scale and
+    code bytes on the host), or None for a type the kernels do not take (float types)."""
     if qtype not in QTYPES:
         return None
-    blocks = _blocks(raw, qtype, shape)
+    blocks = np.asarray(_blocks(raw, qtype, shape))
     *lead, n, _ = shape
-    return QuantWeight(
-        jnp.asarray(blocks.reshape(*lead, n, -1)), QTYPES[qtype], jnp.dtype(dtype).name
-    )
+    return QuantWeight.from_rows(blocks.reshape(*lead, n, -1), QTYPES[qtype], dtype)

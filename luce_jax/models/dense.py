@@ -87,13 +87,14 @@ def forward(
         cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
     scale = 1.0 / (D**0.5)
     new_kv, counts = [], []
-    real = jnp.arange(T) < batch["cu_q_lens"][-1]  # rows past the last segment are padding
+    live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
+    real = jnp.arange(T) < live
     # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
     # (bench/profile_step.py); they change no computation.
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
         with jax.named_scope("qkv"):
             h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-            qkv = linear(h, lp["wqkv"], quant_matmul)
+            qkv = linear(h, lp["wqkv"], quant_matmul, live)
             if "bqkv" in lp:
                 qkv = qkv + lp["bqkv"]
             q = qkv[:, : H * D].reshape(T, H, D)
@@ -125,7 +126,7 @@ def forward(
                 cu_q_lens=batch["cu_q_lens"],
             )
         with jax.named_scope("attn_out"):
-            x = x + linear(o.reshape(T, H * D), lp["wo"], quant_matmul)
+            x = x + linear(o.reshape(T, H * D), lp["wo"], quant_matmul, live)
         with jax.named_scope("mlp"):
             h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
             if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
@@ -133,15 +134,17 @@ def forward(
                 x = x + y
                 counts.append(sizes)
             else:
-                gate, up = jnp.split(linear(h, lp["w_gu"], quant_matmul), 2, axis=-1)
-                x = x + linear(jax.nn.silu(gate) * up, lp["w_down"], quant_matmul)
+                gate, up = jnp.split(linear(h, lp["w_gu"], quant_matmul, live), 2, axis=-1)
+                x = x + linear(jax.nn.silu(gate) * up, lp["w_down"], quant_matmul, live)
         new_kv.append((kc, vc))
     with jax.named_scope("lm_head"):
         h = rms_norm(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
+        # padding logits rows (offset -1) trail the real ones
+        live_logits = jnp.sum(batch["logit_off"] >= 0) if "logit_off" in batch else None
         if "lm_head" in params:
-            logits = linear(h, params["lm_head"], quant_matmul)
+            logits = linear(h, params["lm_head"], quant_matmul, live_logits)
         else:
-            logits = unembed(h, params["embed"], quant_matmul)
+            logits = unembed(h, params["embed"], quant_matmul, live_logits)
     stats = {"expert_counts": jnp.stack(counts)} if counts else {}
     return logits, new_kv, stats
 

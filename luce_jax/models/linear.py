@@ -30,20 +30,23 @@ class QuantMatmul(NamedTuple):
     max_rows: int = 64
 
 
-def linear(x, w, qmm: QuantMatmul | None = None):
+def linear(x, w, qmm: QuantMatmul | None = None, live=None):
     """x [T, K] @ w -> [T, N] float32.
 
     Args:
       x: activations (cast to the weight's dtype: the dots run in it).
       w: dense [K, N], QuantWeight [N, K], or a tuple of these (outputs concatenated).
       qmm: how quantized weights run (default: XLA's dequantize-then-dot).
+      live: int32 scalar, the leading rows of x that are real (None: all); the Pallas kernel
+        may leave the rest unspecified, so a decode step of one token in a bucket of 8 runs
+        as a one-row product.
     """
     if isinstance(w, tuple):
-        return jnp.concatenate([linear(x, p, qmm) for p in w], axis=-1)
+        return jnp.concatenate([linear(x, p, qmm, live) for p in w], axis=-1)
     if isinstance(w, QuantWeight):
         x = x.astype(w.dtype)
         if qmm is not None and qmm.kernel is not None and x.shape[0] <= qmm.max_rows:
-            return qmm.kernel(x, w)
+            return qmm.kernel(x, w, live)
         return quant_matmul_xla(x, w)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
@@ -52,15 +55,14 @@ def embed(table, tokens):
     """Rows of the embedding table [V, d] for tokens [T], float32; a quantized table is
     gathered a row of blocks at a time and only those rows are dequantized."""
     if isinstance(table, QuantWeight):
-        rows = QuantWeight(table.blocks[tokens], table.qtype, table.dtype)
-        return dequantize_weight(rows)
+        return dequantize_weight(table.take(tokens))
     return table[tokens].astype(jnp.float32)
 
 
-def unembed(h, table, qmm: QuantMatmul | None = None):
+def unembed(h, table, qmm: QuantMatmul | None = None, live=None):
     """Logits h [R, d] @ table^T for tied embeddings (table [V, d], dense or quantized)."""
     if isinstance(table, QuantWeight):  # [V, d] is a QuantWeight's [N, K] already
-        return linear(h, table, qmm)
+        return linear(h, table, qmm, live)
     return jnp.einsum("rd,vd->rv", h.astype(table.dtype), table, preferred_element_type=jnp.float32)
 
 
