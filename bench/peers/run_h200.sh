@@ -43,8 +43,8 @@ step_build() {
   tail -3 "$RES/llama_build.log"
 }
 
-step_build_bg() {  # the build in its own session: it outlives this call, for the next one
-  setsid nohup bash -c "bash bench/peers/build_llama_server.sh .peers/llama-cpp-11434-src.tar.xz \
+step_build_bg() {  # the build in its own session (niced: servers may run meanwhile) outlives this call
+  setsid nohup nice -n 19 bash -c "bash bench/peers/build_llama_server.sh .peers/llama-cpp-11434-src.tar.xz \
     $LLB cuda > $RES/llama_build.log 2>&1; echo done > $RES/llama_build.done" > /dev/null 2>&1 &
   echo "build started in the background"
 }
