@@ -2,29 +2,37 @@
 
 Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas ops.
 
-Weight layout: a `QuantWeight` (ggml_blocks.py) holds the file's bytes unchanged, one row of
-blocks per output column (uint8 [N, K / B * type_size]), so a weight takes on the device what it
-takes in the file (Q8_0 1.0625 bytes per value, Q4_K 0.5625, IQ4_XS 0.53) and loading is a copy.
+Weight layout: a `QuantWeight` (ggml_blocks.py) holds the file's bytes, each block's scale
+bytes split from its code bytes at load (uint8 head [K / B * hs, N] and body [N, K / B * bs]),
+so a weight takes on the device what it takes in the file (Q8_0 1.0625 bytes per value, Q4_K
+0.5625, IQ4_XS 0.53) and every row of codes is aligned for wide loads.
 
 Work split. Program (i, j, s) takes row tile i (BM rows of x), weight-row tile j (BN outputs)
-and contraction split s, and walks its split U blocks per loop step. For each block it decodes
-one group at a time (`ggml_blocks.contract_block`): the codes of a piece (16 or 32 values of BN
-weight rows, consecutive bytes per row) are loaded and unpacked, dotted with the matching [BM, n]
-activations, and the partial product is scaled by the group's scale row (plus the group's
-offset times the activations' sum for Q4_K / Q5_K), so a scale costs one multiply per group and
-output, never one per weight. Decode-sized calls (few rows) with a narrow N have few tiles, so
-the contraction is split until there are about `min_programs` programs to fill the GPU; the
-splits' float32 partials are summed afterwards.
+and contraction split s, and walks its split U blocks per loop step. Two paths decode a block
+one group at a time (`BlockFormat.decode`):
+- dots (`ggml_blocks.contract_block`): the codes of a piece (16 or 32 values of BN weight rows)
+  are dotted with the matching [BM, n] activations and the partial product is scaled by the
+  group's scale row (plus the group's offset times the activations' sum for Q4_K / Q5_K), so a
+  scale costs one multiply per group and output, never one per weight;
+- vectors, for a step whose live rows (its real tokens) are few: per live row, codes times
+  activations summed on the vector units, no matrix unit and no layout change for the dot.
+  The step's live row count is an input, and the kernel branches on it, so one compiled
+  bucket of 8 rows serves one token as a one-row product.
+Decode-sized calls (few rows) with a narrow N have few tiles, so the contraction is split
+until there are about `min_programs` programs (`vector_programs` for the vector path) to fill
+the GPU; the splits' float32 partials are summed afterwards.
 
-Speed (H200, Qwen3-8B shapes, bench/quant_matmul.py: 2026-11-30_quant_matmul_types_h200.md and
-_tiling_h200.md): at decode sizes (M 1 and 8) the best tiling reads 14% to 20% of the copy
-bandwidth for Q8_0, Q4_K and Q6_K and 8% to 10% for IQ4_XS, and takes 1.6x (Q4_K) to 3x (Q8_0)
-the time of XLA's bf16 dot, which reads at 90% to 110%; XLA's dequantize-then-dot takes 1.9x to
-2.4x. At M 512 the kernel is 6x to 15x slower than the bf16 dot and dequantize-then-dot 1.3x to
-1.7x, which is why models/linear.py sends steps of more
-than 64 rows to it. A row-wise Q8_0 layout with int8 values [K, N] and its own f16 scale array
-reached 41% (2026-11-30_quant_matmul_h200.md), so loads, not the decoding arithmetic, are the
-suspect: the unaligned 34-byte Q8_0 blocks and the f16 scales assembled from bytes.
+Speed (H200, Qwen3-8B shapes, bench/quant_matmul.py). Dots at M 8, split layout
+(2026-12-01_quant_matmul_live_h200.md): Q8_0 gate/up 88 us, Q4_K 90, Q6_K 114, against 54 for
+XLA's bf16 dot: 19% to 36% of the copy bandwidth, the bf16 dot 93% to 112%. The split layout
+took Q8_0 from 141 to 94 us at M 8 and 155 to 100 at M 1 (file layout, 34-byte blocks, codes
+at unaligned offsets); for Q4_K (144-byte blocks, aligned) it changed nothing
+(2026-12-01_quant_gemv_h200.md). One live row on the vector path: gate/up 74 (Q8_0), 58
+(Q4_K), 81 (Q6_K) us, the bf16 dot 54; but 160 to 250 us for the down
+projection (K 12288), which alone, outside this kernel's branch, took 43 us: `vector_max_k`
+keeps such K on the dots. At M 512 the kernel is 6x to 15x slower than the bf16 dot and
+XLA's dequantize-then-dot 1.3x to 1.7x (2026-11-30_quant_matmul_types_h200.md), which is why
+models/linear.py sends steps of more than 64 rows to XLA.
 
 Triton backend: all indices are arrays and loads are masked, so M and N need not be tile
 multiples (K is a whole number of blocks, as in every GGUF tensor). On CPU the kernel runs in
@@ -198,6 +206,7 @@ def quant_matmul(
     min_programs: int = 264,
     vector_rows: int = 1,
     vector_programs: int = 2112,
+    vector_max_k: int = 4096,
     interpret: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -217,9 +226,14 @@ def quant_matmul(
       values_per_step: contraction values per loop step (U = this / B blocks, at least 1).
       min_programs: split the contraction until the grid has about this many programs (two
         per SM of an H200), never below one step per split.
-      vector_rows, vector_programs: with `live`, rows up to vector_rows take the vector path
-        when live <= vector_rows, and the grid is split to about vector_programs programs (the
-        vector path's best on the H200, 2026-12-01_quant_gemv_h200.md).
+      vector_rows, vector_programs, vector_max_k: with `live` and K <= vector_max_k, rows up
+        to vector_rows take the vector path when live <= vector_rows, and the grid is split to
+        about vector_programs programs (the vector path's best on the H200,
+        2026-12-01_quant_gemv_h200.md). In this kernel, beside the dots under one branch, the
+        one-row path beat the dots for Qwen3-8B's gate/up (K 4096: Q8_0 74 vs 88 us, Q4_K 58
+        vs 90, Q6_K 81 vs 114) and lost badly for its down projection (K 12288: 160 vs 66, 250
+        vs 58, 157 vs 73; 2026-12-01_quant_matmul_live_h200.md), though alone it had taken 43
+        us there; hence the K bound, until that is understood.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
@@ -229,7 +243,7 @@ def quant_matmul(
         raise ValueError(f"x {x.shape} and {w.qtype} weight {w.shape} (N, K) do not fit")
     N = w.shape[0]
     fmt = w.format
-    R = 0 if live is None else min(vector_rows, M)
+    R = 0 if live is None or K > vector_max_k else min(vector_rows, M)
     n_blocks, U = K // fmt.block, max(1, values_per_step // fmt.block)
     programs = vector_programs if R else min_programs
     BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
