@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="larger request bodies are refused with 413",
     )
     ap.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of a chat request that sets none (default: up to the context left, as "
+        "OpenAI and vLLM do; 256 with the embedded model, which does not end chat turns)",
+    )
+    ap.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -104,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# The embedded 15M-parameter model was trained on code, not chats: it rarely ends a turn, and a
+# chat with no max_tokens ran to the end of its 2048-token context (about a minute on 2 CPU
+# cores). Real models keep OpenAI's default (the context left).
+EMBEDDED_CHAT_MAX_TOKENS = 256
+
+
 def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
     """Parse flags; an invalid value ends the process with a message and status 2."""
     ap = build_parser()
@@ -111,10 +124,15 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     kw["compile_cache_dir"] = kw["compile_cache_dir"] or None
     kw["model"] = kw["model"] or str(DEFAULT_MODEL)
+    embedded = Path(kw["model"]).resolve() == Path(DEFAULT_MODEL).resolve()
+    if args.default_max_tokens is None and embedded:
+        args.default_max_tokens = EMBEDDED_CHAT_MAX_TOKENS
     if kw["model_name"] is None:
         kw["model_name"] = Path(kw["model"]).stem
     if not 0 < args.port < 65536:
         ap.error(f"--port {args.port}: must be in 1..65535")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        ap.error(f"--default-max-tokens {args.default_max_tokens}: must be positive")
     if args.max_request_bytes < 1:
         ap.error(f"--max-request-bytes {args.max_request_bytes}: must be positive")
     try:
@@ -193,7 +211,11 @@ def main(argv=None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     quiet_logs()
-    state = ServerState(model_name=config.model_name, max_request_bytes=args.max_request_bytes)
+    state = ServerState(
+        model_name=config.model_name,
+        max_request_bytes=args.max_request_bytes,
+        default_max_tokens=args.default_max_tokens,
+    )
     server = Server(
         state,
         uvicorn.Config(

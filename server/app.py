@@ -28,6 +28,7 @@ class ServerState:
     engine: object = None  # serve.EngineHandle
     keepalive_s: float = 5.0
     max_request_bytes: int = 4 << 20  # larger bodies get 413 before they are read whole
+    default_max_tokens: int | None = None  # a chat request's cap when it sets none
     metrics: Metrics = field(init=False)
 
     def __post_init__(self):
@@ -145,7 +146,7 @@ async def chat_completions(request: Request, state: ServerState, engine, body: d
         engine.config.max_ctx,
         engine.vocab_size,
         max_tokens_key=mt_key,
-        default_max=None,
+        default_max=state.default_max_tokens,
         logprobs=P.chat_logprobs(body),
     )
     stream, include_usage = P.stream_flags(body)

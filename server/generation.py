@@ -42,6 +42,8 @@ class Generation:
             return None
         out = []
         for (lp, top), tid in zip(lps, ids, strict=True):
+            if tid in self.tok.eog_ids:  # ends the turn; no part of the message, as in OpenAI's
+                continue
             s = self.token_str(tid)
             out.append(
                 {

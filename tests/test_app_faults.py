@@ -358,3 +358,62 @@ def test_tokenizing_a_long_text_does_not_stall_other_requests():
             slow.join()
     finally:
         h.loop.stop()
+
+
+class EogTokenizer(ByteTokenizer):
+    eog_ids = frozenset({103})  # the fake engine's third token ends the turn
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_leave_out_the_token_that_ends_the_turn(stream):
+    """The end-of-turn token adds nothing to the message, so it has no logprobs entry (it had
+    one with an empty token string)."""
+    h = Handle(FakeEngine(), start=False)
+    h.tokenizer = EogTokenizer()
+    h.sched = Scheduler(h.engine, h.tokenizer, max_queue=4)
+    h.loop = EngineLoop(h.sched)
+    h.loop.start()
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "logprobs": True,
+            "stream": stream}  # fmt: skip
+    try:
+        r = app_for(h).post("/v1/chat/completions", json=body)
+    finally:
+        h.loop.stop()
+    assert r.status_code == 200
+    if stream:
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        content = [e for ev in events for c in ev["choices"] if c.get("logprobs")
+                   for e in c["logprobs"]["content"]]  # fmt: skip
+        finish = events[-1]["choices"][0]["finish_reason"]
+    else:
+        content = r.json()["choices"][0]["logprobs"]["content"]
+        finish = r.json()["choices"][0]["finish_reason"]
+    assert finish == "stop"
+    assert [e["token"] for e in content] == ["e", "f"]  # tokens 101, 102; 103 ended the turn
+
+
+@pytest.mark.parametrize("default_max, expect", [(None, 64 - 2), (5, 5)])
+def test_a_chat_without_max_tokens_gets_the_servers_default(default_max, expect):
+    """--default-max-tokens caps a chat that sets no max_tokens; without it the reply may run
+    to the end of the context, as OpenAI's does."""
+    h = Handle(FakeEngine(blocks=100))
+    state = ServerState(model_name="fake", default_max_tokens=default_max)
+    state.engine = h
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    try:
+        r = TestClient(create_app(state)).post("/v1/chat/completions", json=body)
+    finally:
+        h.loop.stop()
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == expect
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_embedded_model_caps_chats_and_a_bad_default_exits_2(capsys):
+    from luce_jax.serve import EMBEDDED_CHAT_MAX_TOKENS, parse_config
+
+    assert parse_config([])[0].default_max_tokens == EMBEDDED_CHAT_MAX_TOKENS
+    assert parse_config(["--default-max-tokens", "9"])[0].default_max_tokens == 9
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--default-max-tokens", "0"])
+    assert e.value.code == 2 and "--default-max-tokens" in capsys.readouterr().err
