@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from .config import DEFAULT_MODEL, FLOAT_CACHE_TYPES, EngineConfig
+from .startup import StartupClock
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,14 @@ def load_engine(config: EngineConfig):
     Returns:
       (GGUFTokenizer, DenseEngine), ready to be driven by a Scheduler.
     """
+    with StartupClock() as clock:
+        tokenizer, engine = _load(config, clock)
+    log.info("%s", clock.summary())
+    return tokenizer, engine
+
+
+def _load(config: EngineConfig, clock: StartupClock):
+    """load_engine's steps, each timed as a phase of `clock`."""
     import jax
 
     from .device.programs import enable_compile_cache
@@ -35,29 +44,32 @@ def load_engine(config: EngineConfig):
     from .speculation.policy import SpecPolicy
     from .speculation.speculator import Speculator
 
-    f = GGUFFile(config.model or DEFAULT_MODEL)
-    quantized = keep_quantized(config.dtype, f, jax.devices()[0])
-    config = config.resolved(jax.default_backend())
-    enable_compile_cache(config.compile_cache_dir)
-    template = None
-    if config.chat_template_file:
-        with open(config.chat_template_file) as fh:
-            template = fh.read()
-    vocab = GGUFVocab.from_metadata(f.metadata)
-    tokenizer = GGUFTokenizer(vocab, template)
-    mc, params = load_params(f, model_config(f.metadata), config.dtype, quantized)
-    file_bytes = sum(t.nbytes for t in f.tensors.values())
-    log.info(
-        "weights: %.2f GiB on the device, %.2fx the file's tensors (%s)",
-        weight_bytes(params) / 2**30,
-        weight_bytes(params) / file_bytes,
-        "quantized tensors kept in their GGUF blocks" if quantized else f"as {config.dtype}",
-    )
+    with clock.phase("model file, device and tokenizer"):
+        f = GGUFFile(config.model or DEFAULT_MODEL)
+        quantized = keep_quantized(config.dtype, f, jax.devices()[0])
+        config = config.resolved(jax.default_backend())
+        enable_compile_cache(config.compile_cache_dir)
+        template = None
+        if config.chat_template_file:
+            with open(config.chat_template_file) as fh:
+                template = fh.read()
+        vocab = GGUFVocab.from_metadata(f.metadata)
+        tokenizer = GGUFTokenizer(vocab, template)
+    with clock.phase("weights"):
+        mc, params = load_params(f, model_config(f.metadata), config.dtype, quantized)
+        file_bytes = sum(t.nbytes for t in f.tensors.values())
+        log.info(
+            "weights: %.2f GiB on the device, %.2fx the file's tensors (%s)",
+            weight_bytes(params) / 2**30,
+            weight_bytes(params) / file_bytes,
+            "quantized tensors kept in their GGUF blocks" if quantized else f"as {config.dtype}",
+        )
     config = fit_to_model(config, mc)
     per_token = kv_cache_types(config, mc)[1]
     draft = None
     if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
-        draft = _load_draft(config, vocab, quantized)
+        with clock.phase("draft weights"):
+            draft = _load_draft(config, vocab, quantized)
         per_token += kv_cache_types(config, draft[0])[1]
     num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token)
     log.info(
@@ -85,7 +97,9 @@ def load_engine(config: EngineConfig):
     spec_k = config.draft_tokens if config.spec_mode != "off" else 0
     runner = runner_for(Runner, mc, params, max_proposals=spec_k)
     engine = DenseEngine(config, runner, num_blocks)
-    runner.warmup(engine.bucket_pairs())
+    pairs = engine.bucket_pairs()
+    with clock.phase("compile", f"{len(pairs)} buckets"):
+        runner.warmup(pairs)
     if config.spec_mode == "off":
         return tokenizer, engine
     per_depth = fixed = 0.0
@@ -93,7 +107,8 @@ def load_engine(config: EngineConfig):
         proposer = NgramProposer()
     else:
         d_runner = runner_for(DraftRunner, *draft, depth=spec_k)
-        d_runner.warmup(engine.bucket_pairs())
+        with clock.phase("draft compile and timing"):
+            d_runner.warmup(pairs)
         proposer = DraftProposer(
             d_runner,
             num_blocks,
@@ -108,7 +123,9 @@ def load_engine(config: EngineConfig):
         t1, tk = d_runner.propose_time[1], d_runner.propose_time[spec_k]
         per_depth = max(tk - t1, 0.0) / max(spec_k - 1, 1)
         fixed = max(t1 - per_depth, 0.0)
-    step_time = {t: runner.step_time[(t, s)] for t, s in engine.bucket_pairs()}
+    with clock.phase("step timing"):
+        runner.time_steps(pairs)
+    step_time = {t: runner.step_time[(t, s)] for t, s in pairs}
     policy = SpecPolicy(spec_k, step_time, proposal_time=per_depth, proposal_fixed=fixed)
     engine.enable_speculation(Speculator(proposer, policy, config.spec_mode))
     log.info(

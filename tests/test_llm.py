@@ -91,3 +91,21 @@ def test_generate_cli_refuses_bad_flags_and_separates_outputs(monkeypatch, capsy
     assert capsys.readouterr().out == "--- 1: length ---\nout a\n--- 2: length ---\nout b\n"
     assert generate.main(["a"]) == 0
     assert capsys.readouterr().out == "out a\n"  # a single output needs no header
+
+
+def test_startup_logs_where_its_time_went_and_a_restart_hits_the_compile_cache(
+    llm, tiny_gguf, compile_cache, caplog
+):
+    """A second start with the same shapes and cache compiles nothing (every bucket comes from
+    the persistent cache), runs no timing steps without speculation, and says so in one line."""
+    import logging
+
+    assert llm.engine.runner.step_time == {}  # no speculation: no steps timed at start-up
+    with caplog.at_level(logging.INFO, logger="luce_jax.build"):
+        with LLM(model=tiny_gguf, compile_cache_dir=compile_cache, **TINY_ENGINE) as again:
+            n = len(again.engine.bucket_pairs())
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in"))
+    assert "compile " in line and f"({n} buckets)" in line and "weights " in line
+    hits, misses = (int(line.split(" hits, ")[0].split()[-1]),
+                    int(line.split(" hits, ")[1].split()[0]))  # fmt: skip
+    assert misses == 0 and hits >= n
