@@ -148,10 +148,14 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
 
 
 def check_model_file(path: str) -> None:
-    """Raise ValueError unless `path` is a complete GGUF of a supported architecture."""
+    """Raise ValueError unless `path` is a complete GGUF of a supported architecture and
+    tokenizer."""
     from .loading.gguf import GGUFFile, model_config
+    from .loading.tokenizer import GGUFVocab, check_supported
 
-    model_config(GGUFFile(path).metadata)
+    md = GGUFFile(path).metadata
+    check_supported(GGUFVocab.from_metadata(md))
+    model_config(md)
 
 
 class _DropHealthChecks(logging.Filter):

@@ -111,3 +111,55 @@ def test_unknown_pre_tokenizer_is_named():
     v = GGUFVocab(model="gpt2", pre="klingon", tokens=["a"], token_types=[1])
     with pytest.raises(ValueError, match="klingon"):
         GGUFTokenizer(v)
+
+
+def test_every_supported_pre_tokenizer_gives_llama_cpps_ids(fixtures_dir):
+    """Each `tokenizer.ggml.pre` name we accept splits text as llama.cpp 11434 does: the qwen2
+    vocabulary tagged with each name tokenizes 61 texts to the ids llama.cpp gave
+    (bench/peers/pre_vectors.py made tests/data/pre_tokenizer_vectors.json)."""
+    import json
+    from pathlib import Path
+
+    from luce_jax.loading.pretokenizers import NAMES
+
+    data = json.loads((Path(__file__).parent / "data/pre_tokenizer_vectors.json").read_text())
+    md = dict(GGUFFile(fixtures_dir / data["vocab"]).metadata)
+    built, checked = {}, set()
+    for group in data["groups"]:
+        for name in group["names"]:
+            key = NAMES[name][:2]  # names of one split and merge rule build equal tokenizers
+            if key not in built:
+                built[key] = GGUFTokenizer(
+                    GGUFVocab.from_metadata(md | {"tokenizer.ggml.pre": name})
+                )
+            for text, ids in zip(data["texts"], group["ids"], strict=True):
+                assert built[key].encode(text, add_special=False) == ids, (name, text)
+            checked.add(name)
+    assert checked == set(NAMES) and len(NAMES) > 80
+
+
+def test_pre_tokenizers_turn_bos_on_where_llama_cpp_does(fixtures_dir):
+    md = dict(GGUFFile(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf").metadata)
+    assert not GGUFVocab.from_metadata(md).add_bos  # qwen2: off
+    assert GGUFVocab.from_metadata(md | {"tokenizer.ggml.pre": "llama-bpe"}).add_bos
+    off = md | {"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": False}
+    assert not GGUFVocab.from_metadata(off).add_bos  # the file's own setting wins
+
+
+def test_serve_refuses_an_unsupported_pre_tokenizer_before_starting(fixtures_dir, tmp_path, capsys):
+    """A file whose `tokenizer.ggml.pre` we cannot split ends `serve` with status 2 naming the
+    flag and the field, before anything loads."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench" / "peers"))
+    from pre_vectors import retag
+
+    from luce_jax.serve import parse_config
+
+    bad = tmp_path / "klingon.gguf"
+    retag(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf", bad, "klingon")
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--model", str(bad)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "--model" in err and "tokenizer.ggml.pre 'klingon'" in err

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from export import write_gguf  # noqa: E402
 from model import SIZES, Size, init, loss_fn  # noqa: E402
 
-from luce_jax.loading.tokenizer import _PRE_PATTERNS  # noqa: E402  (the GGUF tokenizer rebuilds it)
+from luce_jax.loading.pretokenizers import SPLITS  # noqa: E402  (the GGUF tokenizer rebuilds it)
 
 log = logging.getLogger("train")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -57,7 +57,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_PRE_PATTERNS["qwen2"]), behavior="isolated"),
+            pre_tokenizers.Split(Regex(SPLITS["qwen2"][0]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

@@ -14,30 +14,12 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from .pretokenizers import NAMES, SPLITS
+
 log = logging.getLogger(__name__)
 
 # llama.cpp token types (llama_token_type in gguf metadata `tokenizer.ggml.token_type`).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-# Split patterns of llama.cpp's byte-level BPE pre-tokenizers (llama-vocab.cpp),
-# by `tokenizer.ggml.pre`.
-_PRE_PATTERNS = {
-    "qwen2": _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "llama3": _CONTRACTIONS
-    + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-}
-_PRE_ALIASES = {
-    "default": "gpt2",
-    "gpt-2": "gpt2",
-    "llama-bpe": "llama3",
-    "llama-v3": "llama3",
-    "smaug-bpe": "llama3",
-    "deepseek-r1-qwen": "qwen2",
-    "qwen35": "qwen2",
-}
 
 
 @dataclass
@@ -79,11 +61,20 @@ class GGUFVocab:
             eos_id=md.get("tokenizer.ggml.eos_token_id"),
             eot_id=md.get("tokenizer.ggml.eot_token_id"),
             unk_id=md.get("tokenizer.ggml.unknown_token_id"),
-            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", model == "llama")),
+            add_bos=bool(md.get("tokenizer.ggml.add_bos_token", _default_add_bos(model, md))),
             add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
             add_space_prefix=bool(md.get("tokenizer.ggml.add_space_prefix", True)),
             chat_template=md.get("tokenizer.chat_template"),
         )
+
+
+def _default_add_bos(model: str, md: dict) -> bool:
+    """llama.cpp's add_bos where the file says nothing: on for SentencePiece and for the
+    pre-tokenizers it turns it on for (Llama 3, Tekken, ...)."""
+    if model == "llama":
+        return True
+    pre = NAMES.get(md.get("tokenizer.ggml.pre", "default"))
+    return pre is not None and pre[2]
 
 
 def _spm_merges(vocab: dict[str, int], scores: list[float], types: list[int]) -> list[tuple]:
@@ -103,23 +94,27 @@ def _spm_merges(vocab: dict[str, int], scores: list[float], types: list[int]) ->
     return [m[0] for m in merges]
 
 
+def check_supported(v: GGUFVocab) -> None:
+    """Raise ValueError naming the field unless we tokenize this kind of vocabulary."""
+    if v.model not in ("gpt2", "llama"):
+        raise ValueError(f"unsupported tokenizer.ggml.model {v.model!r}; supported: gpt2, llama")
+    if v.model == "gpt2" and v.pre not in NAMES:
+        raise ValueError(
+            f"unsupported tokenizer.ggml.pre {v.pre!r}; supported: {', '.join(sorted(NAMES))}"
+        )
+
+
 def build_hf_tokenizer(v: GGUFVocab) -> Tokenizer:
     """Build the HF `tokenizers` object that tokenizes as llama.cpp does for this vocabulary."""
+    check_supported(v)
     vocab = {tok: i for i, tok in enumerate(v.tokens)}
     if v.model == "gpt2":
-        pre = _PRE_ALIASES.get(v.pre, v.pre)
-        if pre not in _PRE_PATTERNS:
-            raise ValueError(
-                f"unsupported tokenizer.ggml.pre {v.pre!r}; supported: "
-                f"{sorted(set(_PRE_PATTERNS) | set(_PRE_ALIASES))}"
-            )
+        split, ignore_merges, _ = NAMES[v.pre]
         merges = [tuple(m.split(" ", 1)) for m in v.merges]
-        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=(pre == "llama3")))
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in SPLITS[split]]
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_PRE_PATTERNS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
         tok.decoder = decoders.ByteLevel()
     elif v.model == "llama":
@@ -136,8 +131,6 @@ def build_hf_tokenizer(v: GGUFVocab) -> Tokenizer:
         if v.add_space_prefix:
             dec.append(decoders.Strip(" ", 1, 0))
         tok.decoder = decoders.Sequence(dec)
-    else:
-        raise ValueError(f"unsupported tokenizer.ggml.model {v.model!r}; supported: gpt2, llama")
     # Control tokens are special (skipped in output text); user-defined ones are ordinary text
     # that is always matched whole, as llama.cpp does.
     added = [
