@@ -60,3 +60,21 @@ def engine_config(tiny_gguf, compile_cache):
     from luce_jax.config import EngineConfig
 
     return EngineConfig(model=tiny_gguf, compile_cache_dir=compile_cache, **TINY_ENGINE)
+
+
+@pytest.fixture
+def verified(monkeypatch):
+    """Verify every Triton module lowered while the test runs; returns how many were."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    seen = []
+    build = registration.lowering.lower_jaxpr_to_triton_module
+
+    def build_and_verify(*a, **k):
+        result = build(*a, **k)
+        result.module.operation.verify()  # raises with Triton's message
+        seen.append(result)
+        return result
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", build_and_verify)
+    return seen

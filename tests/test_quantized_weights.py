@@ -179,3 +179,37 @@ def test_engine_greedy_tokens_equal_with_the_kernel_and_xla(compile_cache):
         with LLM(dtype=dtype, quant_backend=backend, **kw) as llm:
             out[dtype, backend] = [c.token_ids for c in llm.generate(prompts, sp)]
     assert out["quantized", "pallas"] == out["float32", "xla"]
+
+
+@pytest.mark.parametrize("name", ["q4-k-m", "moe"])
+def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verified):
+    """The design names ROCm and no AMD GPU is at hand: the whole jitted step (paged attention,
+    quantized matmuls, quantized experts, all Triton) exports for platform rocm with
+    jax.export, and every Triton module verifies. jax lowers for rocm without its plugin, so
+    nothing here is skipped."""
+    import functools
+
+    from jax import export
+
+    from luce_jax.device.runner import Runner
+    from pallas_kernels.moe_grouping import grouped_matmul
+    from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    _, cfg, params = load(files[name], True)
+    gpu = functools.partial  # the kernels as on a GPU: Triton, not interpret mode
+    runner = Runner(
+        cfg, params, 9, 16, 4, 8, (jnp.bfloat16, jnp.bfloat16),
+        gpu(paged_attention, interpret=False), gpu(grouped_matmul, interpret=False),
+        QuantMatmul(gpu(quant_matmul, interpret=False)),
+    )  # fmt: skip
+    fn, args = runner.step_function(8, 4)
+    triton = "__gpu$xla.gpu.triton"
+    exp = export.export(
+        jax.jit(fn), platforms=["rocm"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
+    )(*args)  # fmt: skip
+    assert exp.platforms == ("rocm",)
+    calls = exp.mlir_module().count(f"@{triton}")
+    kernels_per_layer = 2 + (2 if name == "moe" else 2)  # attention, qkv / out, gate-up / down
+    assert calls >= cfg.n_layers * kernels_per_layer and len(verified) >= calls
