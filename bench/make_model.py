@@ -44,6 +44,8 @@ TYPES = {
     "q5_k": T.Q5_K,
     "q6_k": T.Q6_K,
     "iq4_xs": T.IQ4_XS,
+    "q5_0": T.Q5_0,  # kept by no kernel: loaders unpack it (llama.cpp's fallback type)
+    "q4_1": T.Q4_1,
     "q4_k_m": None,
 }
 # Types gguf-py cannot quantize are written as random block bytes with their f16 scale

@@ -26,13 +26,15 @@ SHAPES = {
     "q4-k-m": dict(d=256, L=4, H=4, K=2, D=64, F=512, tied=False),
     "tied": dict(d=256, L=1, H=4, K=2, D=64, F=256, tied=True),
     "moe": dict(d=256, L=2, H=4, K=2, D=64, F=256, tied=False, E=4, k=2, Fe=256),
+    "q5-0": dict(d=128, L=1, H=2, K=1, D=64, F=256, tied=False),
 }
+FILE_TYPES = {"tied": "iq4_xs", "q5-0": "q5_0"}  # the others are Q4_K_M mixes
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, fixtures_dir):
     """name -> GGUF path: a Q4_K_M mix, a tied IQ4_XS model (quantized embedding table used
-    as the output head) and a Q4_K_M MoE."""
+    as the output head), a Q4_K_M MoE and a Q5_0 model (a type no kernel keeps)."""
     d = tmp_path_factory.mktemp("quantized")
     vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
     out = {}
@@ -40,7 +42,7 @@ def files(tmp_path_factory, fixtures_dir):
         for name, shape in SHAPES.items():
             mp.setitem(make_model.SHAPES, name, shape)
             path = str(d / f"{name}.gguf")
-            make_model.write(name, "iq4_xs" if name == "tied" else "q4_k_m", vocab, path)
+            make_model.write(name, FILE_TYPES.get(name, "q4_k_m"), vocab, path)
             out[name] = path
     return out
 
@@ -94,6 +96,33 @@ def test_the_quantized_model_computes_what_the_dequantized_one_does(files, name)
         outs.append(np.concatenate([a, b]))
     scale = np.abs(outs[1]).max()
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_a_type_no_kernel_keeps_is_dequantized_with_one_warning_naming_it(files, caplog):
+    """Q5_0 (llama.cpp's quantizer writes it where rows are not whole 256-value blocks) is
+    neither refused nor kept: it loads dequantized, equal to gguf-py's values, with a warning
+    that names the type and its tensors."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    with caplog.at_level("WARNING", logger="luce_jax.loading.gguf"):
+        f, _, params = load(files["q5-0"], True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "Q5_0" in warnings[0], warnings
+    assert "blk.0.attn_q.weight" in warnings[0] and "cannot stay packed" in warnings[0]
+    t = f.tensors["blk.0.ffn_down.weight"]
+    assert t.qtype.name == "Q5_0"
+    want = gguf_dequantize(f.raw(t.name).reshape(t.shape[0], -1), t.qtype)  # [out, in]
+    np.testing.assert_array_equal(np.asarray(params["layers"][0]["w_down"]), want.T)
+
+
+def test_a_type_no_loader_knows_is_refused_naming_the_tensor(files, monkeypatch):
+    from luce_jax.loading import quants
+
+    monkeypatch.setattr(quants, "HOST_TYPES", frozenset())
+    with pytest.raises(
+        ValueError, match=r"'blk\.0\.attn_q\.weight'.*unsupported GGML tensor type Q5_0"
+    ):
+        load(files["q5-0"], False)
 
 
 def qweight(N=24, K=64, seed=0, dtype="float32"):

@@ -206,9 +206,11 @@ def load_params(
     """
     import jax.numpy as jnp
 
-    from .quants import dequantize, keep_quantized
+    from .quants import DEQUANTIZERS, QTYPES, dequantize, keep_quantized
 
     dt = jnp.dtype(dtype)
+    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    unpacked: dict[GGMLQuantizationType, list[str]] = {}  # types that could not stay packed
     names = [n for n in f.tensors]
     bar = tqdm(
         total=sum(f.tensors[n].nbytes for n in names),
@@ -227,8 +229,15 @@ def load_params(
             raise ValueError(f"{f.path}: missing tensor {name!r}")
         t = f.tensors[name]
         x = keep_quantized(f.raw(name), t.qtype, t.shape, dt) if keep and quantized else None
+        if t.qtype not in floats and (
+            (keep and quantized and t.qtype not in QTYPES) or t.qtype not in DEQUANTIZERS
+        ):
+            unpacked.setdefault(t.qtype, []).append(name)
         if x is None:
-            x = dequantize(f.raw(name), t.qtype, t.shape, out_dtype, transpose)
+            try:
+                x = dequantize(f.raw(name), t.qtype, t.shape, out_dtype, transpose)
+            except ValueError as e:
+                raise ValueError(f"{f.path}: tensor {name!r}: {e}") from e
         bar.update(t.nbytes)
         return x
 
@@ -276,6 +285,17 @@ def load_params(
     if freqs is not None:
         params["rope_freqs"] = freqs
     bar.close()
+    for qtype, tensors in unpacked.items():
+        log.warning(
+            "%d %s tensor(s) (%s%s) %s: dequantized to %s at load%s",
+            len(tensors),
+            qtype.name,
+            ", ".join(tensors[:3]),
+            ", ..." if len(tensors) > 3 else "",
+            "cannot stay packed" if quantized else "have no device dequantizer",
+            dt.name,
+            "" if qtype in DEQUANTIZERS else " (unpacked on the host, slower)",
+        )
     vocab = params["embed"].shape[0]
     if vocab != cfg.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=vocab)

@@ -15,7 +15,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pallas_kernels.ggml_blocks import DEQUANTIZERS, QTYPES, QuantWeight
 
-__all__ = ["DEQUANTIZERS", "dequantize", "keep_quantized"]
+__all__ = [
+    "DEQUANTIZERS",
+    "HOST_TYPES",
+    "QTYPES",
+    "dequantize",
+    "host_dequantize",
+    "keep_quantized",
+]
 
 
 @functools.cache
@@ -32,7 +39,7 @@ def _blocks(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
     if qtype not in DEQUANTIZERS:
         raise ValueError(
             f"unsupported GGML tensor type {qtype.name}; supported: "
-            f"{[t.name for t in DEQUANTIZERS]}"
+            f"{sorted(t.name for t in DEQUANTIZERS.keys() | HOST_TYPES)}"
         )
     block, size = GGML_QUANT_SIZES[qtype]
     n = int(np.prod(shape))
@@ -61,8 +68,47 @@ def dequantize(
     Returns:
       array of `shape` (last two axes swapped if transposed).
     """
+    if qtype not in DEQUANTIZERS and qtype in HOST_TYPES:
+        x = jnp.asarray(host_dequantize(raw, qtype, shape))
+        return _cast(x, jnp.dtype(dtype), transpose)
     blocks = jnp.asarray(_blocks(raw, qtype, shape))
     return _jitted(qtype, tuple(shape), jnp.dtype(dtype), transpose)(blocks)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _cast(x, dtype, transpose: bool):
+    x = x.astype(dtype)
+    return jnp.swapaxes(x, -1, -2) if transpose else x
+
+
+def _gguf_dequantizable() -> frozenset:
+    """GGML types gguf-py can dequantize (on the host, in NumPy)."""
+    from gguf import quants
+
+    out = set()
+    for t in GGMLQuantizationType:
+        cls = getattr(quants, t.name, None)
+        if isinstance(cls, type) and "dequantize_blocks" in vars(cls):
+            out.add(t)
+    return frozenset(out)
+
+
+# Types we neither keep packed nor unpack on the device (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, ...:
+# llama.cpp's quantizer puts Q5_0 / Q5_1 where a row is not a whole number of 256-value
+# blocks): gguf-py unpacks them on the host at load, slower but never a refusal.
+HOST_TYPES = _gguf_dequantizable()
+
+
+def host_dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape) -> np.ndarray:
+    """float32 values of `shape` from a tensor's bytes, by gguf-py (any type it implements)."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape))
+    if n % block or raw.size != n // block * size:
+        raise ValueError(f"{qtype.name} tensor of shape {shape} cannot hold {raw.size} bytes")
+    rows = np.ascontiguousarray(raw).reshape(-1, shape[-1] // block * size)
+    return gguf_dequantize(rows, qtype).astype(np.float32).reshape(shape)
 
 
 def keep_quantized(
