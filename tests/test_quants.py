@@ -48,9 +48,16 @@ def test_transposed_and_cast_output():
     np.testing.assert_array_equal(np.asarray(out), ref.T)
 
 
+def test_a_type_without_a_device_dequantizer_is_unpacked_by_gguf_on_the_host():
+    raw = np.random.default_rng(0).integers(0, 256, (2, 84), np.uint8)
+    raw[:, 80:82] = np.array([1e-3], np.float16).view(np.uint8)  # finite super-block scale
+    got = np.asarray(dequantize(raw.reshape(-1), T.Q2_K, (2, 256), np.float32))
+    np.testing.assert_array_equal(got, gguf_dequantize(raw, T.Q2_K))
+
+
 def test_unsupported_type_is_named():
-    with pytest.raises(ValueError, match="Q2_K"):
-        dequantize(np.zeros(84, np.uint8), T.Q2_K, (1, 256))
+    with pytest.raises(ValueError, match="Q8_1"):
+        dequantize(np.zeros(36, np.uint8), T.Q8_1, (1, 32))
 
 
 def test_wrong_size_is_an_error():
