@@ -293,6 +293,11 @@ class EngineHandle:
     def compiles(self) -> int:
         return self.engine.runner.compiles
 
+    def prefix_stats(self) -> dict:
+        """Prompt tokens looked up in and found in the prefix cache, and blocks it holds."""
+        e = self.engine
+        return {"queries": e.prefix_queries, "hits": e.prefix_hits, "blocks": e.pool.cached}
+
     def spec_stats(self) -> dict | None:
         """Speculation totals (speculation.speculator.Speculator.stats), None when it is off."""
         spec = self.engine.spec

@@ -108,6 +108,7 @@ class EngineConfig:
     max_concurrent_prefills: int = 4
     admission_coalesce_ms: float = 0.0
     max_queue: int = 256
+    prefix_cache: bool = True  # share full KV blocks of equal prompt prefixes across requests
     chat_template_file: str | None = None
     spec_mode: str = "off"
     draft: str | None = None  # draft GGUF for spec_mode=draft; None: the embedded draft
@@ -158,6 +159,8 @@ class EngineConfig:
             bad("kv_block_size", "must be a power of two")
         if not isinstance(self.kv_pool_tokens, int) or self.kv_pool_tokens < 0:
             bad("kv_pool_tokens", "must be an integer >= 0 (0 = auto)")
+        if not isinstance(self.prefix_cache, bool):
+            bad("prefix_cache", "must be a bool")
         if self.admission_coalesce_ms < 0:
             bad("admission_coalesce_ms", "must be >= 0")
         if self.prefill_chunk > self.prefill_token_budget:

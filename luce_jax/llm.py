@@ -19,6 +19,7 @@ class Completion:
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class LLM:
@@ -72,10 +73,14 @@ class LLM:
 
             return on_event
 
-        for i, sp, out in zip(ids, sps, outs, strict=True):
+        reqs = [
             self.loop.submit(i, sp, listener(out, sp.logprobs))
+            for i, sp, out in zip(ids, sps, outs, strict=True)
+        ]
         for _ in outs:
             done.acquire()
+        for req, out in zip(reqs, outs, strict=True):
+            out.cached_tokens = req.cached_tokens
         return outs
 
     def close(self) -> None:

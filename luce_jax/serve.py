@@ -53,6 +53,8 @@ HELP = {
     "max_concurrent_prefills": "prompts advanced in one step",
     "admission_coalesce_ms": "after idle, wait this long so a burst of requests starts together",
     "max_queue": "waiting requests before new ones get 429",
+    "prefix_cache": "on: requests reuse the KV blocks of a prompt prefix an earlier request "
+    "computed (whole blocks; off: every prompt is computed in full)",
     "chat_template_file": "Jinja chat template overriding the GGUF's",
     "compile_cache_dir": "JAX persistent compilation cache ('' to disable)",
     "spec_mode": f"speculative decoding: {', '.join(SPEC_MODES)} (draft: a draft model proposes; "
@@ -70,6 +72,13 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             return action.help
         return super()._get_help_string(action)
+
+
+def on_off(value: str) -> bool:
+    """A boolean flag's value: on or off."""
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{value!r}: must be on or off")
+    return value == "on"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,12 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in dataclasses.fields(EngineConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kind = {int: int, float: float}.get(type(default), str)
+        kind = {int: int, float: float, bool: on_off}.get(type(default), str)
+        extra = {}
+        if kind is on_off:  # argparse passes a string default through `type` too
+            default, extra = ("on" if default else "off"), {"metavar": "on|off"}
         ap.add_argument(
             "--" + f.name.replace("_", "-"),
             type=kind,
             default=default,
             help=HELP.get(f.name, f.name),
+            **extra,
         )
     return ap
 

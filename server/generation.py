@@ -34,6 +34,10 @@ class Generation:
             self.finish_reason = "stop" if ev.finish_reason == "stop" else ev.finish_reason
             self.error = ev.error
 
+    def usage(self) -> dict:
+        s = self.stream
+        return P.usage(s.prompt_tokens, len(self.tokens), s.req.cached_tokens)
+
     def token_str(self, tid: int) -> str:
         return self.tok.token_bytes[tid].decode("utf-8", errors="replace")
 
@@ -209,7 +213,7 @@ async def respond(
             )
 
         def usage_chunk(g):
-            return envelope(obj, [], P.usage(g.stream.prompt_tokens, len(g.tokens)))
+            return envelope(obj, [], g.usage())
 
         return StreamingResponse(
             sse(gen, chunk, include_usage, usage_chunk, first), media_type="text/event-stream"
@@ -219,7 +223,7 @@ async def respond(
         gen.raise_if_failed()
     except P.APIError as e:
         return error_response(e)
-    usage = P.usage(len(ids), len(gen.tokens))
+    usage = gen.usage()
     if chat:
         final = {
             "index": 0,

@@ -23,7 +23,14 @@ class Metrics:
         gauge("luce_requests_waiting", "Requests queued for a slot", lambda e: e.waiting())
         gauge("luce_kv_blocks_used", "KV blocks owned by sequences", lambda e: e.blocks_used())
         gauge(
-            "luce_kv_blocks_free", "KV blocks neither owned nor reserved", lambda e: e.blocks_free()
+            "luce_kv_blocks_free",
+            "KV blocks neither owned nor reserved (cached ones no request holds included)",
+            lambda e: e.blocks_free(),
+        )
+        gauge(
+            "luce_kv_blocks_cached",
+            "KV blocks the prefix cache can share (held by requests or evictable)",
+            lambda e: e.prefix_stats()["blocks"],
         )
         gauge(
             "luce_compiles",
@@ -43,10 +50,30 @@ class Metrics:
             "luce_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY, registry=r
         )
         self.step = Histogram("luce_step_seconds", "Engine step time", buckets=_ITL, registry=r)
+        r.register(_PrefixCollector(state))
         r.register(_SpecCollector(state))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCollector:
+    """Prefix cache totals, read from the engine at scrape time."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        engine = self.state.engine
+        st = engine.prefix_stats() if engine is not None else {"queries": 0, "hits": 0}
+        for name, doc, key in (
+            ("luce_prefix_cache_queries_tokens", "Prompt tokens looked up", "queries"),
+            ("luce_prefix_cache_hits_tokens", "Prompt tokens found cached", "hits"),
+        ):
+            yield CounterMetricFamily(name, doc, value=st[key])
 
 
 class _SpecCollector:

@@ -62,6 +62,9 @@ class Handle:
     def compiles(self):
         return 0
 
+    def prefix_stats(self):
+        return {"queries": 0, "hits": 0, "blocks": 0}
+
     def spec_stats(self):
         return self._spec
 

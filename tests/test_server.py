@@ -346,6 +346,33 @@ def test_metrics_parse_and_move(base_url, client):
     assert after["luce_kv_blocks_used"] == 0 and after["luce_requests_running"] == 0
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_in_usage_and_metrics(base_url, client):
+    """The second request with the same prompt reuses its full KV blocks (16 tokens each,
+    never the last prompt token), and says so in usage.prompt_tokens_details.cached_tokens,
+    streamed or not, as the metrics do."""
+    text = "def cached_prefix_probe(x):\n" + "    x = x * 3 + 1  # step\n" * 12
+    before = metrics(base_url)
+    first = client.completions.create(model="tiny", prompt=text, **GREEDY)
+    n = first.usage.prompt_tokens
+    assert n > 64 and first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model="tiny", prompt=text, **GREEDY)
+    cached = (n - 1) // 16 * 16
+    assert second.usage.prompt_tokens_details.cached_tokens == cached
+    assert second.choices[0].text == first.choices[0].text
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=text, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    after = metrics(base_url)
+    d = {k: after[k] - before[k] for k in after if k in before}
+    assert d["luce_prefix_cache_queries_tokens_total"] == 3 * n
+    assert d["luce_prefix_cache_hits_tokens_total"] == 2 * cached
+    assert after["luce_kv_blocks_cached"] >= n // 16
+    assert after["luce_kv_blocks_used"] == 0  # cached blocks no request holds are not used
+
+
 def test_models_tokenize_detokenize(base_url, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     ids = httpx.post(base_url + "/tokenize", json={"prompt": "hello world"}).json()["tokens"]

@@ -1,6 +1,7 @@
 """SlotTable: per-slot progress and the persistent arrays a step's row inputs come from."""
 
 import numpy as np
+import pytest
 
 from luce_jax.host.slots import FLOAT_FIELDS, NEUTRAL, SlotTable
 from luce_jax.sampling_params import SamplingParams
@@ -15,7 +16,7 @@ def test_row_inputs_gather_each_slots_own_parameters_and_pad_neutrally():
     t.generated[2] = 5
     rows = np.array([2, 0, 2], np.int32)
     sample = np.array([True, True, False])  # the last row: a prompt slice that does not finish
-    got = t.row_inputs(rows, sample, S=4)
+    got = t.row_inputs(rows, np.array([9, 0, 3], np.int32), sample, S=4)
     want_a = [0.7, 0.9, 0.0, 0.0, 0.0, 1.2]
     want_b = [0.0, 1.0, 0.1, 0.3, 0.0, 1.0]
     np.testing.assert_allclose(got["floats"][:, 0], want_a, rtol=1e-6)
@@ -27,7 +28,24 @@ def test_row_inputs_gather_each_slots_own_parameters_and_pad_neutrally():
     assert got["seeds"].view(np.uint32)[0] == 2**32 - 1  # the seed's bits survive int32
     assert got["steps"].tolist() == [5, 0, 5, 0]
     assert got["want_logprobs"].tolist() == [1]  # b samples and asked for logprobs
-    assert t.row_inputs(rows[:1], sample[:1], S=2)["want_logprobs"].tolist() == [0]
+    assert t.row_inputs(rows[:1], rows[:1], sample[:1], S=2)["want_logprobs"].tolist() == [0]
+
+
+def test_a_slots_first_row_is_fresh_wherever_its_prefill_starts():
+    """The device resets a slot's sampler state (penalty counts, prompt mask) on the row marked
+    fresh: the first prompt slice, at 0 or after a prefix the cache supplied, and no other."""
+    t = SlotTable(3)
+    t.claim(0, list(range(40)), SamplingParams())
+    t.claim(1, list(range(40)), SamplingParams(), cached=32)
+    t.claim(2, list(range(40)), SamplingParams(), cached=16)
+    t.generated[2] = 1  # slot 2 finished its prompt: its rows decode from position 40
+    rows = np.array([0, 1, 2, 0], np.int32)
+    starts = np.array([0, 32, 40, 16], np.int32)
+    got = t.row_inputs(rows, starts, np.ones(4, bool), S=8)["fresh"]
+    assert got.tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+    t.release(0)
+    with pytest.raises(AssertionError):
+        t.claim(0, [1, 2], SamplingParams(), cached=2)  # the last prompt token is always computed
 
 
 def test_progress_counts_dispatched_steps_and_release_marks_their_rows_stale():

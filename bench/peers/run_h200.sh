@@ -7,6 +7,8 @@
 #   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh build models:bf16 moe_kernel
 #   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh ours:bf16    # compare = ours llama ratio
 #   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh llama:bf16 ratio:bf16
+#   bench/peers/run_h200.sh build_bg models:bf16 prefix:ours ours:bf16 ours_nocache:bf16
+#   bench/peers/run_h200.sh wait_build prefix:llama prefix:merge     # the next call
 #
 # SHAPE is a bench/make_model.py shape (default qwen3-8b); OURS_FLAGS are added to our server's
 # flags.
@@ -101,8 +103,27 @@ common_args() {
 step_ours() {  # $1 weight type
   local t=$1 model="$M/$SHAPE-$1.gguf"
   python3 bench/concurrency.py $(common_args) --server-cmd "$(ours_cmd "$model" $CTX)" \
-    --server-log "$RES/ours_$t.log" --title "luce_jax, random $SHAPE-shaped $t" \
-    --out "$RES/${DAY}_concurrency_ours_$SHAPE-$t.json"
+    --server-log "$RES/ours_$t.log" --title "luce_jax, random $SHAPE-shaped $t${OURS_FLAGS:+, $OURS_FLAGS}" \
+    --out "$RES/${DAY}_concurrency_ours${TAG:-}_$SHAPE-$t.json"
+}
+
+step_ours_nocache() {  # $1 weight type: the same run with the prefix cache off (TAG -nocache)
+  OURS_FLAGS="${OURS_FLAGS:-} --prefix-cache off" TAG=-nocache step_ours "$1"
+}
+
+step_prefix() {  # $1 ours|llama|merge: bench/prefix.py on the bf16 file, then side by side
+  local model="$M/$SHAPE-bf16.gguf" cmd
+  case $1 in
+    ours) cmd=$(ours_cmd "$model" "{ctx}") ;;
+    llama) cmd="$LLB/bin/llama-server -m $model --port {port} -ngl 999 -fa on -np 5 -c {ctx_total}" ;;
+    merge)
+      python3 bench/prefix.py --merge "$RES/prefix_ours.json" "$RES/prefix_llama.json" \
+        --title "prefix reuse, luce_jax and llama-server (cache_prompt), random $SHAPE-shaped \
+bf16, $(nvidia-smi --query-gpu=name --format=csv,noheader)" --out "$RES/${DAY}_prefix_$SHAPE-bf16.json"
+      return ;;
+  esac
+  python3 bench/prefix.py --tokenizer "$model" --server "$1=$cmd" --server-log "$RES/prefix_$1.log" \
+    --title "prefix reuse, $1, random $SHAPE-shaped bf16" --out "$RES/prefix_$1.json"
 }
 
 step_llama() {  # $1 weight type
@@ -158,6 +179,6 @@ for s in "$@"; do
 done
 if [ -n "${OUT:-}" ]; then  # at most 8 files come back from a call: one archive, a few tables
   tar czf "$OUT/results_$(date +%H%M%S).tgz" -C "$RES" .
-  cp "$RES"/*_compare_*.md "$RES"/*_profile_*.md "$RES"/*_retrieval_*.md "$RES"/*_kernel_*.md \
+  cp "$RES"/*_compare_*.md "$RES"/*_prefix_*.md "$RES"/*_profile_*.md "$RES"/*_retrieval_*.md "$RES"/*_kernel_*.md \
     "$OUT"/ 2>/dev/null || true
 fi

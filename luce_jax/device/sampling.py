@@ -118,7 +118,7 @@ def sample_rows(logits, state: dict, batch: dict, floats, k: int):
     Args:
       logits: [R, V] float32; state: init_state's arrays (consumed).
       batch: the step's arrays (host.batch.lower's, with `feed`'s tokens, and top_k, seeds,
-        steps [S], want_logprobs [1]); floats: [6, S] FLOAT_FIELDS per row; k: K.
+        steps, fresh [S], want_logprobs [1]); floats: [6, S] FLOAT_FIELDS per row; k: K.
     Returns:
       (packed int32 [2R + S]: sampled token per logits row, its logprob's float32 bits, and
       proposals accepted per row; top ids int32 [R, 20] and top logprobs [R, 20], zeros when
@@ -127,8 +127,8 @@ def sample_rows(logits, state: dict, batch: dict, floats, k: int):
     T, S, R = batch["tokens"].shape[0], batch["slots"].shape[0], logits.shape[0]
     oob = state["counts"].shape[0]  # padding rows (slot -1) index past the end: dropped
     slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])
-    starts = batch["positions"][batch["cu_q_lens"][:-1]]
-    fresh = jnp.where((starts == 0) & (batch["slots"] >= 0), slots, oob)
+    # A request's first row may start past 0 (a cached prefix): the host marks it.
+    fresh = jnp.where((batch["fresh"] > 0) & (batch["slots"] >= 0), slots, oob)
     counts = state["counts"].at[fresh].set(0, mode="drop")  # a new tenant starts clean
     pmask = state["prompt_mask"].at[fresh].set(False, mode="drop")
     # Fed tokens count as seen for the repetition penalty (prompt or earlier output), except

@@ -183,6 +183,7 @@ def step_layout(T: int, S: int, R: int, MB: int) -> Layout:
         ("top_k", (S,)),
         ("seeds", (S,)),
         ("steps", (S,)),
+        ("fresh", (S,)),
         ("logit_rows", (R,)),
         ("logit_seg", (R,)),
         ("logit_off", (R,)),

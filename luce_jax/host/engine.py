@@ -36,6 +36,7 @@ class AdmitResult:
     status: Literal["admitted", "busy", "failed"]
     slot: int = -1
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache supplied
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,14 @@ class DenseEngine:
 
     Reserving the worst case means a decoding slot never runs out of blocks, so there is no
     preemption: a request waits in the queue until its whole reservation fits.
+
+    Prefix cache (config.prefix_cache): a prompt's leading full blocks that an earlier request
+    wrote are matched at admission and join the new slot's table, and prefill starts after
+    them. A slot's full blocks are entered in the cache as soon as the step writing them is
+    launched (prompt blocks at dispatch, output blocks at retirement), so a request admitted
+    a step later already shares them. A failed step clears the cache. A speculative draft
+    model recomputes the matched prefix in its own cache: its prefill costs a fraction of the
+    target's, and keeps its pool simple.
     """
 
     def __init__(self, config: EngineConfig, runner, num_blocks: int):
@@ -112,8 +121,14 @@ class DenseEngine:
         self.max_context = config.max_ctx
         self.block_size = config.kv_block_size
         self.pool = KVPool(
-            num_blocks, config.kv_block_size, self.slot_count, config.max_blocks_per_seq
+            num_blocks,
+            config.kv_block_size,
+            self.slot_count,
+            config.max_blocks_per_seq,
+            prefix_cache=config.prefix_cache,
         )
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
+        self._outputs: dict[int, list[int]] = {}  # slot -> tokens collected for it
         self.slots = SlotTable(self.slot_count, config.seed)
         # The step token budget counts decode rows too (as vLLM's max_num_batched_tokens).
         # One row width per token bucket, S(T) = min(T, slots): a decode-only step of C rows
@@ -160,12 +175,21 @@ class DenseEngine:
         if self.pool.blocks_for(need) > self.pool.capacity:
             return AdmitResult("failed", error=f"{need} tokens exceed the whole KV pool")
         slot = self.slots.lowest_free()
-        if slot is None or not self.pool.reserve(slot, need):
+        if slot is None:
             return AdmitResult("busy")
-        self.slots.claim(slot, prompt, sampling)
+        # The repetition penalty reads the whole prompt from the device's prompt mask, which
+        # only a prefill fills: such a request computes its prompt in full.
+        shared = self.pool.match(prompt) if sampling.repetition_penalty == 1 else []
+        if not self.pool.reserve(slot, need, shared):
+            return AdmitResult("busy")
+        cached = len(shared) * self.block_size
+        self.prefix_queries += len(prompt)
+        self.prefix_hits += cached
+        self.slots.claim(slot, prompt, sampling, cached)
+        self._outputs[slot] = []
         if self.spec is not None:
             self.spec.start(slot, list(prompt), need)
-        return AdmitResult("admitted", slot)
+        return AdmitResult("admitted", slot, cached_tokens=cached)
 
     def step_limits(self, num_decode_rows: int) -> StepLimits:
         c = self.config
@@ -221,10 +245,16 @@ class DenseEngine:
         T = pick_bucket(int(rows.lens.sum()), self.token_buckets)
         S = self.rows_for(T)
         b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
-        b.update(sl.row_inputs(rows.slots, rows.sample, S))
-        handle = self.runner.launch(b, T, S)
+        b.update(sl.row_inputs(rows.slots, rows.starts, rows.sample, S))
+        try:
+            handle = self.runner.launch(b, T, S)
+        except Exception:
+            self.pool.clear_cache()  # a launch that raised may have left the KV half-written
+            raise
         n_dec = len(dec)
         sl.prefilled[rows.slots[n_dec:]] += rows.lens[n_dec:]
+        for slot, _ in plan.prefills:
+            self.pool.cache_blocks(slot, sl.prompt[slot], int(sl.prefilled[slot]))
         sl.generated[rows.slots[rows.sample]] += 1  # a verify row's accepted ones: at collect
         epochs = sl.epoch[rows.slots]
         self._launched.append(_Launched(handle, rows, epochs, b["logit_start"][: len(rows)], t0))
@@ -242,6 +272,7 @@ class DenseEngine:
         try:
             out = self.runner.fetch(f.handle)
         except Exception as e:
+            self.pool.clear_cache()  # blocks entered for this step may never have been written
             raise StepFailed(rows.slots[live].tolist(), e) from e
         n = rows.n_logits
         tok, lp, accepted = out["tokens"][:n].tolist(), out["logprob"][:n].tolist(), out["accepted"]
@@ -257,6 +288,7 @@ class DenseEngine:
                 for j in range(first, first + kept + 1)
             ]
             sl.generated[slot] += kept
+            self._outputs[slot].extend(t.token for t in result.tokens[slot])
             if self.spec is not None:
                 n_draft = int(rows.n_draft[i])
                 self.spec.record(slot, n_draft, kept, [t.token for t in result.tokens[slot]])
@@ -282,6 +314,13 @@ class DenseEngine:
         after them on the device, so a new tenant of those blocks overwrites them before it
         reads them."""
         if self.slots.live(slot):
+            # Output blocks join the cache too (a chat's next turn repeats this one): every
+            # position below kv_len is written by a launched step, and its token is known once
+            # collected.
+            out = np.asarray(self._outputs.pop(slot, []), np.int32)
+            seq = np.concatenate([self.slots.prompt[slot], out])
+            written = int(self.slots.kv_len(np.array([slot]))[0])
+            self.pool.cache_blocks(slot, seq, min(written, len(seq)))
             self.slots.release(slot)
         self.pool.release(slot)
         if self.spec is not None:

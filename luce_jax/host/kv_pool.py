@@ -1,4 +1,5 @@
-"""Physical KV blocks: free list, per-slot block tables, atomic reservation and release.
+"""Physical KV blocks: free list, per-slot block tables, atomic reservation and release, and
+blocks shared between slots through the prefix cache.
 
 Pure Python: the pool only decides which block holds which tokens; the runner owns the arrays.
 Block 0 is the sink that padding rows write to and is never handed out.
@@ -7,22 +8,39 @@ Block 0 is the sink that padding rows write to and is never handed out.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
 from .batch import SINK_BLOCK
+from .prefix_cache import ROOT, PrefixCache
 
 
 class KVPool:
     """Blocks of `block_size` tokens; a slot reserves its worst case up front.
 
-    Invariants: every block is either free or owned by exactly one slot; a slot's reservation
-    (blocks it may still claim) is counted against the free list, so growth can never fail.
+    Every block is in exactly one state: free, held by one or more slots (its reference count is
+    the number of block tables it appears in), or parked (cached contents, held by no slot,
+    evicted least recently used when a block is needed). A slot's reservation (blocks it may
+    still claim) is counted against free and parked blocks, so growth can never fail. A slot
+    writes only blocks it claimed itself, never shared ones: sharing covers whole blocks of its
+    prompt before the position its prefill starts at.
+
+    Args:
+      max_slots, max_blocks: shape of `block_array`, the numpy mirror of the tables that
+        batch.lower reads (no mirror when 0).
+      prefix_cache: keep full blocks findable by content after their slot lets them go.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_slots: int = 0, max_blocks: int = 0):
-        """Args: max_slots, max_blocks: shape of `block_array`, the numpy mirror of the
-        tables that batch.lower reads (no mirror when 0)."""
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_slots: int = 0,
+        max_blocks: int = 0,
+        prefix_cache: bool = False,
+    ):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need the sink block plus at least one")
         self.num_blocks = num_blocks
@@ -31,6 +49,11 @@ class KVPool:
         heapq.heapify(self._free)
         self.tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}  # slot -> blocks promised but not yet claimed
+        self._refs: dict[int, int] = {}  # held block -> tables holding it
+        self.cache = PrefixCache(block_size) if prefix_cache else None
+        # slot -> cache entry id of each of its leading full blocks entered so far; None once
+        # the cache was cleared under it (its blocks are no longer trusted).
+        self._chain: dict[int, list[int] | None] = {}
         self.block_array = np.full((max_slots, max_blocks), SINK_BLOCK, np.int32)
 
     @property
@@ -40,24 +63,53 @@ class KVPool:
 
     @property
     def available(self) -> int:
-        """Blocks neither owned nor promised."""
-        return len(self._free) - sum(self._reserved.values())
+        """Blocks neither held nor promised (parked cached blocks count: they are evictable)."""
+        return len(self._free) + self.parked - sum(self._reserved.values())
 
     @property
     def used(self) -> int:
-        return self.capacity - len(self._free)
+        """Blocks held by slots."""
+        return len(self._refs)
+
+    @property
+    def parked(self) -> int:
+        return self.cache.parked if self.cache is not None else 0
+
+    @property
+    def cached(self) -> int:
+        """Blocks whose contents the prefix cache can hand to a new request."""
+        return len(self.cache) if self.cache is not None else 0
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def reserve(self, slot: int, tokens: int) -> bool:
-        """Promise `slot` room for `tokens` tokens, all or nothing; False if it won't fit."""
+    def match(self, prompt: Sequence[int]) -> list[int]:
+        """Cached blocks holding `prompt`'s leading full blocks (PrefixCache.match)."""
+        return self.cache.match(prompt) if self.cache is not None else []
+
+    def reserve(self, slot: int, tokens: int, shared: Sequence[int] = ()) -> bool:
+        """Promise `slot` room for `tokens` tokens, all or nothing; False if it won't fit.
+
+        Args:
+          shared: blocks from `match` that start its table; only the rest are promised, and a
+            parked one among them stops counting as free.
+        """
         assert slot not in self.tables, f"slot {slot} already holds a reservation"
-        need = self.blocks_for(tokens)
-        if need > self.available:
+        need = self.blocks_for(tokens) - len(shared)
+        assert need >= 0, (tokens, len(shared))
+        parked = sum(1 for b in shared if not self._refs.get(b))
+        if need + parked > self.available:
             return False
-        self.tables[slot] = []
+        for b in shared:
+            if self.cache.unpark(b):
+                assert b not in self._refs
+            self._refs[b] = self._refs.get(b, 0) + 1
+        self.tables[slot] = list(shared)
+        if self.block_array.size:
+            self.block_array[slot, : len(shared)] = shared
         self._reserved[slot] = need
+        if self.cache is not None:
+            self._chain[slot] = [self.cache.entry_id(b) for b in shared]
         return True
 
     def ensure(self, slot: int, tokens: int) -> list[int]:
@@ -69,26 +121,72 @@ class KVPool:
                 f"slot {slot} needs {need} more blocks but reserved {self._reserved[slot]}"
             )
         for _ in range(max(need, 0)):
-            b = heapq.heappop(self._free)
+            # A free block first; evict a cached one only when none is left.
+            b = heapq.heappop(self._free) if self._free else self.cache.evict()
             if self.block_array.size:
                 self.block_array[slot, len(table)] = b
             table.append(b)
+            self._refs[b] = 1
             self._reserved[slot] -= 1
         return table
 
+    def cache_blocks(self, slot: int, tokens: Sequence[int], written: int) -> None:
+        """Enter `slot`'s full blocks among its first `written` positions in the prefix cache.
+
+        Args:
+          tokens: the slot's sequence (prompt, then output) from position 0, at least `written`
+            long; `written`: positions whose KV is written by steps already launched (a step
+            launched later reads them after they are written: the device runs steps in order).
+        """
+        chain = self._chain.get(slot) if self.cache is not None else None
+        if chain is None:
+            return
+        P, table = self.block_size, self.tables[slot]
+        for i in range(len(chain), min(written // P, len(table))):
+            parent = chain[-1] if chain else ROOT
+            chain.append(self.cache.add(parent, tokens[i * P : (i + 1) * P], table[i]))
+
     def release(self, slot: int) -> None:
-        """Return all of `slot`'s blocks and its unclaimed reservation. Safe to call twice."""
-        for b in self.tables.pop(slot, []):
-            heapq.heappush(self._free, b)
+        """Return `slot`'s blocks and its unclaimed reservation. Safe to call twice.
+
+        A block no other slot holds goes back to the free list, or is parked if it is cached;
+        the table's last blocks are parked first, so they are evicted before its first ones
+        (which other prompts are likelier to share)."""
+        for b in reversed(self.tables.pop(slot, [])):
+            self._refs[b] -= 1
+            if self._refs[b]:
+                continue
+            del self._refs[b]
+            if self.cache is not None and self.cache.cached(b):
+                self.cache.park(b)
+            else:
+                heapq.heappush(self._free, b)
         if self.block_array.size:
             self.block_array[slot] = SINK_BLOCK
         self._reserved.pop(slot, None)
+        self._chain.pop(slot, None)
+
+    def clear_cache(self) -> None:
+        """Forget every cached block (after a failed step: its KV writes may not have happened);
+        slots keep the blocks they hold, and enter no more."""
+        if self.cache is None:
+            return
+        for b in self.cache.clear():
+            heapq.heappush(self._free, b)
+        self._chain = dict.fromkeys(self._chain)
 
     def check(self) -> None:
         """Assert the pool's invariants (tests call this after every operation)."""
-        owned = [b for t in self.tables.values() for b in t]
-        assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert SINK_BLOCK not in owned and SINK_BLOCK not in self._free
-        assert set(owned).isdisjoint(self._free), "an owned block is on the free list"
-        assert len(owned) + len(self._free) == self.capacity, "a block leaked"
+        held = Counter(b for t in self.tables.values() for b in t)
+        assert all(len(set(t)) == len(t) for t in self.tables.values()), "a table repeats a block"
+        assert held == Counter(self._refs), "reference counts differ from the tables"
+        assert SINK_BLOCK not in held and SINK_BLOCK not in self._free
+        assert set(held).isdisjoint(self._free), "a held block is on the free list"
+        if self.cache is not None:
+            self.cache.check(set(held))
+            assert set(self._free).isdisjoint(self.cache._lru), "a parked block is free"
+        assert len(held) + len(self._free) + self.parked == self.capacity, "a block leaked"
         assert self.available >= 0
+        for s, t in self.tables.items():
+            if self.block_array.size:
+                assert self.block_array[s, : len(t)].tolist() == t

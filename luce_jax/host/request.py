@@ -39,6 +39,7 @@ class Request:
     slot: int = -1
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied (set at admission)
     finish_reason: str | None = None
     error: str | None = None
     processor: OutputProcessor | None = None  # set when the scheduler takes the request

@@ -114,7 +114,7 @@ class Scheduler:
             if res.status == "failed":
                 self._finish(req, "error", error=res.error)
                 continue
-            req.slot, req.phase = res.slot, "running"
+            req.slot, req.phase, req.cached_tokens = res.slot, "running", res.cached_tokens
             self.running[res.slot] = req
 
     def plan(self) -> StepPlan:

@@ -57,6 +57,7 @@ class SlotTable:
         self.prompt: list[np.ndarray | None] = [None] * n  # int32 [prompt length], None: free
         self.prompt_len = np.zeros(n, np.int32)
         self.prefilled = np.zeros(n, np.int32)  # prompt tokens in dispatched steps
+        self.cached = np.zeros(n, np.int32)  # prompt tokens whose KV came from the prefix cache
         self.generated = np.zeros(n, np.int32)  # tokens sampled by dispatched steps
         self.max_tokens = np.zeros(n, np.int32)
         self.epoch = np.zeros(n, np.int64)  # grows on release; stale rows carry an older one
@@ -74,11 +75,15 @@ class SlotTable:
         """The lowest free slot (reused at once, which keeps block tables compact)."""
         return next((s for s in range(self.n) if self.prompt[s] is None), None)
 
-    def claim(self, slot: int, prompt: list[int], sp: SamplingParams) -> None:
+    def claim(self, slot: int, prompt: list[int], sp: SamplingParams, cached: int = 0) -> None:
+        """Take `slot` for a request whose first `cached` prompt tokens are in the KV cache
+        already (shared prefix blocks): its prefill starts after them."""
         assert not self.live(slot), f"slot {slot} is taken"
+        assert 0 <= cached < len(prompt), (cached, len(prompt))
         self.prompt[slot] = np.asarray(prompt, np.int32)
         self.prompt_len[slot] = len(prompt)
-        self.prefilled[slot] = self.generated[slot] = 0
+        self.prefilled[slot] = self.cached[slot] = cached
+        self.generated[slot] = 0
         self.max_tokens[slot] = sp.max_tokens
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(32)
         self.seeds[slot] = seed & 0xFFFFFFFF
@@ -110,10 +115,14 @@ class SlotTable:
         return self.prefilled[slots] + np.maximum(self.generated[slots] - 1, 0)
 
     # -- per-row step inputs ----------------------------------------------------------------
-    def row_inputs(self, slots: np.ndarray, sample: np.ndarray, S: int) -> dict[str, np.ndarray]:
+    def row_inputs(
+        self, slots: np.ndarray, starts: np.ndarray, sample: np.ndarray, S: int
+    ) -> dict[str, np.ndarray]:
         """Sampling inputs of a step's rows (`padding_inputs`' arrays, rows filled): each
-        sampling row gets its slot's parameters, seed and tokens generated so far."""
+        sampling row gets its slot's parameters, seed and tokens generated so far; a slot's
+        first row (it starts where the slot's prefill started) is marked fresh."""
         out, n = padding_inputs(S), len(slots)
+        out["fresh"][:n] = (starts == self.cached[slots]) & (self.generated[slots] == 0)
         out["floats"][:, :n] = np.where(sample, self.floats[:, slots], NEUTRAL[:, None])
         out["top_k"][:n] = np.where(sample, self.top_k[slots], 0)
         out["seeds"][:n] = self.seeds[slots].view(np.int32)
@@ -125,8 +134,9 @@ class SlotTable:
 def padding_inputs(S: int) -> dict[str, np.ndarray]:
     """Sampling inputs of S padding rows: floats [6, S] (FLOAT_FIELDS, NEUTRAL), and int32
     top_k, seeds (the uint32 seed's bits), steps (tokens generated before the row's first
-    sample, which with the seed fixes its noise) [S], want_logprobs [1]."""
-    out = {k: np.zeros(S, np.int32) for k in ("top_k", "seeds", "steps")}
+    sample, which with the seed fixes its noise), fresh (1: the slot's first row, whose
+    sampler state is reset for a new request) [S], want_logprobs [1]."""
+    out = {k: np.zeros(S, np.int32) for k in ("top_k", "seeds", "steps", "fresh")}
     out["floats"] = np.repeat(NEUTRAL[:, None], S, axis=1)
     out["want_logprobs"] = np.zeros(1, np.int32)
     return out
