@@ -31,6 +31,13 @@ SHAPES = {
     "qwen3-8b": dict(d=4096, L=36, H=32, K=8, D=128, F=12288, tied=False),
     "qwen3-32b": dict(d=5120, L=64, H=64, K=8, D=128, F=25600, tied=False),
     "qwen3-30b-a3b": dict(d=2048, L=48, H=32, K=4, D=128, F=6144, tied=False, E=128, k=8, Fe=768),
+    # Hybrid (architecture qwen35): every 4th layer gated full attention (rotary on a quarter of
+    # D), the others Gated DeltaNet with Hk key and Hv value heads of Dk = Dv = 128, conv 4.
+    "qwen35-27b": dict(d=5120, L=64, H=24, K=4, D=256, F=17408, tied=False, Hk=16, Hv=48),
+    # and its MoE form (qwen35moe): E experts, k per token, and a shared expert of Fs
+    "qwen35moe-35b-a3b": dict(
+        d=2048, L=40, H=16, K=2, D=256, F=512, tied=False, Hk=16, Hv=32, E=256, k=8, Fe=512, Fs=512
+    ),
 }
 T = GGMLQuantizationType
 F32 = T.F32
@@ -103,8 +110,9 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
     md = GGUFFile(vocab_path).metadata
     tokens = md["tokenizer.ggml.tokens"]
     V = len(tokens)
-    moe = "E" in s
-    w = GGUFWriter(out, "qwen3moe" if moe else "qwen3")
+    moe, hybrid = "E" in s, "Hv" in s
+    arch = ("qwen35" if hybrid else "qwen3") + ("moe" if moe else "")
+    w = GGUFWriter(out, arch)
     w.add_name(f"random {shape} {type_name}")
     w.add_block_count(s["L"])
     w.add_context_length(40960)
@@ -118,6 +126,17 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
         w.add_expert_count(s["E"])
         w.add_expert_used_count(s["k"])
         w.add_expert_feed_forward_length(s["Fe"])
+        if "Fs" in s:
+            w.add_expert_shared_feed_forward_length(s["Fs"])
+    if hybrid:
+        w.add_ssm_conv_kernel(4)
+        w.add_ssm_state_size(128)
+        w.add_ssm_group_count(s["Hk"])
+        w.add_ssm_time_step_rank(s["Hv"])
+        w.add_ssm_inner_size(128 * s["Hv"])
+        w.add_full_attention_interval(4)
+        w.add_rope_dimension_count(s["D"] // 4)
+        w.add_rope_dimension_sections([11, 11, 10, 0])
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model(md["tokenizer.ggml.model"])
@@ -154,8 +173,31 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
     norm("output_norm.weight", d)
     if not s["tied"]:
         mat("output.weight", V, d)
+
+    def ffn(p: str, i: int) -> None:
+        if not moe:
+            mat(p + "ffn_gate.weight", F, d, layer=i)
+            mat(p + "ffn_up.weight", F, d, layer=i)
+            mat(p + "ffn_down.weight", d, F, layer=i)
+            return
+        E, Fe = s["E"], s["Fe"]
+        router = random_rows(E, d, F32, rng, pool=E).view(np.float32)
+        w.add_tensor(p + "ffn_gate_inp.weight", router)
+        mat(p + "ffn_gate_exps.weight", Fe, d, E, layer=i)
+        mat(p + "ffn_up_exps.weight", Fe, d, E, layer=i)
+        mat(p + "ffn_down_exps.weight", d, Fe, E, layer=i)
+        if "Fs" in s:  # the shared expert and its gate
+            w.add_tensor(p + "ffn_gate_inp_shexp.weight", 0.02 * rng.standard_normal(d, np.float32))
+            mat(p + "ffn_gate_shexp.weight", s["Fs"], d, layer=i)
+            mat(p + "ffn_up_shexp.weight", s["Fs"], d, layer=i)
+            mat(p + "ffn_down_shexp.weight", d, s["Fs"], layer=i)
+
     for i in range(s["L"]):
         p = f"blk.{i}."
+        if hybrid:
+            hybrid_layer(s, i, mat, norm, w, rng)
+            ffn(p, i)
+            continue
         mat(p + "attn_q.weight", H * D, d, layer=i)
         mat(p + "attn_k.weight", K * D, d, layer=i)
         mat(p + "attn_v.weight", K * D, d, layer=i)
@@ -164,21 +206,39 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
         norm(p + "attn_k_norm.weight", D)
         norm(p + "attn_norm.weight", d)
         norm(p + "ffn_norm.weight", d)
-        if moe:
-            E, Fe = s["E"], s["Fe"]
-            router = random_rows(E, d, F32, rng, pool=E).view(np.float32)
-            w.add_tensor(p + "ffn_gate_inp.weight", router)
-            mat(p + "ffn_gate_exps.weight", Fe, d, E, layer=i)
-            mat(p + "ffn_up_exps.weight", Fe, d, E, layer=i)
-            mat(p + "ffn_down_exps.weight", d, Fe, E, layer=i)
-            continue
-        mat(p + "ffn_gate.weight", F, d, layer=i)
-        mat(p + "ffn_up.weight", F, d, layer=i)
-        mat(p + "ffn_down.weight", d, F, layer=i)
+        ffn(p, i)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=True)
     w.close()
+
+
+def hybrid_layer(s: dict, i: int, mat, norm, w, rng) -> None:
+    """The norms and mixer of one qwen35 layer under llama.cpp's names (its FFN is written
+    apart): gated full attention every 4th layer (query and gate rows together), else Gated
+    DeltaNet; the small ssm tensors stay F32 as in llama.cpp's quantized files."""
+    p, d, H, K, D = f"blk.{i}.", s["d"], s["H"], s["K"], s["D"]
+    norm(p + "attn_norm.weight", d)
+    norm(p + "post_attention_norm.weight", d)
+    if (i + 1) % 4 == 0:
+        mat(p + "attn_q.weight", 2 * H * D, d, layer=i)
+        mat(p + "attn_k.weight", K * D, d, layer=i)
+        mat(p + "attn_v.weight", K * D, d, layer=i)
+        mat(p + "attn_output.weight", d, H * D, layer=i)
+        norm(p + "attn_q_norm.weight", D)
+        norm(p + "attn_k_norm.weight", D)
+        return
+    Hk, Hv, Dh = s["Hk"], s["Hv"], 128
+    C = 2 * Hk * Dh + Hv * Dh
+    mat(p + "attn_qkv.weight", C, d, layer=i)
+    mat(p + "attn_gate.weight", Hv * Dh, d, layer=i)
+    mat(p + "ssm_beta.weight", Hv, d, layer=i)
+    mat(p + "ssm_alpha.weight", Hv, d, layer=i)
+    mat(p + "ssm_out.weight", d, Hv * Dh, layer=i)
+    w.add_tensor(p + "ssm_conv1d.weight", (0.2 * rng.standard_normal((C, 4))).astype(np.float32))
+    w.add_tensor(p + "ssm_dt.bias", rng.standard_normal(Hv).astype(np.float32))
+    w.add_tensor(p + "ssm_a", -rng.uniform(0.1, 1.0, Hv).astype(np.float32))
+    norm(p + "ssm_norm.weight", Dh)
 
 
 def main():

@@ -65,13 +65,15 @@ def _load(config: EngineConfig, clock: StartupClock):
             "quantized tensors kept in their GGUF blocks" if quantized else f"as {config.dtype}",
         )
     config = fit_to_model(config, mc)
+    if mc.recurrent:
+        config = hybrid_limits(config)
     per_token = kv_cache_types(config, mc)[1]
     draft = None
     if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
         with clock.phase("draft weights"):
             draft = _load_draft(config, vocab, quantized)
         per_token += kv_cache_types(config, draft[0])[1]
-    num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token)
+    num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token, state_bytes(mc, config))
     log.info(
         "KV pool: %d blocks of %d tokens (%.2f GiB)",
         num_blocks - 1,
@@ -95,7 +97,9 @@ def _load(config: EngineConfig, clock: StartupClock):
         )
 
     spec_k = config.draft_tokens if config.spec_mode != "off" else 0
-    runner = runner_for(Runner, mc, params, max_proposals=spec_k)
+    runner = runner_for(
+        Runner, mc, params, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend)
+    )
     engine = DenseEngine(config, runner, num_blocks)
     pairs = engine.bucket_pairs()
     with clock.phase("compile", f"{len(pairs)} buckets"):
@@ -195,8 +199,24 @@ def kv_cache_types(config: EngineConfig, mc):
             f"dim divisible by {kv_cache.GROUP}; the model's is {mc.head_dim}"
         )
     types = tuple(jnp.dtype(FLOAT_CACHE_TYPES[n]) if n in FLOAT_CACHE_TYPES else n for n in names)
-    per_token = mc.n_layers * mc.kv_size * sum(kv_cache.bytes_per_value(t) for t in types)
+    layers = mc.attention_layers  # a hybrid model's linear layers keep no KV
+    per_token = layers * mc.kv_size * sum(kv_cache.bytes_per_value(t) for t in types)
     return types, per_token
+
+
+def state_bytes(mc, config: EngineConfig) -> int:
+    """Device bytes of the per-slot recurrent state of a hybrid model's linear layers (float32
+    convolution history and delta-rule state, models/hybrid.init_state); 0 for others."""
+    per_layer = (mc.ssm_conv - 1) * mc.conv_dim + mc.ssm_v_heads * mc.ssm_k_dim * mc.ssm_v_dim
+    return 4 * sum(mc.recurrent) * config.max_concurrency * per_layer if mc.recurrent else 0
+
+
+def hybrid_limits(config: EngineConfig) -> EngineConfig:
+    """What a hybrid model (recurrent state in the slot) cannot do yet: the prefix cache (it
+    holds KV blocks, not the state after them) is turned off."""
+    if config.prefix_cache:
+        log.info("prefix cache off: a hybrid model's recurrent state is not cached")
+    return config.replace(prefix_cache=False)
 
 
 def attention_fn(backend: str):
@@ -208,6 +228,18 @@ def attention_fn(backend: str):
     from .models.attention import paged_attention_xla
 
     return paged_attention_xla
+
+
+def gated_delta_fn(backend: str):
+    """A hybrid model's gated delta rule for a resolved attention_backend (the sequence mixers
+    go together: pallas on GPU, the jnp reference on CPU)."""
+    if backend == "pallas":
+        from pallas_kernels.gated_delta import gated_delta
+
+        return gated_delta
+    from pallas_kernels.gated_delta import gated_delta_reference
+
+    return gated_delta_reference
 
 
 def grouped_matmul_fn(backend: str):
@@ -249,15 +281,18 @@ def fit_to_model(config: EngineConfig, mc) -> EngineConfig:
     return config.replace(max_ctx=mc.context_length)
 
 
-def kv_pool_blocks(c: EngineConfig, device, bytes_per_token: int) -> int:
-    """Blocks in the pool, the sink included: kv_pool_tokens, or what free memory holds."""
+def kv_pool_blocks(c: EngineConfig, device, bytes_per_token: int, reserved: int = 0) -> int:
+    """Blocks in the pool, the sink included: kv_pool_tokens, or what free memory holds after
+    `reserved` bytes (per-slot state allocated later)."""
     P = c.kv_block_size
     if c.kv_pool_tokens:
         blocks = -(-c.kv_pool_tokens // P)
     else:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] * (1 - WORKSPACE_FRACTION) - stats["bytes_in_use"]
+            free = (
+                stats["bytes_limit"] * (1 - WORKSPACE_FRACTION) - stats["bytes_in_use"] - reserved
+            )
             blocks = int(free // (bytes_per_token * P))
         else:  # no allocator statistics (CPU): room for every slot at full context
             blocks = c.max_concurrency * c.max_blocks_per_seq

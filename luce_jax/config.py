@@ -66,6 +66,26 @@ class ModelConfig:
     n_experts_used: int = 0  # experts per token (top-k)
     expert_ffn_dim: int = 0
     expert_weights_norm: bool = False  # renormalize the top-k router weights to sum to 1
+    shared_expert_ffn_dim: int = 0  # qwen35moe: an always-on expert, gated by sigmoid
+    # Hybrid (qwen35): per layer, True where it is Gated DeltaNet (linear attention, recurrent
+    # state in the slot) rather than full attention; () = every layer is full attention.
+    recurrent: tuple[bool, ...] = ()
+    attn_gate: bool = False  # full attention's query projection also yields a sigmoid gate
+    ssm_conv: int = 0  # Kc: causal convolution width of the linear layers
+    ssm_k_heads: int = 0  # Hk: key heads of the linear layers
+    ssm_v_heads: int = 0  # Hv: value heads (Hv / Hk per key head)
+    ssm_k_dim: int = 0  # Dk
+    ssm_v_dim: int = 0  # Dv
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache."""
+        return self.n_layers - sum(self.recurrent)
+
+    @property
+    def conv_dim(self) -> int:
+        """C: channels of a linear layer's convolution (q, k and v)."""
+        return 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim
 
     @property
     def q_size(self) -> int:

@@ -39,7 +39,8 @@ def make_hf_model(
     tie: bool | None = None,
     rope_scaling: dict | None = None,
 ):
-    """A small random-weight HF model of `arch` (llama, qwen2, qwen3, qwen3moe), float32."""
+    """A small random-weight HF model of `arch` (llama, qwen2, qwen3, qwen3moe, qwen35),
+    float32."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -89,11 +90,48 @@ def make_hf_model(
             norm_topk_prob=True,
         )
         model = Qwen3MoeForCausalLM(cfg)
+    elif arch in ("qwen35", "qwen35moe"):  # layers 0-2 Gated DeltaNet, 3 full attention
+        from transformers import (
+            Qwen3_5ForCausalLM,
+            Qwen3_5MoeForCausalLM,
+            Qwen3_5MoeTextConfig,
+            Qwen3_5TextConfig,
+        )
+
+        moe = arch == "qwen35moe"  # 8 experts, 2 per token, and a gated shared expert
+        extra = dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=40,
+        )
+        cfg = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(
+            **{**common, "num_hidden_layers": 4},
+            **(extra if moe else {}),
+            head_dim=32,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=bool(tie),
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e6,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1],
+            },
+        )
+        model = (Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM)(cfg)
     else:
         raise ValueError(arch)
     with torch.no_grad():  # default init is tiny; widen it so differences would show
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name.endswith(".A_log"):  # decays exp(-A * softplus(.)) well inside (0, 1)
+                p.copy_(torch.log(torch.rand_like(p) * 0.5 + 0.1))
+            elif "norm" in name and arch.startswith("qwen35") and "linear_attn" not in name:
+                p.copy_(0.1 * torch.randn_like(p))  # zero-centred: the scale is 1 + w
+            elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
@@ -109,12 +147,25 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def v_tiled(x: np.ndarray, axis: int, n_k: int, per_k: int, dim: int) -> np.ndarray:
+    """llama.cpp's converter reorders linear-attention V heads from grouped by K head
+    [K0v0, K0v1, K1v0, K1v1] to tiled [K0v0, K1v0, K0v1, K1v1] along `axis`."""
+    x = np.moveaxis(x, axis, 0)
+    shape = x.shape
+    x = x.reshape(n_k, per_k, dim, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.moveaxis(x, 0, axis)
+
+
 def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_template=CHATML):
     """Write `model` (HF, float32) as a GGUF file with a tiny byte-level vocabulary."""
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     H, K = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    if arch.startswith("qwen35"):  # Qwen3.5 norms scale by 1 + w; the converter stores 1 + w
+        for k in sd:
+            if k.endswith("norm.weight") and "linear_attn" not in k:
+                sd[k] = sd[k] + 1
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -126,11 +177,22 @@ def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_temp
     w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen35moe"):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_weights_norm(getattr(cfg, "norm_topk_prob", True))
+    if arch == "qwen35moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch.startswith("qwen35"):
+        w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+        w.add_ssm_state_size(cfg.linear_key_head_dim)
+        w.add_ssm_group_count(cfg.linear_num_key_heads)
+        w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+        w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+        w.add_full_attention_interval(4)
+        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+        w.add_rope_dimension_sections([*cfg.rope_parameters["mrope_section"], 0])
     if cfg.rope_parameters.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(cfg.rope_parameters["factor"]))
@@ -159,6 +221,9 @@ def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_temp
         put("output.weight", sd["lm_head.weight"])
     for i in range(cfg.num_hidden_layers):
         p, g = f"model.layers.{i}.", f"blk.{i}."
+        if arch.startswith("qwen35"):
+            _qwen35_layer(cfg, sd, p, g, put)
+            continue
         q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
         if arch == "llama":
             q, k = _permute(q, H), _permute(k, K)
@@ -190,3 +255,50 @@ def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_temp
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _qwen35_layer(cfg, sd, p: str, g: str, put) -> None:
+    """One Qwen3.5 layer under llama.cpp's tensor names (conversion/qwen.py, 11434): full
+    attention keeps q_proj's interleaved query|gate rows; a Gated DeltaNet layer gets
+    attn_qkv, attn_gate, ssm_* with V heads tiled, ssm_a = -exp(A_log)."""
+    put(g + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+    put(g + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+    if p + "mlp.gate.weight" in sd:  # qwen35moe: experts [E, out, in], then the shared expert
+        F = cfg.moe_intermediate_size
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]
+        put(g + "ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
+        put(g + "ffn_gate_exps.weight", gate_up[:, :F])
+        put(g + "ffn_up_exps.weight", gate_up[:, F:])
+        put(g + "ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
+        put(g + "ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"][0])
+        for x in ("gate", "up", "down"):
+            put(g + f"ffn_{x}_shexp.weight", sd[p + f"mlp.shared_expert.{x}_proj.weight"])
+    else:
+        for x in ("gate", "up", "down"):
+            put(g + f"ffn_{x}.weight", sd[p + f"mlp.{x}_proj.weight"])
+    if cfg.layer_types[int(g.split(".")[1])] == "full_attention":
+        a = p + "self_attn."
+        for x, y in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
+            put(g + f"attn_{x}.weight", sd[a + f"{y}_proj.weight"])
+        put(g + "attn_q_norm.weight", sd[a + "q_norm.weight"])
+        put(g + "attn_k_norm.weight", sd[a + "k_norm.weight"])
+        return
+    a = p + "linear_attn."
+    n_k, n_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+    def tile(x, axis, dim):
+        return v_tiled(x, axis, n_k, n_v // n_k, dim)
+
+    qkv = sd[a + "in_proj_qkv.weight"]
+    qk = 2 * n_k * dk
+    put(g + "attn_qkv.weight", np.concatenate([qkv[:qk], tile(qkv[qk:], 0, dv)]))
+    put(g + "attn_gate.weight", tile(sd[a + "in_proj_z.weight"], 0, dv))
+    conv = sd[a + "conv1d.weight"][:, 0]  # [channels, kernel]
+    put(g + "ssm_conv1d.weight", np.concatenate([conv[:qk], tile(conv[qk:], 0, dv)]))
+    put(g + "ssm_dt.bias", tile(sd[a + "dt_bias"], 0, 1))
+    put(g + "ssm_a", tile(-np.exp(sd[a + "A_log"]), 0, 1))
+    put(g + "ssm_beta.weight", tile(sd[a + "in_proj_b.weight"], 0, 1))
+    put(g + "ssm_alpha.weight", tile(sd[a + "in_proj_a.weight"], 0, 1))
+    put(g + "ssm_norm.weight", sd[a + "norm.weight"])
+    put(g + "ssm_out.weight", tile(sd[a + "out_proj.weight"], 1, dv))

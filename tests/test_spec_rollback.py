@@ -7,10 +7,14 @@ to random lengths. The scheduler runs random arrivals, stop tokens and cancellat
 speculation (each step collected one step after its dispatch, so finished and cancelled
 requests get an extra step computed) and with it. After every step each live sequence's cache
 must hold exactly its prompt and delivered tokens up to its kv length, in the target and in
-the draft model's mirror, and no block may be lost.
+the draft model's mirror, and no block may be lost. As a hybrid model's device, the runner also
+keeps per slot the tokens its recurrent state has absorbed (reset on a fresh row, advanced
+through each row but its proposals): every row must start where its slot's state stands, and
+the state must hold exactly the sequence up to there.
 """
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -33,7 +37,9 @@ class FakeRunner:
     """Runner.launch / fetch over a token-id 'cache'; samples at random. Like the device, it
     keeps each slot's last emitted token and feeds it to rows that ask for it (FROM_DEVICE)."""
 
-    def __init__(self, num_blocks, block_size, max_slots, k, rng):
+    def __init__(self, num_blocks, block_size, max_slots, k, rng, recurrent=False):
+        self.cfg = SimpleNamespace(recurrent=(True,) if recurrent else ())
+        self.state = {s: [] for s in range(max_slots)}  # tokens each slot's state absorbed
         self.kv = np.full(num_blocks * block_size, -1, np.int64)
         self.last = np.zeros(max_slots, np.int64)
         self.block_size, self.max_slots, self.k, self.rng = block_size, max_slots, k, rng
@@ -48,15 +54,23 @@ class FakeRunner:
         fed[from_device] = self.last[b["slots"][b["seg_ids"][:n_tok]][from_device]]
         self.kv[b["write_idx"][:n_tok]] = fed
         n = int((b["slots"] >= 0).sum())
+        if self.cfg.recurrent:
+            for i in range(n):
+                slot, lo, hi = b["slots"][i], b["cu_q_lens"][i], b["cu_q_lens"][i + 1]
+                if b["fresh"][i]:
+                    self.state[slot] = []
+                assert b["positions"][lo] == len(self.state[slot]), "row starts off its state"
+                self.state[slot] += fed[lo : hi - b["n_draft"][i]].tolist()
         R = self.logit_width(T, S)
         tokens = np.array([self.rng.randrange(VOCAB) for _ in range(R)])
         accepted = np.zeros(S, np.int64)
         for i in range(n):
-            first, start = b["logit_start"][i], b["cu_q_lens"][i]
+            first = b["logit_start"][i]
+            props = b["cu_q_lens"][i + 1] - b["n_draft"][i]  # a verify row ends in its proposals
             for j in range(b["n_draft"][i]):  # the device's rule: keep while sample == proposal
                 if self.rng.random() < 0.5:
-                    tokens[first + j] = fed[start + j + 1]
-                if tokens[first + j] != fed[start + j + 1]:
+                    tokens[first + j] = fed[props + j]
+                if tokens[first + j] != fed[props + j]:
                     break
                 accepted[i] += 1
             if b["sample_mask"][i]:
@@ -100,6 +114,9 @@ def check_caches(sched, engine, draft):
         kv_len = int(sl.kv_len([req.slot])[0])
         cached = engine.runner.cached(engine.pool.tables[req.slot], kv_len)
         assert cached.tolist() == seq[:kv_len], f"slot {req.slot} cache corrupted"
+        if engine.refeed and sched.decoding(req):
+            state = engine.runner.state[req.slot]
+            assert len(state) == kv_len - engine._lag[req.slot] and state == seq[: len(state)]
         if draft is not None and req.slot in draft.seq:
             assert draft.seq[req.slot] == seq
             fed = draft.fed[req.slot]
@@ -107,9 +124,10 @@ def check_caches(sched, engine, draft):
             assert got.tolist() == seq[:fed], f"slot {req.slot} draft cache corrupted"
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
 @pytest.mark.parametrize("mode", ["off", "ngram", "draft"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed):
+def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, hybrid):
     rng = random.Random(seed)
     cfg = EngineConfig(
         max_concurrency=4,
@@ -121,7 +139,9 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed):
         spec_mode=mode,
     )
     blocks = 40
-    engine = DenseEngine(cfg, FakeRunner(blocks, 4, 4, 0 if mode == "off" else 3, rng), blocks)
+    runner = FakeRunner(blocks, 4, 4, 0 if mode == "off" else 3, rng, recurrent=hybrid)
+    engine = DenseEngine(cfg, runner, blocks)
+    assert engine.refeed == hybrid
     draft = None
     if mode == "off":  # overlapped steps: each is collected after the next is dispatched
         proposer = None

@@ -80,3 +80,22 @@ def test_grouped_matmul_of_quantized_experts_lowers(verified, qtype):
     sizes = jnp.full((8,), 8, jnp.int32)
     lower_for_cuda(lambda x: grouped_matmul(x, w, sizes, swiglu=True, interpret=False), x)
     assert len(verified) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gated_delta_lowers_to_a_valid_triton_module(verified, dtype):
+    """Qwen3.5-27B's linear-layer sizes: 16 key heads, 48 value heads, Dk = Dv = 128."""
+    from pallas_kernels.gated_delta import gated_delta
+
+    T, S, Hk, Hv, D = 64, 4, 16, 48, 128
+    args = (
+        jnp.zeros((T, Hk, D), dtype),
+        jnp.zeros((T, Hk, D), dtype),
+        jnp.zeros((T, Hv, D), dtype),
+        jnp.zeros((T, Hv), jnp.float32),
+        jnp.zeros((T, Hv), jnp.float32),
+        jnp.zeros((S, Hv, D, D), jnp.float32),
+        jnp.asarray([0, 40, 41, 42, 60], jnp.int32),
+    )
+    lower_for_cuda(lambda *a: gated_delta(*a, interpret=False), *args)
+    assert len(verified) == 1

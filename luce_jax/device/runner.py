@@ -20,7 +20,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..host.batch import layout_size, lower, pack, step_layout, unpack
 from ..host.slots import FLOAT_FIELDS, padding_inputs
-from ..models import dense
+from ..models import dense, hybrid
 from . import sampling
 from .programs import BucketPrograms, best_of_3
 
@@ -49,6 +49,7 @@ class Runner:
       quant_matmul: how quantized projections run (models.linear.QuantMatmul).
       max_proposals: K, the most speculative proposals a verify row carries (0: no
         speculation, one logits row per row).
+      delta_fn: a hybrid model's gated delta rule (pallas_kernels/gated_delta.py).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class Runner:
         grouped_matmul_fn=None,
         quant_matmul=None,
         max_proposals: int = 0,
+        delta_fn=None,
     ):
         self.cfg = cfg
         self.k = max_proposals
@@ -71,8 +73,11 @@ class Runner:
         self.block_size = block_size
         self.max_slots = max_slots
         self.max_blocks = max_blocks_per_seq
-        self.kv = dense.init_kv(cfg, num_blocks, block_size, *kv_types)
+        model = hybrid if cfg.recurrent else dense
+        self.kv = model.init_kv(cfg, num_blocks, block_size, *kv_types)
         self.state = sampling.init_state(max_slots, cfg.vocab_size)
+        if cfg.recurrent:  # the linear layers' per-slot state rides with the sampler's
+            self.state["model"] = hybrid.init_state(cfg, max_slots)
         self.step_time: dict[tuple[int, int], float] = {}  # seconds per bucket, time_steps
         # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
         # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
@@ -80,6 +85,7 @@ class Runner:
         self._attention = attention_fn
         self._grouped_matmul = grouped_matmul_fn
         self._quant_matmul = quant_matmul
+        self._delta = delta_fn
         self.programs = BucketPrograms(self.step_function, donate=(1, 2), name="step")
 
     @property
@@ -103,13 +109,25 @@ class Runner:
         """
         batch = unpack(ints, self.layout(T, S))
         batch["tokens"] = sampling.feed(batch, state)
-        logits, kv, stats = dense.forward(
-            params, kv, batch, self.cfg, self._attention, self._grouped_matmul, self._quant_matmul
-        )
+        state = dict(state)
+        model_state = state.pop("model", None)
+        if model_state is None:
+            logits, kv, stats = dense.forward(
+                params, kv, batch, self.cfg, self._attention, self._grouped_matmul,
+                self._quant_matmul,
+            )  # fmt: skip
+        else:
+            logits, kv, model_state = hybrid.forward(
+                params, kv, model_state, batch, self.cfg, self._attention, self._quant_matmul,
+                self._delta, self._grouped_matmul,
+            )  # fmt: skip
+            stats = {}
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             packed, top_ids, top_lp, state = sampling.sample_rows(
                 logits, state, batch, floats, self.k
             )
+        if model_state is not None:
+            state["model"] = model_state
         return packed, top_ids, top_lp, kv, state, stats
 
     def step_function(self, T: int, S: int):

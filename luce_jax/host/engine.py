@@ -129,6 +129,9 @@ class DenseEngine:
         )
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
         self._outputs: dict[int, list[int]] = {}  # slot -> tokens collected for it
+        # A hybrid model's slot state stays before a verify row's proposals (models/hybrid.py):
+        # the proposals it accepted are fed again at the start of the slot's next row.
+        self._lag = np.zeros(self.slot_count, np.int32)
         self.slots = SlotTable(self.slot_count, config.seed)
         # The step token budget counts decode rows too (as vLLM's max_num_batched_tokens).
         # One row width per token bucket, S(T) = min(T, slots): a decode-only step of C rows
@@ -138,6 +141,7 @@ class DenseEngine:
         self.token_buckets = buckets(max(config.prefill_token_budget, self.slot_count), 8)
         self._max_rows = buckets(self.slot_count, 1)[-1]
         self.spec = None  # speculation.Speculator once enable_speculation is called
+        self.refeed = bool(getattr(getattr(runner, "cfg", None), "recurrent", ()))
         self.last_bucket = (0, 0)  # (T, S) of the last dispatched step, for the trace
         self._launched: deque[_Launched] = deque()
 
@@ -187,13 +191,14 @@ class DenseEngine:
         self.prefix_hits += cached
         self.slots.claim(slot, prompt, sampling, cached)
         self._outputs[slot] = []
+        self._lag[slot] = 0
         if self.spec is not None:
             self.spec.start(slot, list(prompt), need)
         return AdmitResult("admitted", slot, cached_tokens=cached)
 
     def step_limits(self, num_decode_rows: int) -> StepLimits:
         c = self.config
-        room = self.token_buckets[-1] - num_decode_rows
+        room = self.token_buckets[-1] - num_decode_rows - int(self._lag.sum())
         return StepLimits(
             max_prefill_seqs=c.max_concurrent_prefills,
             max_prefill_tokens_per_seq=c.prefill_chunk,
@@ -212,19 +217,31 @@ class DenseEngine:
         t0 = time.perf_counter()
         sl = self.slots
         dec = np.asarray(plan.decode, np.int32)
-        props = self._proposals(dec, sum(n for _, n in plan.prefills))
-        starts = sl.kv_len(dec)
-        if props:
+        lag = self._lag[dec]
+        props = self._proposals(dec, sum(n for _, n in plan.prefills) + int(lag.sum()))
+        starts = sl.kv_len(dec) - lag
+        if props or lag.any():
             n_draft = np.fromiter((len(p) for p in props), np.int32, len(dec))
-            tokens = np.concatenate([np.asarray([FROM_DEVICE, *p], np.int32) for p in props])
+            if not props:
+                n_draft = np.zeros(len(dec), np.int32)
+            # a row: the accepted proposals fed again (hybrid), the last token, new proposals
+            replay = [self._outputs[s][len(self._outputs[s]) - 1 - n : -1] for s, n in
+                      zip(dec.tolist(), lag.tolist(), strict=True)]  # fmt: skip
+            tokens = np.concatenate(
+                [
+                    np.asarray([*r, FROM_DEVICE, *(props[i] if props else ())], np.int32)
+                    for i, r in enumerate(replay)
+                ]
+            )
         else:
             n_draft = np.zeros(len(dec), np.int32)
             tokens = np.full(len(dec), FROM_DEVICE, np.int32)
-        for slot, end in zip(dec.tolist(), (starts + 1 + n_draft).tolist(), strict=True):
+        lens = lag + 1 + n_draft
+        for slot, end in zip(dec.tolist(), (starts + lens).tolist(), strict=True):
             # Proposals go past kv_len and overwrite nothing of the sequence; rejected ones
             # are rolled back by kv_len alone (it counts emitted tokens), and blocks stay.
             self.pool.ensure(slot, end)
-        parts = [Rows(dec, starts, 1 + n_draft, tokens, np.ones(len(dec), bool), n_draft)]
+        parts = [Rows(dec, starts, lens, tokens, np.ones(len(dec), bool), n_draft)]
         for slot, n in plan.prefills:
             begin = int(sl.prefilled[slot])
             end = begin + n
@@ -289,6 +306,8 @@ class DenseEngine:
             ]
             sl.generated[slot] += kept
             self._outputs[slot].extend(t.token for t in result.tokens[slot])
+            if self.refeed:
+                self._lag[slot] = kept
             if self.spec is not None:
                 n_draft = int(rows.n_draft[i])
                 self.spec.record(slot, n_draft, kept, [t.token for t in result.tokens[slot]])
@@ -322,6 +341,7 @@ class DenseEngine:
             written = int(self.slots.kv_len(np.array([slot]))[0])
             self.pool.cache_blocks(slot, seq, min(written, len(seq)))
             self.slots.release(slot)
+            self._lag[slot] = 0
         self.pool.release(slot)
         if self.spec is not None:
             self.spec.drop(slot)

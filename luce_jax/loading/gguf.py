@@ -21,7 +21,8 @@ from ..config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe")
+HYBRID = ("qwen35", "qwen35moe")  # Gated DeltaNet + gated attention (models/hybrid.py)
 # GGUF value types -> (struct format, numpy dtype) for fixed-size scalars.
 _SCALARS = {
     0: ("<B", np.uint8),
@@ -170,10 +171,32 @@ def model_config(md: dict) -> ModelConfig:
         rope_neox=arch != "llama",
         rope_scaling=scaling,
         rope_scaling_factor=float(get("rope.scaling.factor", 1.0)),
-        qk_norm=arch in ("qwen3", "qwen3moe"),
+        qk_norm=arch in ("qwen3", "qwen3moe", *HYBRID),
         attn_bias=arch == "qwen2",
         context_length=int(get("context_length", 4096)),
-        **(_moe_config(get) if arch == "qwen3moe" else {}),
+        **(_moe_config(get) if arch in ("qwen3moe", "qwen35moe") else {}),
+        **(_hybrid_config(get, md, arch) if arch in HYBRID else {}),
+    )
+
+
+def _hybrid_config(get, md: dict, arch: str) -> dict:
+    """Gated DeltaNet fields of ModelConfig, as llama.cpp's qwen35 loader reads them: which
+    layers are recurrent (attention.recurrent_layers, else every layer but each
+    full_attention_interval-th), and the ssm.* sizes."""
+    n = int(get("block_count"))
+    flags = md.get(f"{arch}.attention.recurrent_layers")
+    if flags is None:
+        every = int(get("full_attention_interval", 4))
+        flags = [(i + 1) % every != 0 for i in range(n)]
+    v_heads = int(get("ssm.time_step_rank"))
+    return dict(
+        recurrent=tuple(bool(f) for f in flags[:n]),
+        attn_gate=True,
+        ssm_conv=int(get("ssm.conv_kernel")),
+        ssm_k_heads=int(get("ssm.group_count")),
+        ssm_v_heads=v_heads,
+        ssm_k_dim=int(get("ssm.state_size")),
+        ssm_v_dim=int(get("ssm.inner_size")) // v_heads,
     )
 
 
@@ -185,6 +208,7 @@ def _moe_config(get) -> dict:
         n_experts_used=int(get("expert_used_count")),
         expert_ffn_dim=int(get("expert_feed_forward_length")),
         expert_weights_norm=bool(get("expert_weights_norm", True)),
+        shared_expert_ffn_dim=int(get("expert_shared_feed_forward_length", 0)),
     )
 
 
@@ -202,7 +226,10 @@ def load_params(
       q/k/v and gate/up projections are fused: wqkv [d, (H+2K)*D], w_gu [d, 2F] (QuantWeights
       of one type fuse along their rows; of different types they stay a tuple, see
       models/linear.py); MoE layers hold router [d, E], w_gu_exps [E, d, 2F] and
-      w_down_exps [E, F, d] instead (QuantWeight [E, 2F, d] and [E, d, F]).
+      w_down_exps [E, F, d] instead (QuantWeight [E, 2F, d] and [E, d, F]). A hybrid model's
+      (qwen35) Gated DeltaNet layers hold w_in [d, C + Hv*Dv + 2Hv] (q, k, v | z | beta |
+      alpha), conv [C, Kc], dt_bias, ssm_a [Hv], ssm_norm [Dv] and w_out [Hv*Dv, d]; its full
+      attention wqkv yields query|gate per head first, [d, 2H*D + 2K*D].
     """
     import jax.numpy as jnp
 
@@ -246,25 +273,56 @@ def load_params(
         return fuse([tensor(n, True, keep=True) for n in names])
 
     f32 = jnp.float32
+
+    def ffn(p: str) -> dict:
+        """A layer's FFN: dense w_gu [d, 2F] (gate | up) and w_down [F, d], or a router [d, E]
+        with experts [E, d, 2F] and [E, F, d], and a sigmoid-gated shared expert if any."""
+        if not cfg.n_experts:
+            return {
+                "w_gu": linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                "w_down": linear(p + "ffn_down.weight"),
+            }
+        gate, up, down = (
+            tensor(p + f"ffn_{x}_exps.weight", True, keep=True) for x in ("gate", "up", "down")
+        )
+        out = {
+            "router": tensor(p + "ffn_gate_inp.weight", True, out_dtype=f32),
+            "w_gu_exps": fuse([gate, up], experts=True),
+            "w_down_exps": down,
+        }
+        if cfg.shared_expert_ffn_dim:
+            out["shexp_gate"] = tensor(p + "ffn_gate_inp_shexp.weight", out_dtype=f32)  # [d]
+            out["w_gu_shexp"] = linear(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")
+            out["w_down_shexp"] = linear(p + "ffn_down_shexp.weight")
+        return out
+
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
+        if cfg.recurrent and cfg.recurrent[i]:  # Gated DeltaNet (qwen35)
+            layers.append(
+                {
+                    "attn_norm": tensor(p + "attn_norm.weight", out_dtype=f32),
+                    # q, k, v (the convolution's channels) | z gate | beta | alpha
+                    "w_in": linear(*(p + x for x in _LINEAR_IN)),
+                    "conv": tensor(p + "ssm_conv1d.weight", out_dtype=f32),  # [C, Kc]
+                    "dt_bias": tensor(p + "ssm_dt.bias", out_dtype=f32),
+                    "ssm_a": tensor(p + "ssm_a", out_dtype=f32),  # -exp(A_log)
+                    "ssm_norm": tensor(p + "ssm_norm.weight", out_dtype=f32),
+                    "w_out": linear(p + "ssm_out.weight"),
+                    "ffn_norm": tensor(p + "post_attention_norm.weight", out_dtype=f32),
+                    **ffn(p),
+                }
+            )
+            continue
+        ffn_norm = "post_attention_norm" if cfg.recurrent else "ffn_norm"
         layer = {
             "attn_norm": tensor(p + "attn_norm.weight", out_dtype=f32),
             "wqkv": linear(*(p + f"attn_{x}.weight" for x in "qkv")),
             "wo": linear(p + "attn_output.weight"),
-            "ffn_norm": tensor(p + "ffn_norm.weight", out_dtype=f32),
+            "ffn_norm": tensor(p + f"{ffn_norm}.weight", out_dtype=f32),
         }
-        if cfg.n_experts:  # router [d, E]; experts [E, d, 2F] (gate | up) and [E, F, d]
-            layer["router"] = tensor(p + "ffn_gate_inp.weight", True, out_dtype=f32)
-            gate, up, down = (
-                tensor(p + f"ffn_{x}_exps.weight", True, keep=True) for x in ("gate", "up", "down")
-            )
-            layer["w_gu_exps"] = fuse([gate, up], experts=True)
-            layer["w_down_exps"] = down
-        else:
-            layer["w_gu"] = linear(p + "ffn_gate.weight", p + "ffn_up.weight")
-            layer["w_down"] = linear(p + "ffn_down.weight")
+        layer.update(ffn(p))
         if cfg.attn_bias:
             layer["bqkv"] = jnp.concatenate(
                 [tensor(p + f"attn_{x}.bias", out_dtype=f32) for x in "qkv"]
@@ -300,6 +358,9 @@ def load_params(
     if vocab != cfg.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=vocab)
     return dataclasses.replace(cfg, tied_embeddings=lm_head is None), params
+
+
+_LINEAR_IN = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")
 
 
 def fuse(parts: list, experts: bool = False):

@@ -110,43 +110,60 @@ def forward(
         # (bench/results/2026-11-30_profile_qwen3-8b-bf16.md), which bounds what fusing saves,
         # and a fused write would have to land before other programs of the same sequence read
         # it, an ordering Triton programs of one grid do not have.
-        with jax.named_scope("kv_write"):
-            kc = kv_cache.write(kc, batch["write_idx"], k)
-            vc = kv_cache.write(vc, batch["write_idx"], v)
-        with jax.named_scope("attention"):
-            o = attn(
-                q.astype(kv_cache.compute_dtype(kc, weight_dtype(lp["wqkv"]))),
-                kc,
-                vc,
-                batch["seg_ids"],
-                batch["positions"],
-                batch["block_tables"],
-                batch["kv_lens"],
-                scale=scale,
-                cu_q_lens=batch["cu_q_lens"],
-            )
+        o, kc, vc = write_and_attend(attn, q, k, v, kc, vc, batch, scale, lp["wqkv"])
         with jax.named_scope("attn_out"):
             x = x + linear(o.reshape(T, H * D), lp["wo"], quant_matmul, live)
         with jax.named_scope("mlp"):
             h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
             if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
-                y, sizes = moe.ffn(lp, h, cfg, grouped_matmul, real)
+                y, sizes = moe.ffn(lp, h, cfg, grouped_matmul, real, quant_matmul)
                 x = x + y
                 counts.append(sizes)
             else:
-                gate, up = jnp.split(linear(h, lp["w_gu"], quant_matmul, live), 2, axis=-1)
-                x = x + linear(jax.nn.silu(gate) * up, lp["w_down"], quant_matmul, live)
+                x = x + swiglu(lp, h, quant_matmul, live)
         new_kv.append((kc, vc))
+    logits = head(params, x, batch, cfg, quant_matmul)
+    stats = {"expert_counts": jnp.stack(counts)} if counts else {}
+    return logits, new_kv, stats
+
+
+def write_and_attend(attn, q, k, v, kc, vc, batch: dict, scale: float, w_qkv):
+    """Write this step's k, v [T, K, D] into the paged caches, then attend with q [T, H, D]
+    (in the caches' compute type for the projection weights w_qkv). Returns (o [T, H, D], kc,
+    vc)."""
+    with jax.named_scope("kv_write"):
+        kc = kv_cache.write(kc, batch["write_idx"], k)
+        vc = kv_cache.write(vc, batch["write_idx"], v)
+    with jax.named_scope("attention"):
+        o = attn(
+            q.astype(kv_cache.compute_dtype(kc, weight_dtype(w_qkv))),
+            kc,
+            vc,
+            batch["seg_ids"],
+            batch["positions"],
+            batch["block_tables"],
+            batch["kv_lens"],
+            scale=scale,
+            cu_q_lens=batch["cu_q_lens"],
+        )
+    return o, kc, vc
+
+
+def swiglu(lp: dict, h, quant_matmul, live):
+    """The dense FFN: w_down(silu(gate) * up) of the normed residual h [T, d]."""
+    gate, up = jnp.split(linear(h, lp["w_gu"], quant_matmul, live), 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, lp["w_down"], quant_matmul, live)
+
+
+def head(params: dict, x, batch: dict, cfg: ModelConfig, quant_matmul):
+    """Logits [R, V] of the wanted rows (batch logit_rows) of the residual stream x [T, d]."""
     with jax.named_scope("lm_head"):
         h = rms_norm(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
         # padding logits rows (offset -1) trail the real ones
         live_logits = jnp.sum(batch["logit_off"] >= 0) if "logit_off" in batch else None
         if "lm_head" in params:
-            logits = linear(h, params["lm_head"], quant_matmul, live_logits)
-        else:
-            logits = unembed(h, params["embed"], quant_matmul, live_logits)
-    stats = {"expert_counts": jnp.stack(counts)} if counts else {}
-    return logits, new_kv, stats
+            return linear(h, params["lm_head"], quant_matmul, live_logits)
+        return unembed(h, params["embed"], quant_matmul, live_logits)
 
 
 def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=None) -> KV:

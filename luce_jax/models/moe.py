@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from pallas_kernels.moe_grouping import expert_weights
 
 from ..config import ModelConfig
+from .linear import linear
 
 
 def route(h, router, cfg: ModelConfig):
@@ -72,7 +73,7 @@ def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float
     return y.astype(out_dtype)
 
 
-def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None):
+def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None, qmm=None):
     """The MoE FFN of one layer.
 
     Args:
@@ -80,8 +81,10 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None):
       h: [T, d] float32 normed hidden states.
       grouped_matmul: grouped_matmul_xla's signature (default: it).
       real: [T] bool, False for bucket padding, whose output is zero (default: all real).
+      qmm: how a shared expert's quantized projections run (models/linear.py).
     Returns:
       ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
+       plus sigmoid(h . shexp_gate) times the shared expert's output where there is one,
        sizes [E] int32: real tokens routed to each expert, the step's expert statistics).
     """
     gmm = grouped_matmul or grouped_matmul_xla
@@ -94,4 +97,9 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None):
     act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, out_dtype=wdt)  # [T*k, F]
     y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
     y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y), sizes
+    out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)
+    if "w_gu_shexp" in lp:  # qwen35moe: every token also takes the shared expert, gated
+        gate, up = jnp.split(linear(h, lp["w_gu_shexp"], qmm), 2, axis=-1)
+        shared = linear(jax.nn.silu(gate) * up, lp["w_down_shexp"], qmm).astype(jnp.float32)
+        out = out + jax.nn.sigmoid(h @ lp["shexp_gate"])[:, None] * shared
+    return out, sizes

@@ -1,0 +1,185 @@
+"""Hybrid decoder (qwen35): Gated DeltaNet layers with recurrent state in the sequence slot,
+and gated full-attention layers over the paged KV, as one pure function over a packed step.
+
+Each segment (a prompt chunk, a decode row) starts its linear layers from its slot's state
+(zero on the slot's first row: `fresh`) and leaves the state after its last token there, so a
+prompt split over several steps ends in the state of one unsplit pass. A verify row leaves the
+state after its first token only: its proposals get logits, but which of them are accepted is
+known only after sampling, so the host feeds the accepted ones again in the slot's next row
+(host/engine.py), from that state.
+
+Shapes: T packed tokens, S segments, S_max slots, C convolution channels (q, k, v), Kc
+convolution width, Hk / Hv key / value heads of the linear layers, Dk / Dv their head dims,
+H / K / D of the attention layers, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kv_cache
+from pallas_kernels.gated_delta import gated_delta_reference
+
+from ..config import ModelConfig
+from . import moe
+from .attention import paged_attention_xla
+from .dense import apply_rope, head, rms_norm, rope_tables, swiglu, write_and_attend
+from .linear import QuantMatmul, embed, linear, weight_dtype
+
+
+def init_state(cfg: ModelConfig, max_slots: int) -> dict:
+    """Zeroed per-slot state of the linear layers (float32): conv [Lr, S_max, Kc-1, C] (the
+    last inputs of the convolution, oldest first) and ssm [Lr, S_max, Hv, Dk, Dv]."""
+    n = sum(cfg.recurrent)
+    return {
+        "conv": jnp.zeros((n, max_slots, cfg.ssm_conv - 1, cfg.conv_dim), jnp.float32),
+        "ssm": jnp.zeros(
+            (n, max_slots, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim), jnp.float32
+        ),
+    }
+
+
+def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=None) -> list:
+    """Paged (k, v) caches [NB, P, K, D] of the full-attention layers only."""
+    shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+    v_type = k_type if v_type is None else v_type
+    return [
+        (kv_cache.init(shape, k_type), kv_cache.init(shape, v_type))
+        for _ in range(cfg.attention_layers)
+    ]
+
+
+def causal_conv(x, w, hist, seg_ids, offsets, cu_q_lens, n_keep):
+    """Depthwise causal convolution of each segment, continuing from its history.
+
+    Args:
+      x: [T, C] inputs; w: [C, Kc] weights (the last column multiplies the current input);
+      hist: [S, Kc-1, C] each segment's previous inputs, oldest first; seg_ids, offsets: [T]
+      segment and index in it of each token; cu_q_lens: [S+1]; n_keep: [S] leading tokens of
+      each segment the new history follows (a verify row's proposals are not kept).
+    Returns:
+      (silu of the convolution [T, C] float32, each segment's new history [S, Kc-1, C]).
+    """
+    T, Kc = x.shape[0], w.shape[1]
+    x = x.astype(jnp.float32)
+    out = jnp.zeros_like(x)
+    for i in range(Kc):  # tap i reads the input Kc-1-i tokens back
+        r = offsets - (Kc - 1 - i)  # index in the segment; < 0: from the history
+        own = x[jnp.clip(jnp.arange(T) - (Kc - 1 - i), 0, T - 1)]
+        old = hist[seg_ids, jnp.clip(Kc - 1 + r, 0, Kc - 2)]
+        out = out + jnp.where((r >= 0)[:, None], own, old) * w[:, i]
+    starts = cu_q_lens[:-1]
+    m = n_keep[:, None] - (Kc - 1) + jnp.arange(Kc - 1)[None, :]  # [S, Kc-1] index in segment
+    own = x[jnp.clip(starts[:, None] + m, 0, T - 1)]
+    old = jnp.take_along_axis(hist, jnp.clip(Kc - 1 + m, 0, Kc - 2)[..., None], axis=1)
+    new_hist = jnp.where((m >= 0)[..., None], own, old)
+    return jax.nn.silu(out), new_hist
+
+
+def l2norm(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def linear_attention(lp, h, conv_hist, ssm_h0, batch, cfg: ModelConfig, qmm, live, delta_fn):
+    """One Gated DeltaNet mixer over the packed step (HF's Qwen3_5GatedDeltaNet; V heads in
+    llama.cpp's tiled order: value head j reads key head j % Hk).
+
+    delta_fn: the gated delta rule (pallas_kernels/gated_delta.py: the kernel or its reference).
+    Returns: (out [T, d], new conv history [S, Kc-1, C], final states [S, Hv, Dk, Dv])."""
+    T = h.shape[0]
+    Hk, Hv, Dk, Dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
+    C = cfg.conv_dim
+    proj = linear(h, lp["w_in"], qmm, live).astype(jnp.float32)
+    mixed, z = proj[:, :C], proj[:, C : C + Hv * Dv]
+    b, a = proj[:, C + Hv * Dv : C + Hv * Dv + Hv], proj[:, C + Hv * Dv + Hv :]
+    cu = batch["cu_q_lens"]
+    seg = batch["seg_ids"]
+    offsets = jnp.arange(T) - cu[seg]
+    n_keep = cu[1:] - cu[:-1] - batch["n_draft"]  # the state stays before a row's proposals
+    mixed, new_hist = causal_conv(mixed, lp["conv"], conv_hist, seg, offsets, cu, n_keep)
+    q = mixed[:, : Hk * Dk].reshape(T, Hk, Dk)
+    k = mixed[:, Hk * Dk : 2 * Hk * Dk].reshape(T, Hk, Dk)
+    v = mixed[:, 2 * Hk * Dk :].reshape(T, Hv, Dv)
+    g = lp["ssm_a"] * jax.nn.softplus(a + lp["dt_bias"])
+    o, hs = delta_fn(l2norm(q) * Dk**-0.5, l2norm(k), v, g, jax.nn.sigmoid(b), ssm_h0, cu, n_keep)
+    o = rms_norm(o, lp["ssm_norm"], cfg.rms_eps) * jax.nn.silu(z.reshape(T, Hv, Dv))
+    out = linear(o.reshape(T, Hv * Dv).astype(weight_dtype(lp["w_out"])), lp["w_out"], qmm, live)
+    return out, new_hist, hs
+
+
+def gated_attention(lp, h, kc, vc, cos, sin, batch, cfg: ModelConfig, attn, qmm, live):
+    """Full attention whose query projection also yields a per-head gate: o * sigmoid(gate)."""
+    T = h.shape[0]
+    H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = linear(h, lp["wqkv"], qmm, live)
+    qg = qkv[:, : 2 * H * D].reshape(T, H, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
+    k = qkv[:, 2 * H * D : (2 * H + K) * D].reshape(T, K, D)
+    v = qkv[:, (2 * H + K) * D :].reshape(T, K, D)
+    q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_eps), cos, sin, cfg)
+    k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_eps), cos, sin, cfg)
+    o, kc, vc = write_and_attend(attn, q, k, v, kc, vc, batch, D**-0.5, lp["wqkv"])
+    o = o.reshape(T, H * D) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+    return linear(o, lp["wo"], qmm, live), kc, vc
+
+
+def forward(
+    params: dict,
+    kv: list,
+    state: dict,
+    batch: dict,
+    cfg: ModelConfig,
+    attention_fn=None,
+    quant_matmul: QuantMatmul | None = None,
+    delta_fn=None,
+    grouped_matmul=None,
+):
+    """One hybrid model step over packed tokens.
+
+    Args:
+      params: gguf.load_params' pytree of a qwen35 file; kv: init_kv's caches;
+      state: init_state's arrays; batch: dense.forward's arrays plus slots [S] (-1 for
+        padding rows) and fresh [S] (1 on a slot's first row: its state starts from zero).
+      attention_fn, quant_matmul, grouped_matmul: as dense.forward; delta_fn: the gated delta
+        rule (default: gated_delta_reference).
+    Returns:
+      (logits [R, V] float32, new kv, new state).
+    """
+    attn = attention_fn or paged_attention_xla
+    delta = delta_fn or gated_delta_reference
+    live = batch["cu_q_lens"][-1]
+    real = jnp.arange(batch["tokens"].shape[0]) < live
+    slots = batch["slots"]
+    oob = state["ssm"].shape[1]  # padding rows read slot 0 (masked) and write nowhere
+    read = jnp.maximum(slots, 0)
+    write = jnp.where(slots < 0, oob, slots)
+    keep = ((batch["fresh"] == 0) & (slots >= 0)).astype(jnp.float32)
+    x = embed(params["embed"], batch["tokens"])
+    cos, sin = rope_tables(batch["positions"], cfg)
+    new_kv, convs, ssms = [], [], []
+    li = ai = 0
+    for lp, recurrent in zip(params["layers"], cfg.recurrent, strict=True):
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+        if recurrent:
+            hist = state["conv"][li, read] * keep[:, None, None]
+            h0 = state["ssm"][li, read] * keep[:, None, None, None]
+            y, hist, hs = linear_attention(lp, h, hist, h0, batch, cfg, quant_matmul, live, delta)
+            convs.append(state["conv"][li].at[write].set(hist, mode="drop"))
+            ssms.append(state["ssm"][li].at[write].set(hs, mode="drop"))
+            li += 1
+        else:
+            kc, vc = kv[ai]
+            y, kc, vc = gated_attention(
+                lp, h, kc, vc, cos, sin, batch, cfg, attn, quant_matmul, live
+            )
+            new_kv.append((kc, vc))
+            ai += 1
+        x = x + y.astype(x.dtype)
+        h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+        if "router" in lp:  # qwen35moe: routed experts and the gated shared expert
+            x = x + moe.ffn(lp, h, cfg, grouped_matmul, real, quant_matmul)[0]
+        else:
+            x = x + swiglu(lp, h, quant_matmul, live)
+    logits = head(params, x, batch, cfg, quant_matmul)
+    return logits, new_kv, {"conv": jnp.stack(convs), "ssm": jnp.stack(ssms)}
