@@ -26,28 +26,32 @@ def inputs(lens, T, Hk=2, Hv=4, Dk=16, Dv=16, dtype=jnp.float32, seed=0):
     return q, k, v, g, beta, h0, jnp.asarray(cu)
 
 
+@pytest.mark.parametrize("chunk", [0, 16, 32], ids=["tokens", "chunk16", "chunk32"])
 @pytest.mark.parametrize(
     "lens, T",
     [
         ([16], 16),  # one segment, a whole multiple of a chunk
         ([13], 16),  # not a multiple, bucket padding after it
+        ([45, 3], 64),  # whole chunks, then fewer tokens than a chunk
+        ([130, 2], 136),  # many chunks
         ([5, 1, 1, 9, 1], 32),  # prompt chunks and decode rows of one step
         ([1, 1, 1, 1], 8),  # decode rows only
         ([7, 0, 0], 8),  # padding segments (no tokens)
     ],
 )
-def test_kernel_matches_reference(lens, T):
+def test_kernel_matches_reference(lens, T, chunk):
     args = inputs(lens, T)
-    o, h = gated_delta(*args, interpret=True)
+    o, h = gated_delta(*args, interpret=True, chunk=chunk)
     o_ref, h_ref = gated_delta_reference(*args)
     np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5)
     assert not np.asarray(o[sum(lens) :]).any()  # padding tokens: zero output
 
 
-def test_bf16_inputs_keep_a_float32_state():
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_bf16_inputs_keep_a_float32_state(chunk):
     args = inputs([6, 1, 9], 16, dtype=jnp.bfloat16)
-    o, h = gated_delta(*args, interpret=True)
+    o, h = gated_delta(*args, interpret=True, chunk=chunk)
     o_ref, h_ref = gated_delta_reference(*args)
     assert o.dtype == h.dtype == jnp.float32
     np.testing.assert_allclose(o, o_ref, rtol=2e-2, atol=2e-2)
@@ -73,6 +77,8 @@ def test_bad_shapes_are_named():
     q, k, v, g, beta, h0, cu = inputs([4], 8)
     with pytest.raises(ValueError, match="Hk=2 Hv=3"):
         gated_delta(q, k, v[:, :3], g[:, :3], beta[:, :3], h0[:, :3], cu, interpret=True)
+    with pytest.raises(ValueError, match="chunk=8"):
+        gated_delta(q, k, v, g, beta, h0, cu, interpret=True, chunk=8)
     with pytest.raises(ValueError, match="powers of two"):
         gated_delta(q[..., :12], k[..., :12], v, g, beta, h0[:, :, :12], cu, interpret=True)
 
@@ -93,12 +99,13 @@ def test_reference_equals_a_plain_python_loop():
     np.testing.assert_allclose(h_ref, h, rtol=1e-5, atol=1e-6)
 
 
-def test_a_verify_rows_proposals_get_outputs_but_not_the_kept_state():
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_a_verify_rows_proposals_get_outputs_but_not_the_kept_state(chunk):
     """n_keep: the state returned holds each segment's first n_keep tokens (the real ones);
     the proposals after them still get the outputs of running on."""
     args = inputs([6, 4, 1], 16)
     keep = jnp.array([6, 1, 1])  # a prompt chunk, a verify row with 3 proposals, a decode row
-    o, h = gated_delta(*args, keep, interpret=True)
+    o, h = gated_delta(*args, keep, interpret=True, chunk=chunk)
     o_all, h_all = gated_delta_reference(*args)
     o_ref, h_ref = gated_delta_reference(*args, keep)
     np.testing.assert_allclose(o, o_all, rtol=1e-5, atol=1e-5)  # outputs: as if all kept

@@ -82,8 +82,9 @@ def test_grouped_matmul_of_quantized_experts_lowers(verified, qtype):
     assert len(verified) == 1
 
 
+@pytest.mark.parametrize("chunk", [0, 16, 64])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gated_delta_lowers_to_a_valid_triton_module(verified, dtype):
+def test_gated_delta_lowers_to_a_valid_triton_module(verified, dtype, chunk):
     """Qwen3.5-27B's linear-layer sizes: 16 key heads, 48 value heads, Dk = Dv = 128."""
     from pallas_kernels.gated_delta import gated_delta
 
@@ -97,5 +98,5 @@ def test_gated_delta_lowers_to_a_valid_triton_module(verified, dtype):
         jnp.zeros((S, Hv, D, D), jnp.float32),
         jnp.asarray([0, 40, 41, 42, 60], jnp.int32),
     )
-    lower_for_cuda(lambda *a: gated_delta(*a, interpret=False), *args)
+    lower_for_cuda(lambda *a: gated_delta(*a, interpret=False, chunk=chunk), *args)
     assert len(verified) == 1
