@@ -26,6 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    cache_prompt: bool = True  # may reuse a cached prompt prefix (llama.cpp's server's option)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

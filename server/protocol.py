@@ -66,6 +66,7 @@ _COMMON = {
     "min_tokens",
     "ignore_eos",
     "stop_token_ids",
+    "cache_prompt",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {
@@ -214,6 +215,7 @@ def sampling_from(
         ignore_eos=_bool(body, "ignore_eos"),
         min_tokens=min_tokens,
         logprobs=logprobs,
+        cache_prompt=_bool(body, "cache_prompt", True),
     )
 
 

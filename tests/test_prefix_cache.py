@@ -114,6 +114,17 @@ def test_a_request_reads_only_the_cached_blocks_it_shares(engines, engine_config
     fresh_cache(on)  # its blocks hold poison now
 
 
+def test_a_request_that_asks_not_to_reuse_computes_its_whole_prompt(engines, engine_config):
+    tok, on, off = engines
+    fresh_cache(on)
+    run_schedule(on, tok, [(0, STEM, GREEDY)], engine_config)
+    hits = on.prefix_hits
+    sp = GREEDY.replace(cache_prompt=False)
+    outs, _ = run_schedule(on, tok, [(0, STEM + SUFFIX[:3], sp)], engine_config)
+    assert on.prefix_hits == hits
+    assert outs[0] == run_schedule(off, tok, [(0, STEM + SUFFIX[:3], sp)], engine_config)[0][0]
+
+
 def test_a_repetition_penalty_request_computes_its_whole_prompt(engines, engine_config):
     """The repetition penalty counts every prompt token, which the device learns by prefill:
     such a request shares nothing and samples as without the cache."""

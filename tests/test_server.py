@@ -371,6 +371,19 @@ def test_a_repeated_prompt_reports_its_cached_tokens_in_usage_and_metrics(base_u
     assert d["luce_prefix_cache_hits_tokens_total"] == 2 * cached
     assert after["luce_kv_blocks_cached"] >= n // 16
     assert after["luce_kv_blocks_used"] == 0  # cached blocks no request holds are not used
+    # llama.cpp's server's per-request switch: cache_prompt false computes the whole prompt
+    off = client.completions.create(
+        model="tiny",
+        prompt=text,
+        **{**GREEDY, "extra_body": {"ignore_eos": True, "cache_prompt": False}},
+    )
+    assert off.usage.prompt_tokens_details.cached_tokens == 0
+    assert off.choices[0].text == first.choices[0].text
+    r = httpx.post(
+        client.base_url.join("completions").__str__(),
+        json={"model": "tiny", "prompt": "x", "cache_prompt": "yes"},
+    )
+    assert r.status_code == 400 and "cache_prompt" in r.json()["error"]["message"]
 
 
 def test_models_tokenize_detokenize(base_url, client):

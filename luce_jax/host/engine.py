@@ -182,8 +182,10 @@ class DenseEngine:
         if slot is None:
             return AdmitResult("busy")
         # The repetition penalty reads the whole prompt from the device's prompt mask, which
-        # only a prefill fills: such a request computes its prompt in full.
-        shared = self.pool.match(prompt) if sampling.repetition_penalty == 1 else []
+        # only a prefill fills: such a request computes its prompt in full, as does one that
+        # asks so (cache_prompt false).
+        reuse = sampling.cache_prompt and sampling.repetition_penalty == 1
+        shared = self.pool.match(prompt) if reuse else []
         if not self.pool.reserve(slot, need, shared):
             return AdmitResult("busy")
         cached = len(shared) * self.block_size
