@@ -26,6 +26,8 @@ import numpy as np
 from luce_jax.loading.quants import keep_quantized
 from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, quant_matmul_xla
+from pallas_kernels.quant_prefill import QTYPES as TILE_QTYPES
+from pallas_kernels.quant_prefill import quant_prefill
 
 from make_model import random_rows
 from meta import meta_line, run_meta, write_result
@@ -46,7 +48,15 @@ def parse_variant(v: str) -> dict:
     return kw | ({"min_programs": mp[0]} if mp else {})
 
 
-def run_case(qtype, name, K, N, M, bw, variants, n_weights, xla: bool, lives=()) -> list[dict]:
+def parse_tiles(v: str) -> dict:
+    """block_m:block_n:block_k:warps:stages of quant_prefill."""
+    bm, bn, bk, warps, stages = (int(t) for t in v.split(":"))
+    return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
+
+def run_case(
+    qtype, name, K, N, M, bw, variants, n_weights, xla: bool, lives=(), tiles=()
+) -> list[dict]:
     rng = np.random.default_rng(0)
     fmt = FORMATS[qtype]
     x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
@@ -65,6 +75,9 @@ def run_case(qtype, name, K, N, M, bw, variants, n_weights, xla: bool, lives=())
         live = jnp.int32(n)
         fns += [(f"{v} live {n}", functools.partial(quant_matmul, live=live,
                  out_dtype=jnp.bfloat16, **parse_variant(v))) for v in variants]  # fmt: skip
+    if qtype in TILE_QTYPES:  # the tile-dequantize kernel (pallas_kernels/quant_prefill.py)
+        fns += [(f"tiles {v}", functools.partial(quant_prefill, out_dtype=jnp.bfloat16,
+                 **parse_tiles(v))) for v in tiles]  # fmt: skip
     if xla:
         fns.append(("xla", functools.partial(quant_matmul_xla, out_dtype=jnp.bfloat16)))
     rows = []
@@ -103,13 +116,19 @@ def main():
     ap.add_argument("--weights", type=int, default=4, help="distinct weight buffers cycled")
     ap.add_argument("--no-xla", action="store_true", help="skip XLA's dequantize-then-dot")
     ap.add_argument("--live", type=int, nargs="*", default=[], help="also with these live rows")
+    ap.add_argument(
+        "--tiles",
+        nargs="*",
+        default=[],
+        help="also quant_prefill (q8_0, q4_0) at block_m:block_n:block_k:warps:stages",
+    )
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bw = copy_bandwidth()
     shapes = [SHAPES[i] for i in a.shapes] if a.shapes is not None else SHAPES
     rows = [r for t in a.types for s in shapes for M in a.rows
             for r in run_case(t, *s, M, bw, a.variants, a.weights, not a.no_xla,
-                              [n for n in a.live if n < M])]  # fmt: skip
+                              [n for n in a.live if n < M], a.tiles)]  # fmt: skip
     meta = run_meta()
     lines = [
         f"GGML-quantized weights (Pallas kernel, dequantized in registers; `xla`: XLA "

@@ -222,20 +222,17 @@ class DenseEngine:
         lag = self._lag[dec]
         props = self._proposals(dec, sum(n for _, n in plan.prefills) + int(lag.sum()))
         starts = sl.kv_len(dec) - lag
-        if props or lag.any():
+        if props:  # rows: accepted proposals fed again (hybrid), the last token, proposals
             n_draft = np.fromiter((len(p) for p in props), np.int32, len(dec))
-            if not props:
-                n_draft = np.zeros(len(dec), np.int32)
-            # a row: the accepted proposals fed again (hybrid), the last token, new proposals
-            replay = [self._outputs[s][len(self._outputs[s]) - 1 - n : -1] for s, n in
-                      zip(dec.tolist(), lag.tolist(), strict=True)]  # fmt: skip
+            out = self._outputs
             tokens = np.concatenate(
                 [
-                    np.asarray([*r, FROM_DEVICE, *(props[i] if props else ())], np.int32)
-                    for i, r in enumerate(replay)
+                    np.asarray([*out[s][len(out[s]) - 1 - n : -1], FROM_DEVICE, *p], np.int32)
+                    for s, n, p in zip(dec.tolist(), lag.tolist(), props, strict=True)
                 ]
             )
         else:
+            assert not lag.any(), "only speculation leaves accepted tokens to feed again"
             n_draft = np.zeros(len(dec), np.int32)
             tokens = np.full(len(dec), FROM_DEVICE, np.int32)
         lens = lag + 1 + n_draft

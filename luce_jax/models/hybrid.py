@@ -154,19 +154,22 @@ def forward(
     oob = state["ssm"].shape[1]  # padding rows read slot 0 (masked) and write nowhere
     read = jnp.maximum(slots, 0)
     write = jnp.where(slots < 0, oob, slots)
-    keep = ((batch["fresh"] == 0) & (slots >= 0)).astype(jnp.float32)
+    keep = (batch["fresh"] == 0) & (slots >= 0)  # else the row starts from zero
     x = embed(params["embed"], batch["tokens"])
     cos, sin = rope_tables(batch["positions"], cfg)
-    new_kv, convs, ssms = [], [], []
+    # Updated in place, layer by layer (the runner donates the state): one [Lr, S_max, ...]
+    # copy a step would cost as much as reading the state twice.
+    conv, ssm = state["conv"], state["ssm"]
+    new_kv = []
     li = ai = 0
     for lp, recurrent in zip(params["layers"], cfg.recurrent, strict=True):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         if recurrent:
-            hist = state["conv"][li, read] * keep[:, None, None]
-            h0 = state["ssm"][li, read] * keep[:, None, None, None]
+            hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
+            h0 = jnp.where(keep[:, None, None, None], ssm[li, read], 0.0)
             y, hist, hs = linear_attention(lp, h, hist, h0, batch, cfg, quant_matmul, live, delta)
-            convs.append(state["conv"][li].at[write].set(hist, mode="drop"))
-            ssms.append(state["ssm"][li].at[write].set(hs, mode="drop"))
+            conv = conv.at[li, write].set(hist, mode="drop")
+            ssm = ssm.at[li, write].set(hs, mode="drop")
             li += 1
         else:
             kc, vc = kv[ai]
@@ -182,4 +185,4 @@ def forward(
         else:
             x = x + swiglu(lp, h, quant_matmul, live)
     logits = head(params, x, batch, cfg, quant_matmul)
-    return logits, new_kv, {"conv": jnp.stack(convs), "ssm": jnp.stack(ssms)}
+    return logits, new_kv, {"conv": conv, "ssm": ssm}
