@@ -205,10 +205,18 @@ def kv_cache_types(config: EngineConfig, mc):
 
 
 def state_bytes(mc, config: EngineConfig) -> int:
-    """Device bytes of the per-slot recurrent state of a hybrid model's linear layers (float32
-    convolution history and delta-rule state, models/hybrid.init_state); 0 for others."""
-    per_layer = (mc.ssm_conv - 1) * mc.conv_dim + mc.ssm_v_heads * mc.ssm_k_dim * mc.ssm_v_dim
-    return 4 * sum(mc.recurrent) * config.max_concurrency * per_layer if mc.recurrent else 0
+    """Device bytes of the per-slot recurrent state of a hybrid model's linear layers
+    (models/hybrid.init_state's arrays, sized without allocating them); 0 for others."""
+    if not mc.recurrent:
+        return 0
+    import functools
+
+    import jax
+
+    from .models.hybrid import init_state
+
+    shapes = jax.eval_shape(functools.partial(init_state, mc, config.max_concurrency))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
 def hybrid_limits(config: EngineConfig) -> EngineConfig:

@@ -226,8 +226,9 @@ def dequantize_weight(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
     return vals.reshape(w.shape).astype(dtype)
 
 
-def _byte_f16(load1, off: int):
-    """[BN] float32 from the little-endian f16 at a static block offset."""
+def _byte_f16(load1, off):
+    """float32 from the little-endian f16 whose bytes load1(off), load1(off + 1) give (off a
+    static block offset, or an index array)."""
     lo, hi = load1(off).astype(jnp.uint16), load1(off + 1).astype(jnp.uint16)
     return jax.lax.bitcast_convert_type(lo | (hi << 8), jnp.float16).astype(jnp.float32)
 

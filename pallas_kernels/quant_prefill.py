@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
-from .ggml_blocks import QuantWeight
+from .ggml_blocks import QuantWeight, _byte_f16
 
 QTYPES = ("q8_0", "q4_0", "q4_k", "q6_k")
 
@@ -49,8 +49,7 @@ def _tile(qtype: str, h_ref, b_ref, n, k, ok):
         return plgpu.load(h_ref.at[i, n], mask=ok, other=0).astype(jnp.int32)
 
     def f16(i):  # the little-endian float16 at head rows i, i + 1
-        bits = (head(i) | (head(i + 1) << 8)).astype(jnp.uint16)
-        return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+        return _byte_f16(head, i)
 
     if qtype in ("q8_0", "q4_0"):  # blocks of 32: f16 scale (head 2 bytes), codes
         blk, i = k // 32, k % 32

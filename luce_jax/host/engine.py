@@ -141,7 +141,7 @@ class DenseEngine:
         self.token_buckets = buckets(max(config.prefill_token_budget, self.slot_count), 8)
         self._max_rows = buckets(self.slot_count, 1)[-1]
         self.spec = None  # speculation.Speculator once enable_speculation is called
-        self.refeed = bool(getattr(getattr(runner, "cfg", None), "recurrent", ()))
+        self.refeed = bool(runner.cfg.recurrent)
         self.last_bucket = (0, 0)  # (T, S) of the last dispatched step, for the trace
         self._launched: deque[_Launched] = deque()
 
@@ -336,9 +336,10 @@ class DenseEngine:
             # position below kv_len is written by a launched step, and its token is known once
             # collected.
             out = np.asarray(self._outputs.pop(slot, []), np.int32)
-            seq = np.concatenate([self.slots.prompt[slot], out])
-            written = int(self.slots.kv_len(np.array([slot]))[0])
-            self.pool.cache_blocks(slot, seq, min(written, len(seq)))
+            if self.pool.cache is not None:
+                seq = np.concatenate([self.slots.prompt[slot], out])
+                written = int(self.slots.kv_len(np.array([slot]))[0])
+                self.pool.cache_blocks(slot, seq, min(written, len(seq)))
             self.slots.release(slot)
             self._lag[slot] = 0
         self.pool.release(slot)
