@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from luce_jax.loading.quants import keep_quantized
-from pallas_kernels.ggml_blocks import FORMATS
+from pallas_kernels.ggml_blocks import FORMATS, dequantize_weight
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, quant_matmul_xla
 from pallas_kernels.quant_prefill import QTYPES as TILE_QTYPES
 from pallas_kernels.quant_prefill import quant_prefill
@@ -48,15 +48,44 @@ def parse_variant(v: str) -> dict:
     return kw | ({"min_programs": mp[0]} if mp else {})
 
 
+def parse_vector(v: str) -> dict:
+    """block_n:values_per_step:warps:stages:vector_programs of the vector path."""
+    bn, vps, warps, stages, vp = (int(t) for t in v.split(":"))
+    return dict(block_n=bn, values_per_step=vps, num_warps=warps, num_stages=stages,
+                vector_programs=vp)  # fmt: skip
+
+
 def parse_tiles(v: str) -> dict:
     """block_m:block_n:block_k:warps:stages of quant_prefill."""
     bm, bn, bk, warps, stages = (int(t) for t in v.split(":"))
     return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
 
 
+def xla_reduce(x, w):
+    """Row 0 of x @ W^T as XLA's multiply-and-reduce with W dequantized inside the fusion (no
+    dot, no bf16 copy of W if XLA fuses the decoding into the reduction); other rows zero."""
+    y = jnp.sum(dequantize_weight(w, jnp.float32) * x[0].astype(jnp.float32)[None, :], axis=1)
+    return jnp.zeros((x.shape[0], y.shape[0]), jnp.bfloat16).at[0].set(y.astype(jnp.bfloat16))
+
+
 def run_case(
-    qtype, name, K, N, M, bw, variants, n_weights, xla: bool, lives=(), tiles=()
+    qtype,
+    name,
+    K,
+    N,
+    M,
+    bw,
+    variants,
+    n_weights,
+    xla: bool,
+    lives=(),
+    tiles=(),
+    vectors=(),
+    rows=None,
+    flush=lambda: None,
 ) -> list[dict]:
+    """Times each variant at one type, shape and row count; appends a row per variant to
+    `rows` and calls flush() after each (a run cut short keeps what it measured)."""
     rng = np.random.default_rng(0)
     fmt = FORMATS[qtype]
     x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
@@ -75,12 +104,18 @@ def run_case(
         live = jnp.int32(n)
         fns += [(f"{v} live {n}", functools.partial(quant_matmul, live=live,
                  out_dtype=jnp.bfloat16, **parse_variant(v))) for v in variants]  # fmt: skip
+        # the vector path itself, for every K and up to n rows
+        fns += [(f"vector {v} live {n}", functools.partial(quant_matmul, live=live,
+                 out_dtype=jnp.bfloat16, vector_rows=n, vector_max_k=1 << 30,
+                 **parse_vector(v))) for v in vectors]  # fmt: skip
     if qtype in TILE_QTYPES:  # the tile-dequantize kernel (pallas_kernels/quant_prefill.py)
         fns += [(f"tiles {v}", functools.partial(quant_prefill, out_dtype=jnp.bfloat16,
                  **parse_tiles(v))) for v in tiles]  # fmt: skip
+    if lives and xla:  # one row as XLA's fused multiply-reduce over the dequantized weight
+        fns.append(("xla-reduce live 1", xla_reduce))
     if xla:
         fns.append(("xla", functools.partial(quant_matmul_xla, out_dtype=jnp.bfloat16)))
-    rows = []
+    rows = [] if rows is None else rows
     for v, fn in fns:
         try:
             got = jax.jit(fn)(x, quant[0]).astype(jnp.float32)
@@ -90,6 +125,7 @@ def run_case(
         except Exception as e:  # a variant Triton cannot build is recorded, not fatal
             log.warning("%s %s M=%d %s failed: %s", qtype, name, M, v, str(e).splitlines()[0][:200])
             rows.append(dict(base, variant=v, error=str(e).splitlines()[0][:200]))
+            flush()
             continue
         row = dict(
             base, variant=v, rel_err=err, us=t * 1e6, bf16_us=t_bf16 * 1e6, speedup=t_bf16 / t,
@@ -98,6 +134,7 @@ def run_case(
         )  # fmt: skip
         log.info("%s", row)
         rows.append(row)
+        flush()
     return rows
 
 
@@ -107,9 +144,15 @@ def main():
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k"], choices=list(FORMATS))
     ap.add_argument(
         "--variants",
-        nargs="+",
+        nargs="*",
         default=["128:256:4:3"],
         help="Pallas tilings block_n:values_per_step:num_warps:num_stages[:min_programs]",
+    )
+    ap.add_argument(
+        "--vector-variants",
+        nargs="*",
+        default=[],
+        help="with --live: the vector path at block_n:values_per_step:warps:stages:programs",
     )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
     ap.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")
@@ -126,15 +169,27 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bw = copy_bandwidth()
     shapes = [SHAPES[i] for i in a.shapes] if a.shapes is not None else SHAPES
-    rows = [r for t in a.types for s in shapes for M in a.rows
-            for r in run_case(t, *s, M, bw, a.variants, a.weights, not a.no_xla,
-                              [n for n in a.live if n < M], a.tiles)]  # fmt: skip
     meta = run_meta()
+    rows: list[dict] = []
+
+    def flush():
+        report(rows, bw, a.weights, meta, a.out)
+
+    for t in a.types:
+        for s in shapes:
+            for M in a.rows:
+                run_case(t, *s, M, bw, a.variants, a.weights, not a.no_xla,
+                         [n for n in a.live if n < M], a.tiles, a.vector_variants, rows,
+                         flush)  # fmt: skip
+    flush()
+
+
+def report(rows, bw, n_weights, meta, out):
     lines = [
         f"GGML-quantized weights (Pallas kernel, dequantized in registers; `xla`: XLA "
         f"dequantizes to bf16 then dots) against bf16 weights (XLA dot); copy bandwidth "
         f"{bw / 1e9:.0f} GB/s. Time per call inside one executable of {LAYERS} dependent calls "
-        f"cycling over {a.weights} weight buffers. Variant: "
+        f"cycling over {n_weights} weight buffers. Variant: "
         "block_n:values_per_step:warps:stages[:min_programs].",
         "",
         "| type | case | M | variant | us | bf16 us | speedup | GB/s (of copy BW) | bf16 of "
@@ -153,7 +208,7 @@ def main():
         )
     lines += ["", meta_line(meta)]
     res = {"bench": "quant_matmul", **meta, "copy_GB_s": bw / 1e9, "rows": rows}
-    write_result(res, "\n".join(lines) + "\n", a.out)
+    write_result(res, "\n".join(lines) + "\n", out)
 
 
 if __name__ == "__main__":

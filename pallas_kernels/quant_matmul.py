@@ -22,17 +22,16 @@ Decode-sized calls (few rows) with a narrow N have few tiles, so the contraction
 until there are about `min_programs` programs (`vector_programs` for the vector path) to fill
 the GPU; the splits' float32 partials are summed afterwards.
 
-Speed (H200, Qwen3-8B shapes, bench/quant_matmul.py). Dots at M 8, split layout
-(2026-12-01_quant_matmul_live_h200.md): Q8_0 gate/up 88 us, Q4_K 90, Q6_K 114, against 54 for
-XLA's bf16 dot: 19% to 36% of the copy bandwidth, the bf16 dot 93% to 112%. The split layout
-took Q8_0 from 141 to 94 us at M 8 and 155 to 100 at M 1 (file layout, 34-byte blocks, codes
-at unaligned offsets); for Q4_K (144-byte blocks, aligned) it changed nothing
-(2026-12-01_quant_gemv_h200.md). One live row on the vector path: gate/up 74 (Q8_0), 58
-(Q4_K), 81 (Q6_K) us, the bf16 dot 54; but 160 to 250 us for the down
-projection (K 12288), which alone, outside this kernel's branch, took 43 us: `vector_max_k`
-keeps such K on the dots. At M 512 the kernel is 6x to 15x slower than the bf16 dot and
-XLA's dequantize-then-dot 1.3x to 1.7x (2026-11-30_quant_matmul_types_h200.md), which is why
-models/linear.py sends steps of more than 64 rows to XLA.
+Speed (H200, Qwen3-8B shapes, bench/quant_matmul.py, M 8 with 1 or 2 live rows, time per call
+against XLA's bf16 dot of the same shape; 2026-12-01_quant_matmul_vector_h200.md). The vector
+path, decoding U blocks per load: gate/up Q8_0 51 us (live 1) / 54 (live 2), Q4_K 59 / 74, Q6_K
+81 / 94, the bf16 dot 54; down (K 12288) Q8_0 35 / 35, Q4_K 40, the bf16 dot 32 to 36. It
+replaced a group-at-a-time vector path (gate/up Q8_0 74, down 160) and beats the dots at M 8
+(Q8_0 88 / 66, Q4_K 90 / 58, Q6_K 114 / 73: 2026-12-01_quant_matmul_live_h200.md). The split
+layout took the dots from 141 to 94 us for Q8_0 (2026-12-01_quant_gemv_h200.md). At M 512 the
+kernel is 6x to 15x slower than the bf16 dot and XLA's dequantize-then-dot 1.3x to 1.7x
+(2026-11-30_quant_matmul_types_h200.md), which is why models/linear.py sends steps of more
+than 64 rows to XLA.
 
 Triton backend: all indices are arrays and loads are masked, so M and N need not be tile
 multiples (K is a whole number of blocks, as in every GGUF tensor). On CPU the kernel runs in
@@ -84,21 +83,32 @@ def dot_nn(x, w):
 
 
 def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
-    """load(off, n) -> code bytes [BN, n] and load1(off) -> head byte [BN] of block `blk` of
-    weight rows `cols` (BlockFormat.decode's loaders; off is a file-block offset); rows where
-    `ok` is False give zeros. body_at(rows, bytes) and head_at(head row, rows) index the
-    weight's refs (an expert's in the grouped kernel)."""
+    """load(off, n) -> code bytes and load1(off) -> head bytes of block `blk` of weight rows
+    `cols` [BN] (BlockFormat.decode's loaders; off is a file-block offset); rows where `ok` is
+    False give zeros. body_at(rows, bytes) and head_at(head row, rows) index the weight's refs
+    (an expert's in the grouped kernel).
+
+    blk is one block index (load gives [BN, n], load1 [BN], ok is [BN]) or U block indices
+    [U] (load gives [BN, U, n], load1 [BN, U], ok is [BN, U]): the vector path decodes U
+    blocks at once, so a piece of every block comes in one wide load.
+    """
     h0, hs = fmt.head
+    many = jnp.ndim(blk) == 1
+    rows = cols[:, None, None] if many else cols[:, None]
+    blk_b = blk[None, :, None] if many else blk
+    okb = ok[:, :, None] if many else ok[:, None]
+    rows1, blk1 = (cols[:, None], blk[None, :]) if many else (cols, blk)
 
     def load(off: int, n: int):
         b = off - hs if h0 == 0 else off  # the head is at the block's start or its end
         assert 0 <= b and b + n <= fmt.body_size, (fmt.qtype, off, n)
-        idx = blk * fmt.body_size + b + jnp.arange(n)
-        return plgpu.load(body_at(cols[:, None], idx[None, :]), mask=ok[:, None], other=0)
+        idx = blk_b * fmt.body_size + b + jnp.arange(n)  # [1, U, n] or [n]
+        idx = idx if many else idx[None, :]
+        return plgpu.load(body_at(rows, idx), mask=okb, other=0)
 
     def load1(off: int):
         assert h0 <= off < h0 + hs, (fmt.qtype, off)
-        return plgpu.load(head_at(blk * hs + off - h0, cols), mask=ok, other=0)
+        return plgpu.load(head_at(blk1 * hs + off - h0, rows1), mask=ok, other=0)
 
     return load, load1
 
@@ -113,8 +123,9 @@ def _kernel(live_ref, x_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps, n_bl
     def block(c, u):
         blk = (s * steps + c) * U + u
         ok = blk < n_blocks  # the last split's tail is past K: it adds zeros
+        w_ok = (col_ok[:, None] & ok[None, :]) if jnp.ndim(blk) else col_ok & ok
         loaders = block_loaders(
-            fmt, lambda r, b: b_ref.at[r, b], lambda h, r: h_ref.at[h, r], cols, col_ok & ok, blk
+            fmt, lambda r, b: b_ref.at[r, b], lambda h, r: h_ref.at[h, r], cols, w_ok, blk
         )
         return blk, ok, loaders
 
@@ -138,34 +149,35 @@ def _kernel(live_ref, x_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps, n_bl
         return jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
 
     def vectors():
-        """Rows 0 .. R-1 on the vector units: per row, codes times activations summed."""
+        """Rows 0 .. R-1 on the vector units: per row, codes times activations summed. A loop
+        step decodes its U blocks together ([BN, U, n] codes per piece) and the partial sums
+        stay [BN, U] until the loop ends, so each step has few wide loads and no reduction
+        across U."""
 
         def body(c, accs):
             accs = list(accs)
-            for u in range(U):
-                blk, ok, (load, load1) = block(c, u)
-                for g in range(fmt.groups):
-                    a, b, pieces = fmt.decode(load, load1, g)
-                    for m in range(R):
-                        part = xsum = 0.0
-                        for first, codes in pieces:
-                            ks = (
-                                blk * fmt.block + g * fmt.group + first + jnp.arange(codes.shape[1])
-                            )
-                            xm = plgpu.load(x_ref.at[m, ks], mask=ks < K, other=0)
-                            xm = xm.astype(jnp.float32)
-                            part += jnp.sum(codes.astype(jnp.float32) * xm[None, :], axis=1)
-                            if b is not None:
-                                xsum += jnp.sum(xm)
-                        accs[m] = accs[m] + a * part + (0.0 if b is None else xsum * b)
+            blk, ok, (load, load1) = block(c, jnp.arange(U))
+            for g in range(fmt.groups):
+                a, b, pieces = fmt.decode(load, load1, g)
+                for m in range(R):
+                    part = xsum = 0.0
+                    for first, codes in pieces:
+                        ks = blk[:, None] * fmt.block + g * fmt.group + first
+                        ks = ks + jnp.arange(codes.shape[-1])[None, :]  # [U, n]
+                        xm = plgpu.load(x_ref.at[m, ks], mask=ks < K, other=0)
+                        xm = xm.astype(jnp.float32)
+                        part += jnp.sum(codes.astype(jnp.float32) * xm[None], axis=-1)
+                        if b is not None:
+                            xsum += jnp.sum(xm, axis=-1)[None, :]
+                    accs[m] = accs[m] + a * part + (0.0 if b is None else xsum * b)
             return tuple(accs)
 
-        zero = jnp.zeros((BN,), jnp.float32)
+        zero = jnp.zeros((BN, U), jnp.float32)
         accs = jax.lax.fori_loop(0, steps, body, (zero,) * R)
         r = jnp.arange(BM)[:, None]
         out = jnp.zeros((BM, BN), jnp.float32)
         for m in range(R):
-            out = jnp.where(r == m, accs[m][None, :], out)
+            out = jnp.where(r == m, jnp.sum(accs[m], axis=1)[None, :], out)
         return out
 
     if R == 0:
@@ -204,9 +216,8 @@ def quant_matmul(
     block_n: int = 64,
     values_per_step: int = 256,
     min_programs: int = 264,
-    vector_rows: int = 1,
+    vector_rows: int = 2,
     vector_programs: int = 2112,
-    vector_max_k: int = 4096,
     interpret: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -226,14 +237,10 @@ def quant_matmul(
       values_per_step: contraction values per loop step (U = this / B blocks, at least 1).
       min_programs: split the contraction until the grid has about this many programs (two
         per SM of an H200), never below one step per split.
-      vector_rows, vector_programs, vector_max_k: with `live` and K <= vector_max_k, rows up
-        to vector_rows take the vector path when live <= vector_rows, and the grid is split to
-        about vector_programs programs (the vector path's best on the H200,
-        2026-12-01_quant_gemv_h200.md). In this kernel, beside the dots under one branch, the
-        one-row path beat the dots for Qwen3-8B's gate/up (K 4096: Q8_0 74 vs 88 us, Q4_K 58
-        vs 90, Q6_K 81 vs 114) and lost badly for its down projection (K 12288: 160 vs 66, 250
-        vs 58, 157 vs 73; 2026-12-01_quant_matmul_live_h200.md), though alone it had taken 43
-        us there; hence the K bound, until that is understood.
+      vector_rows, vector_programs: with `live`, rows up to vector_rows take the vector path
+        when live <= vector_rows, and the grid is split to about vector_programs programs.
+        Two rows on the vector path beat the dots for every type and shape measured
+        (2026-12-01_quant_matmul_vector_h200.md); more rows are unmeasured.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
@@ -243,7 +250,7 @@ def quant_matmul(
         raise ValueError(f"x {x.shape} and {w.qtype} weight {w.shape} (N, K) do not fit")
     N = w.shape[0]
     fmt = w.format
-    R = 0 if live is None or K > vector_max_k else min(vector_rows, M)
+    R = 0 if live is None else min(vector_rows, M)
     n_blocks, U = K // fmt.block, max(1, values_per_step // fmt.block)
     programs = vector_programs if R else min_programs
     BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
