@@ -106,7 +106,7 @@ def run_case(
                  out_dtype=jnp.bfloat16, **parse_variant(v))) for v in variants]  # fmt: skip
         # the vector path itself, for every K and up to n rows
         fns += [(f"vector {v} live {n}", functools.partial(quant_matmul, live=live,
-                 out_dtype=jnp.bfloat16, vector_rows=n, vector_max_k=1 << 30,
+                 out_dtype=jnp.bfloat16, vector_rows=n,
                  **parse_vector(v))) for v in vectors]  # fmt: skip
     if qtype in TILE_QTYPES:  # the tile-dequantize kernel (pallas_kernels/quant_prefill.py)
         fns += [(f"tiles {v}", functools.partial(quant_prefill, out_dtype=jnp.bfloat16,

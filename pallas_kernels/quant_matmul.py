@@ -25,7 +25,7 @@ the GPU; the splits' float32 partials are summed afterwards.
 Speed (H200, Qwen3-8B shapes, bench/quant_matmul.py, M 8 with 1 or 2 live rows, time per call
 against XLA's bf16 dot of the same shape; 2026-12-01_quant_matmul_vector_h200.md). The vector
 path, decoding U blocks per load: gate/up Q8_0 51 us (live 1) / 54 (live 2), Q4_K 59 / 74, Q6_K
-81 / 94, the bf16 dot 54; down (K 12288) Q8_0 35 / 35, Q4_K 40, the bf16 dot 32 to 36. It
+81 / 94, the bf16 dot 54 to 66; down (K 12288) Q8_0 35 / 35, Q4_K 40, the bf16 dot 32 to 36. It
 replaced a group-at-a-time vector path (gate/up Q8_0 74, down 160) and beats the dots at M 8
 (Q8_0 88 / 66, Q4_K 90 / 58, Q6_K 114 / 73: 2026-12-01_quant_matmul_live_h200.md). The split
 layout took the dots from 141 to 94 us for Q8_0 (2026-12-01_quant_gemv_h200.md). At M 512 the
@@ -215,7 +215,7 @@ def quant_matmul(
     block_m: int = 64,
     block_n: int = 64,
     values_per_step: int = 256,
-    min_programs: int = 264,
+    min_programs: int = 2112,
     vector_rows: int = 2,
     vector_programs: int = 2112,
     interpret: bool | None = None,
@@ -235,12 +235,14 @@ def quant_matmul(
         (64 weight rows, 256 values per step, 4 warps, 2 stages) were the fastest of six
         tilings at decode (2026-11-30_quant_matmul_tiling_h200.md).
       values_per_step: contraction values per loop step (U = this / B blocks, at least 1).
-      min_programs: split the contraction until the grid has about this many programs (two
-        per SM of an H200), never below one step per split.
+      min_programs: split the contraction until the grid has about this many programs (16
+        per SM of an H200), never below one step per split. At M 8, 2112 rather than 264
+        programs took the dots from 94 to 70 us (Q8_0 gate/up) and 66 to 47 (Q8_0 down), 58
+        to 48 (Q4_K down), Q4_K gate/up unchanged (2026-12-01_quant_matmul_vector_h200.md).
       vector_rows, vector_programs: with `live`, rows up to vector_rows take the vector path
         when live <= vector_rows, and the grid is split to about vector_programs programs.
-        Two rows on the vector path beat the dots for every type and shape measured
-        (2026-12-01_quant_matmul_vector_h200.md); more rows are unmeasured.
+        At 1 and 2 live rows the vector path beat the dots in every case measured; at 4 it
+        lost to them (Q8_0 gate/up 91 vs 70 us, Q4_K 121 vs 89; same file).
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
