@@ -123,13 +123,16 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, on_text=N
     }
 
 
-async def wave(base: str, model: str | None, prompts: list[str], max_tokens: int) -> dict:
+async def wave(
+    base: str, model: str | None, prompts: list[str], max_tokens: int, extra: dict | None = None
+) -> dict:
     body = {
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     if model:
         body["model"] = model
@@ -150,13 +153,19 @@ async def wave(base: str, model: str | None, prompts: list[str], max_tokens: int
 
 
 def measure(
-    base: str, model: str | None, prompts: list[str], C: int, waves: int, max_tokens: int
+    base: str,
+    model: str | None,
+    prompts: list[str],
+    C: int,
+    waves: int,
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> dict:
     def take(i):
         return [prompts[(i * C + j) % len(prompts)] for j in range(C)]
 
-    asyncio.run(wave(base, model, take(0), max_tokens))  # warmup, not counted
-    ws = [asyncio.run(wave(base, model, take(i + 1), max_tokens)) for i in range(waves)]
+    asyncio.run(wave(base, model, take(0), max_tokens, extra))  # warmup, not counted
+    ws = [asyncio.run(wave(base, model, take(i + 1), max_tokens, extra)) for i in range(waves)]
     ttft = sorted(t for w in ws for t in w["ttft"])
     return {
         "C": C,
@@ -253,12 +262,25 @@ def main():
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--title", default="concurrency waves")
     ap.add_argument("--out", default=None, help="JSON path; .md and .png are written beside it")
+    ap.add_argument(
+        "--json-schema",
+        default=None,
+        help="a JSON schema file: every request asks for it as response_format (structured "
+        "output; with an unbounded array, as bench/schemas/records.json, outputs still run to "
+        "--max-tokens)",
+    )
     a = ap.parse_args()
     if not (a.url or a.server_cmd):
         ap.error("--url or --server-cmd is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     prompts = humaneval_prompts(a.prompts)
+    extra = None
+    if a.json_schema:
+        with open(a.json_schema) as f:
+            schema = json.load(f)
+        rf = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+        extra = {"response_format": rf}
     groups = slot_groups(a.concurrency, a.slot_groups)
     reps = []
     for rep in range(a.reps):
@@ -272,7 +294,9 @@ def main():
                 base = f"http://127.0.0.1:{port}"
             try:
                 for C in cs:
-                    rows.append(measure(base, a.model_name, prompts, C, a.waves, a.max_tokens))
+                    rows.append(
+                        measure(base, a.model_name, prompts, C, a.waves, a.max_tokens, extra)
+                    )
                     log.info("rep %d: %s", rep, rows[-1])
             finally:
                 stop_server(proc)
@@ -289,6 +313,7 @@ def main():
         "waves": a.waves,
         "prompts": a.prompts,
         "slot_groups": [g for g, _ in groups],
+        "json_schema": a.json_schema,
     }
     md = markdown(summary, a.title) + "\n" + meta_line(meta) + "\n"
     write_result(result, md, a.out)

@@ -36,6 +36,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     from .device.programs import enable_compile_cache
     from .device.runner import Runner
     from .host.engine import DenseEngine
+    from .host.grammar import Grammars
     from .loading.gguf import GGUFFile, load_params, model_config, weight_bytes
     from .loading.tokenizer import GGUFTokenizer, GGUFVocab
     from .speculation.draft import DraftProposer
@@ -101,6 +102,8 @@ def _load(config: EngineConfig, clock: StartupClock):
         Runner, mc, params, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend)
     )
     engine = DenseEngine(config, runner, num_blocks)
+    # structured output: xgrammar loads on the first request that asks for it
+    engine.grammars = Grammars(tokenizer.token_bytes, tokenizer.eog_ids, mc.vocab_size)
     pairs = engine.bucket_pairs()
     with clock.phase("compile", f"{len(pairs)} buckets"):
         runner.warmup(pairs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # OpenAI's maximum; device/sampling.TOP_LOGPROBS computes this many
@@ -27,6 +28,13 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     cache_prompt: bool = True  # may reuse a cached prompt prefix (llama.cpp's server's option)
+    # Structured output: the output is JSON matching this JSON schema (a dict or its JSON text;
+    # {"type": "object"} for any JSON object), enforced token by token (host/grammar.py).
+    json_schema: str | dict | None = None
+    # Literal text the output must have before and after that JSON (a forced tool call wraps
+    # its JSON in <tool_call> tags); only with json_schema.
+    json_prefix: str = ""
+    json_suffix: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -60,6 +68,22 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token)")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
+        if (self.json_prefix or self.json_suffix) and self.json_schema is None:
+            bad("json_prefix", "needs json_schema")
+        if self.json_schema is not None:
+            try:
+                schema = (
+                    json.loads(self.json_schema)
+                    if isinstance(self.json_schema, str)
+                    else self.json_schema
+                )
+            except ValueError:
+                bad("json_schema", "must be a JSON object (a dict or its JSON text)")
+            if not isinstance(schema, dict):
+                bad("json_schema", "must be a JSON object (a dict or its JSON text)")
+            # JSON text: hashable and the compiled grammars' cache key; keys keep their order,
+            # which is the order the output's properties take
+            object.__setattr__(self, "json_schema", json.dumps(schema))
 
     def replace(self, **kw) -> SamplingParams:
         return dataclasses.replace(self, **kw)

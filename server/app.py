@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import protocol as P
+from . import tools as T
 from .generation import error_response, respond
 from .metrics import Metrics
 
@@ -100,12 +101,15 @@ def check_length_bound(engine, text: str, field: str) -> None:
         )
 
 
-def _chat_prompt(engine, body: dict) -> str:
-    """Render `messages` (and `chat_template_kwargs`) with the model's chat template."""
+def _chat_prompt(engine, body: dict, tools: T.Tools | None) -> str:
+    """Render `messages` (and `chat_template_kwargs`, and the tools offered) with the model's
+    chat template."""
     messages = P.chat_messages(body)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise P.bad("chat_template_kwargs", "must be an object")
+    if tools is not None:
+        kwargs = {**kwargs, "tools": tools.tools}
     try:
         return engine.tokenizer.apply_chat_template(messages, True, **kwargs)
     except Exception as e:  # a template's raise_exception, or no template at all
@@ -136,7 +140,9 @@ async def completions(request: Request, state: ServerState, engine, body: dict) 
 @_engine_endpoint
 async def chat_completions(request: Request, state: ServerState, engine, body: dict) -> Response:
     P.check_fields(body, P.CHAT_FIELDS)
-    text = await run_in_threadpool(_chat_prompt, engine, body)
+    tools = T.chat_tools(body)
+    tools = tools if tools is not None and tools.mode != "none" else None
+    text = await run_in_threadpool(_chat_prompt, engine, body, tools)
     check_length_bound(engine, text, "messages")
     ids = await run_in_threadpool(engine.tokenizer.encode, text, False)
     mt_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -149,8 +155,15 @@ async def chat_completions(request: Request, state: ServerState, engine, body: d
         default_max=state.default_max_tokens,
         logprobs=P.chat_logprobs(body),
     )
+    forced = tools.forced() if tools is not None else None
+    if forced is not None:  # required / a named function: the grammar makes the call
+        if sp.json_schema is not None:
+            raise P.bad("response_format", "cannot be combined with a required tool_choice")
+        sp = sp.replace(json_schema=forced[0], json_prefix=forced[1], json_suffix=forced[2])
     stream, include_usage = P.stream_flags(body)
-    return await respond(request, state, engine, ids, sp, stream, include_usage, chat=True)
+    return await respond(
+        request, state, engine, ids, sp, stream, include_usage, chat=True, tools=tools
+    )
 
 
 async def models(request: Request) -> Response:

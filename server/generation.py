@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from luce_jax.host.scheduler import Closed, QueueFull
 
 from . import protocol as P
+from . import tools as T
 from .bridge import Stream
 
 
@@ -143,8 +144,10 @@ async def respond(
     stream: bool,
     include_usage: bool,
     chat: bool,
+    tools: T.Tools | None = None,
 ) -> Response:
-    """Submit `ids` and answer in OpenAI's completion (chat=False) or chat shape.
+    """Submit `ids` and answer in OpenAI's completion (chat=False) or chat shape; with `tools`
+    (offered to the model), the reply's <tool_call> blocks become `tool_calls`.
 
     A full queue is decided here, before any response starts: 429 with Retry-After for
     streaming and non-streaming requests alike."""
@@ -174,11 +177,14 @@ async def respond(
             out["usage"] = usage
         return out
 
-    def choice(text, finish, lps, tids, offset):
+    def choice(text, finish, lps, tids, offset, calls=()):
         if chat:
+            delta = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = calls
             return {
                 "index": 0,
-                "delta": {"content": text} if text else {},
+                "delta": delta,
                 "finish_reason": finish,
                 "logprobs": gen.chat_logprobs(lps, tids),
             }
@@ -205,12 +211,22 @@ async def respond(
                 ],
             )
 
+        calls = T.CallStream(tools.names) if chat and tools is not None else None
+
         def chunk(g, ev):
             offset = len(g.text) - len(ev.text)
-            return envelope(
-                obj,
-                [choice(ev.text, g.finish_reason, list(ev.logprobs), list(ev.token_ids), offset)],
-            )
+            text, finish, new = ev.text, g.finish_reason, []
+            if calls is not None:
+                text, new = calls.feed(ev.text)
+                first = calls.calls - len(new)  # index of the first new call
+                if not tools.parallel:  # the first call only
+                    new = new[: max(0, 1 - first)]
+                if ev.final:
+                    text += calls.flush()
+                    finish = "tool_calls" if calls.calls and finish == "stop" else finish
+                new = [{"index": first + k, **c} for k, c in enumerate(new)]
+            lps, tids = list(ev.logprobs), list(ev.token_ids)
+            return envelope(obj, [choice(text, finish, lps, tids, offset, new)])
 
         def usage_chunk(g):
             return envelope(obj, [], g.usage())
@@ -225,10 +241,17 @@ async def respond(
         return error_response(e)
     usage = gen.usage()
     if chat:
+        message, finish = {"role": "assistant", "content": gen.text}, gen.finish_reason
+        if tools is not None:
+            content, calls = T.parse(gen.text, tools.names)
+            if calls:
+                calls = calls if tools.parallel else calls[:1]
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
         final = {
             "index": 0,
-            "message": {"role": "assistant", "content": gen.text},
-            "finish_reason": gen.finish_reason,
+            "message": message,
+            "finish_reason": finish,
             "logprobs": gen.chat_logprobs(gen.logprobs, gen.tokens),
         }
         return JSONResponse(envelope("chat.completion", [final], usage))

@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 
+from luce_jax.host.grammar import check_schema
 from luce_jax.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -68,7 +69,7 @@ _COMMON = {
     "stop_token_ids",
     "cache_prompt",
 }
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format"}
 CHAT_FIELDS = _COMMON | {
     "messages",
     "logprobs",
@@ -216,7 +217,38 @@ def sampling_from(
         min_tokens=min_tokens,
         logprobs=logprobs,
         cache_prompt=_bool(body, "cache_prompt", True),
+        json_schema=response_schema(body),
     )
+
+
+def response_schema(body: dict) -> str | None:
+    """The JSON schema `response_format` asks the output to match, as JSON text: None for
+    text, {"type": "object"} for json_object, json_schema.schema for json_schema (OpenAI's
+    forms); a schema xgrammar cannot compile is a 400."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("response_format", "must be an object with type text, json_object or json_schema")
+    if rf["type"] == "text":
+        return None
+    where = "response_format"
+    if rf["type"] == "json_object":
+        schema = {"type": "object"}
+    else:
+        where = "response_format.json_schema.schema"
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise bad("response_format.json_schema", "must be an object with a schema object")
+        if "name" in js and not isinstance(js["name"], str):
+            raise bad("response_format.json_schema.name", "must be a string")
+        schema = js.get("schema", {})
+    text = json.dumps(schema)
+    try:
+        check_schema(text)
+    except ValueError as e:
+        raise bad(where, str(e)) from None
+    return text
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
@@ -259,11 +291,6 @@ def completion_logprobs(body: dict) -> int | None:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    if body.get("tools"):
-        raise bad("tools", "tool calling is not supported")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad("response_format", "only {'type': 'text'} is supported")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list")
@@ -286,6 +313,10 @@ def chat_messages(body: dict) -> list[dict]:
             ):
                 raise bad(f"{where}.content", "only text content parts are supported")
             content = "".join(c["text"] for c in content)
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):  # a reply that only called tools
+                raise bad(f"{where}.tool_calls", "must be a list")
+            content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content", "must be a string or a list of text parts")
         role = "system" if m["role"] == "developer" else m["role"]

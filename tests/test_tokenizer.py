@@ -101,6 +101,30 @@ def test_chat_template_equals_transformers(fixtures_dir, template, messages, gen
     assert ours.apply_chat_template(messages, add_generation_prompt=gen, **kwargs) == expected
 
 
+def test_tools_and_tool_turns_render_as_transformers_does(fixtures_dir):
+    """What the server passes a chat template for tool calling: `tools` (OpenAI shape), an
+    assistant turn of tool_calls with empty content, and the tool's result."""
+    from transformers import PreTrainedTokenizerFast
+
+    source = (fixtures_dir / "chat_templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    ours = load(fixtures_dir, "qwen2", source)
+    hf = PreTrainedTokenizerFast(tokenizer_object=ours.hf, eos_token="<|endoftext|>")
+    hf.chat_template = source
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    expected = hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                      add_generation_prompt=True)  # fmt: skip
+    text = ours.apply_chat_template(messages, True, tools=tools)
+    assert text == expected
+    assert '"name": "add"' in text and "<tool_response>\n5\n</tool_response>" in text
+
+
 def test_gguf_embedded_template_is_used(fixtures_dir):
     tok = load(fixtures_dir, "qwen2")
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])

@@ -9,6 +9,10 @@
 #   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh llama:bf16 ratio:bf16
 #   bench/peers/run_h200.sh build_bg models:bf16 prefix:ours ours:bf16 ours_nocache:bf16
 #   bench/peers/run_h200.sh wait_build prefix:llama prefix:merge     # the next call
+#   bench/peers/run_h200.sh models:bf16 ours:bf16 structured:bf16     # constrained vs not
+#     (structured needs xgrammar's cp312 wheels in .whl: pip download --no-deps
+#      --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 xgrammar
+#      apache-tvm-ffi; the device's python3 has the torch xgrammar imports)
 #
 # SHAPE is a bench/make_model.py shape (default qwen3-8b); OURS_FLAGS are added to our server's
 # flags.
@@ -104,7 +108,11 @@ step_ours() {  # $1 weight type
   local t=$1 model="$M/$SHAPE-$1.gguf"
   python3 bench/concurrency.py $(common_args) --server-cmd "$(ours_cmd "$model" $CTX)" \
     --server-log "$RES/ours_$t.log" --title "luce_jax, random $SHAPE-shaped $t${OURS_FLAGS:+, $OURS_FLAGS}" \
-    --out "$RES/${DAY}_concurrency_ours${TAG:-}_$SHAPE-$t.json"
+    --out "$RES/${DAY}_concurrency_ours${TAG:-}_$SHAPE-$t.json" ${EXTRA:-}
+}
+
+step_structured() {  # $1 weight type: every request constrained by bench/schemas/records.json
+  OURS_FLAGS="${OURS_FLAGS:-}" TAG=-json EXTRA="--json-schema bench/schemas/records.json" step_ours "$1"
 }
 
 step_ours_nocache() {  # $1 weight type: the same run with the prefix cache off (TAG -nocache)

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..host.batch import layout_size, lower, pack, step_layout, unpack
+from ..host.grammar import words as mask_words
 from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense, hybrid
 from . import sampling
@@ -87,6 +88,7 @@ class Runner:
         self._quant_matmul = quant_matmul
         self._delta = delta_fn
         self.programs = BucketPrograms(self.step_function, donate=(1, 2), name="step")
+        self._open: dict[int, jax.Array] = {}  # S -> all-allowed masks [S, words]
 
     @property
     def compiles(self) -> int:
@@ -99,11 +101,12 @@ class Runner:
     def layout(self, T: int, S: int):
         return step_layout(T, S, self.logit_width(T, S), self.max_blocks)
 
-    def _step_fn(self, params, kv, state, ints, floats, *, T: int, S: int):
+    def _step_fn(self, params, kv, state, ints, floats, allow, *, T: int, S: int):
         """One model step with sampling and verification (device/sampling.py); T, S static.
 
         Args: params; kv and state (donated); ints: int32 [N] packed per `layout`; floats:
-          float32 [6, S] sampling parameters (FLOAT_FIELDS).
+          float32 [6, S] sampling parameters (FLOAT_FIELDS); allow: int32 [S, ceil(V / 32)]
+          bitmasks of the tokens each row may sample (host/grammar.py; all bits set: any).
         Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], kv, state,
           model stats (dense.forward's)).
         """
@@ -124,7 +127,7 @@ class Runner:
             stats = {}
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             packed, top_ids, top_lp, state = sampling.sample_rows(
-                logits, state, batch, floats, self.k
+                logits, state, batch, floats, self.k, allow
             )
         if model_state is not None:
             state["model"] = model_state
@@ -134,7 +137,8 @@ class Runner:
         """The step for bucket (T, S) and abstract arguments to trace or lower it with."""
         ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
         floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
-        args = (self.params, self.kv, self.state, ints, floats)
+        allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
+        args = (self.params, self.kv, self.state, ints, floats, allow)
         return functools.partial(self._step_fn, T=T, S=S), args
 
     def executable(self, T: int, S: int):
@@ -148,8 +152,15 @@ class Runner:
           b: host.batch.lower's arrays for bucket (T, S, logit_width) and SlotTable.row_inputs'.
         """
         ints = pack(b, self.layout(T, S))
+        allow = b.get("allow")
+        if allow is None:  # no row under a grammar: a mask kept on the device, never sent
+            allow = self._open.get(S)
+            if allow is None:
+                allow = self._open[S] = jnp.full(
+                    (S, mask_words(self.cfg.vocab_size)), -1, jnp.int32
+                )
         packed, top_ids, top_lp, self.kv, self.state, self.last_stats = self.programs[(T, S)](
-            self.params, self.kv, self.state, ints, b["floats"]
+            self.params, self.kv, self.state, ints, b["floats"], allow
         )
         top = (top_ids, top_lp) if b["want_logprobs"][0] else None
         for x in (packed, *(top or ())):

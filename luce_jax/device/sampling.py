@@ -103,7 +103,15 @@ def sample(logits, counts, prompt_mask, sp, seeds, steps):
     return tokens, jax.nn.log_softmax(jnp.where(greedy[:, None], logits, scaled), axis=-1)
 
 
-def sample_rows(logits, state: dict, batch: dict, floats, k: int):
+def constrain(logits, allow):
+    """Logits [R, V] with the tokens outside each row's bitmask allow [R, ceil(V / 32)] (bit v
+    % 32 of word v // 32) set to -inf."""
+    v = jnp.arange(logits.shape[-1])
+    bits = (allow[:, v >> 5] >> (v & 31)) & 1
+    return jnp.where(bits > 0, logits, -jnp.inf)
+
+
+def sample_rows(logits, state: dict, batch: dict, floats, k: int, allow=None):
     """Sample every logits row, verify speculative proposals, and update the slot state.
 
     Every logits row samples with its segment's parameters and noise (seed, step + offset),
@@ -118,7 +126,9 @@ def sample_rows(logits, state: dict, batch: dict, floats, k: int):
     Args:
       logits: [R, V] float32; state: init_state's arrays (consumed).
       batch: the step's arrays (host.batch.lower's, with `feed`'s tokens, and top_k, seeds,
-        steps, fresh [S], want_logprobs [1]); floats: [6, S] FLOAT_FIELDS per row; k: K.
+        steps, fresh [S], want_logprobs [1]); floats: [6, S] FLOAT_FIELDS per row; k: K;
+      allow: int32 [S, ceil(V / 32)] token bitmasks per row (structured output), or None; a
+        step where every bit is set skips them.
     Returns:
       (packed int32 [2R + S]: sampled token per logits row, its logprob's float32 bits, and
       proposals accepted per row; top ids int32 [R, 20] and top logprobs [R, 20], zeros when
@@ -138,6 +148,10 @@ def sample_rows(logits, state: dict, batch: dict, floats, k: int):
     real_tok = (jnp.arange(T) < cu[-1]) & ~proposal
     pmask = pmask.at[jnp.where(real_tok, slots[seg_ids], oob), tokens_in].set(True, mode="drop")
     seg, off = batch["logit_seg"], batch["logit_off"]  # [R]
+    if allow is not None:
+        logits = jax.lax.cond(
+            jnp.any(allow != -1), lambda x: constrain(x, allow[seg]), lambda x: x, logits
+        )
     row_slots = jnp.minimum(slots, oob - 1)[seg]
     row_counts = counts[row_slots]
     for m in range(k):  # proposals 1..off precede the logits row at offset off

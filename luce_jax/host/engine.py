@@ -9,7 +9,8 @@ the oldest launched step and returns its tokens. A decode row reads its input to
 device (the slot's last sampled token), so the scheduler dispatches step N+1 before it
 collects step N, and the host's planning and lowering overlap the device's work. With
 speculation the proposals for a step depend on the tokens of the step before, so `overlap`
-is False and each step is collected before the next is planned.
+is False and each step is collected before the next is planned; likewise while a slot's output
+is constrained by a grammar (its next mask depends on its last token: host/grammar.py).
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ class DenseEngine:
         self.token_buckets = buckets(max(config.prefill_token_budget, self.slot_count), 8)
         self._max_rows = buckets(self.slot_count, 1)[-1]
         self.spec = None  # speculation.Speculator once enable_speculation is called
+        self.grammars = None  # grammar.Grammars: structured output, when the builder sets it
         self.refeed = bool(runner.cfg.recurrent)
         self.last_bucket = (0, 0)  # (T, S) of the last dispatched step, for the trace
         self._launched: deque[_Launched] = deque()
@@ -153,7 +155,7 @@ class DenseEngine:
 
     @property
     def overlap(self) -> bool:
-        return self.spec is None
+        return self.spec is None and not (self.grammars is not None and self.grammars.active)
 
     @property
     def in_flight(self) -> int:
@@ -178,9 +180,18 @@ class DenseEngine:
             )
         if self.pool.blocks_for(need) > self.pool.capacity:
             return AdmitResult("failed", error=f"{need} tokens exceed the whole KV pool")
+        if sampling.json_schema is not None and self.grammars is None:
+            return AdmitResult("failed", error="json_schema: this engine has no grammar support")
         slot = self.slots.lowest_free()
         if slot is None:
             return AdmitResult("busy")
+        if sampling.json_schema is not None:
+            try:  # compiled (or found in the cache) before anything is reserved
+                self.grammars.compile(
+                    sampling.json_schema, sampling.json_prefix, sampling.json_suffix
+                )
+            except ValueError as e:
+                return AdmitResult("failed", error=f"json_schema: {e}")
         # The repetition penalty reads the whole prompt from the device's prompt mask, which
         # only a prefill fills: such a request computes its prompt in full, as does one that
         # asks so (cache_prompt false).
@@ -192,6 +203,8 @@ class DenseEngine:
         self.prefix_queries += len(prompt)
         self.prefix_hits += cached
         self.slots.claim(slot, prompt, sampling, cached)
+        if sampling.json_schema is not None:
+            self.grammars.start(slot, sampling)
         self._outputs[slot] = []
         self._lag[slot] = 0
         if self.spec is not None:
@@ -262,6 +275,10 @@ class DenseEngine:
         S = self.rows_for(T)
         b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
         b.update(sl.row_inputs(rows.slots, rows.starts, rows.sample, S))
+        if self.grammars is not None and self.grammars.active:
+            allow = self.grammars.masks(rows.slots, rows.sample, S)
+            if allow is not None:
+                b["allow"] = allow
         try:
             handle = self.runner.launch(b, T, S)
         except Exception:
@@ -305,6 +322,8 @@ class DenseEngine:
             ]
             sl.generated[slot] += kept
             self._outputs[slot].extend(t.token for t in result.tokens[slot])
+            if self.grammars is not None:
+                self.grammars.accept(slot, [t.token for t in result.tokens[slot]])
             if self.refeed:
                 self._lag[slot] = kept
             if self.spec is not None:
@@ -322,6 +341,8 @@ class DenseEngine:
             return []
         sl = self.slots
         left = sl.max_tokens[dec] - sl.generated[dec] - 1
+        if self.grammars is not None and self.grammars.active:  # proposals skip the grammar
+            left = np.where([self.grammars.constrained(s) for s in dec.tolist()], 0, left)
         caps = dict(zip(dec.tolist(), np.clip(left, 0, self.spec.k).tolist(), strict=True))
         chosen = self.spec.choose(caps, prompt_tokens)
         return [chosen[s] for s in dec.tolist()]
@@ -345,3 +366,5 @@ class DenseEngine:
         self.pool.release(slot)
         if self.spec is not None:
             self.spec.drop(slot)
+        if self.grammars is not None:
+            self.grammars.drop(slot)

@@ -1,0 +1,198 @@
+"""Chat tool calls: the request's tools and tool_choice, the grammar that forces a call, and the
+parser that turns the model's `<tool_call>` blocks into OpenAI `tool_calls`, whole or streamed.
+
+The call syntax is the Hermes / Qwen one that the Qwen2.5, Qwen3 and Qwen3.5 chat templates
+teach (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`); other families'
+syntaxes are not parsed yet.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from luce_jax.host.grammar import check_schema
+
+from .protocol import bad
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A chat request's tools (OpenAI shape, validated) and how they may be used.
+
+    mode: none (tools are not offered), auto (the model may call; its calls are parsed),
+    required (it must call one of them) or named (it must call `name`).
+    """
+
+    tools: list[dict]
+    mode: str
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
+
+    def forced(self) -> tuple[str, str, str] | None:
+        """(JSON schema of one call, text before it, text after it) for required / named; the
+        grammar makes the reply exactly one such call."""
+        if self.mode not in ("required", "named"):
+            return None
+        options = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    "arguments": t["function"].get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+            if self.mode == "required" or t["function"]["name"] == self.name
+        ]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return json.dumps(schema), OPEN + "\n", "\n" + CLOSE
+
+
+def chat_tools(body: dict) -> Tools | None:
+    """The validated `tools`, `tool_choice` and `parallel_tool_calls` of a chat request (None
+    when it has no tools); every error is a 400 naming the field."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", f"must be a boolean, got {parallel!r}")
+    if not tools:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", "needs tools")
+        return None
+    if not isinstance(tools, list):
+        raise bad("tools", "must be a list of function tools")
+    seen = set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise bad(where, 'must be an object with type "function"')
+        f = t.get("function")
+        if not isinstance(f, dict):
+            raise bad(f"{where}.function", "must be an object")
+        name = f.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise bad(f"{where}.function.name", "must be 1 to 64 letters, digits, _ or -")
+        if name in seen:
+            raise bad(f"{where}.function.name", f"{name!r} is defined twice")
+        seen.add(name)
+        if not isinstance(f.get("description", ""), str):
+            raise bad(f"{where}.function.description", "must be a string")
+        params = f.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise bad(f"{where}.function.parameters", "must be a JSON schema object")
+            try:
+                check_schema(json.dumps(params))
+            except ValueError as e:
+                raise bad(f"{where}.function.parameters", str(e)) from None
+    if choice is None or choice in ("none", "auto", "required"):
+        return Tools(tools, choice or "auto", None, parallel)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or name not in seen:
+        raise bad(
+            "tool_choice",
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name"}} '
+            "naming one of the tools",
+        )
+    return Tools(tools, "named", name, parallel)
+
+
+def call_from(block: str, names: set[str]) -> dict | None:
+    """An OpenAI tool call from the JSON inside one <tool_call> block, or None if it is not
+    one (not JSON, no known name, arguments not an object)."""
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": json.dumps(args)},
+    }
+
+
+def parse(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a whole reply: calls from the blocks that parse, content the
+    text outside them (stripped; None if empty once calls were found)."""
+    calls, content, last = [], [], 0
+    for m in BLOCK.finditer(text):
+        call = call_from(m.group(1), names)
+        if call is None:
+            continue
+        calls.append(call)
+        content.append(text[last : m.start()])
+        last = m.end()
+    content.append(text[last:])
+    rest = "".join(content)
+    if not calls:
+        return text, []
+    return (rest.strip() or None), calls
+
+
+class CallStream:
+    """Incremental `parse` for streamed replies: text is passed on except what may be part of a
+    tool call, which is held until its block closes and then sent as one whole call."""
+
+    def __init__(self, names: set[str]):
+        self.names, self.buf, self.calls = names, "", 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content to send now, completed calls) after `text` arrives."""
+        self.buf += text
+        out, calls = [], []
+        while True:
+            i = self.buf.find(OPEN)
+            if i < 0:  # hold back a tail that could start "<tool_call>"
+                keep = next(
+                    (k for k in range(min(len(OPEN) - 1, len(self.buf)), 0, -1)
+                     if OPEN.startswith(self.buf[-k:])),
+                    0,
+                )  # fmt: skip
+                out.append(self.buf[: len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep :]
+                break
+            j = self.buf.find(CLOSE, i)
+            if j < 0:
+                out.append(self.buf[:i])
+                self.buf = self.buf[i:]
+                break
+            m = BLOCK.match(self.buf, i)
+            call = call_from(m.group(1), self.names) if m else None
+            end = j + len(CLOSE)
+            out.append(self.buf[:i] if call is not None else self.buf[:end])
+            if call is not None:
+                calls.append(call)
+            self.buf = self.buf[end:]
+        self.calls += len(calls)
+        text_out = "".join(out)
+        if self.calls and not text_out.strip():  # whitespace around calls is not content
+            text_out = ""
+        return text_out, calls
+
+    def flush(self) -> str:
+        """What is held back when the reply ends (an unclosed block stays text)."""
+        out, self.buf = self.buf, ""
+        return out if not self.calls or out.strip() else ""
