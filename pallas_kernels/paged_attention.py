@@ -12,8 +12,13 @@ enough bytes to keep the memory system busy even for a single decode row. A long
 spread over several programs; their (max, sum, accumulator) partials are combined in jnp
 afterwards. Tokens past a sequence's kv length are masked loads, never read.
 
-KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file), dequantized in
-registers: a tile's bytes and scales are gathered per value column, then one dot per tile.
+KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file), contracted a
+scale group at a time: each group's codes (exact small integers) go straight into a dot, and
+its scale multiplies the dot's result (keys) or the probabilities (values), so a quantized
+tile moves fewer bytes and does no more work per byte than a plain one. (Until 2026-12-01 a
+tile's scales and nibbles were gathered per value column and multiplied in before one dot per
+tile: 64 decode rows at 4096 took 614 us with q8_0 and 1921 us with q4_0 against 338 us for
+bf16, bench/results/2026-11-30_attention_kernel_kvtypes_h200.md.)
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
 tables, kv lengths and the query-block list are ordinary inputs read inside the kernel, and the
@@ -98,31 +103,41 @@ def query_blocks(cu_q_lens, T: int, block_q: int, max_blocks: int | None = None)
     return jnp.stack([seg, start, n], axis=1).astype(jnp.int32)
 
 
-def _load_tile(data_ref, scale_ref, kind, phys, off, kh, ok, cdt, D):
-    """One KV tile of BK tokens as values [BK, D] in cdt, dequantized in registers.
+def _load_tile(data_ref, phys, off, kh, ok, cdt, D):
+    """One plain KV tile of BK tokens as values [BK, D] in cdt.
 
     Tokens are gathered by physical block and offset (all-array indices: interpret mode cannot
     mix array indices with slices). Tokens past the needed length (ok False) are masked loads,
-    so nothing past a sequence's kv length is read. Quantized tiles index their bytes and
-    scales per value column, so no reshape or broadcast of a scale group is needed: repeated
-    addresses (the two nibbles of a byte, the 32 values of a scale) hit the L1 cache.
+    so nothing past a sequence's kv length is read.
+    """
+    d = jnp.arange(D)[None, :]
+    mask = jnp.broadcast_to(ok[:, None], (phys.shape[0], D))
+    return plgpu.load(data_ref.at[phys[:, None], off[:, None], kh, d], mask=mask, other=0).astype(
+        cdt
+    )
+
+
+def _group_pieces(data_ref, scale_ref, kind, phys, off, kh, ok, g):
+    """Scale group g of a quantized tile: (scale float32 [BK], [(first value, codes [BK, n])]).
+
+    The codes are small integers (q8_0: -127..127, q4_0: -8..7), exact in any float dtype, so
+    a tile contracts with one dot per piece and its scale multiplies the dot's [.., BK] result
+    (keys) or the probabilities (values): one multiply per token and group, not per value.
+    Each piece is one run of consecutive bytes per token (32 for q8_0, 16 for q4_0: byte i of
+    a group holds value i in its low nibble and value i + 16 in its high nibble).
     """
     BK = phys.shape[0]
-    d = jnp.arange(D)[None, :]
-    mask = jnp.broadcast_to(ok[:, None], (BK, D))
+    sc = plgpu.load(scale_ref.at[phys, off, kh, g], mask=ok, other=0).astype(jnp.float32)
 
-    def load(ref, cols):
-        return plgpu.load(ref.at[phys[:, None], off[:, None], kh, cols], mask=mask, other=0)
+    def load(first: int, n: int):
+        cols = jnp.arange(n)[None, :] + first
+        mask = jnp.broadcast_to(ok[:, None], (BK, n))
+        return plgpu.load(data_ref.at[phys[:, None], off[:, None], kh, cols], mask=mask, other=0)
 
-    if kind == "plain":
-        return load(data_ref, d).astype(cdt)
-    scale = load(scale_ref, d // GROUP).astype(jnp.float32)
     if kind == "q8_0":
-        vals = load(data_ref, d).astype(jnp.float32)
-    else:  # byte i of a group of 32: value i (low nibble) and value i + 16 (high nibble)
-        b = load(data_ref, d // GROUP * (GROUP // 2) + d % (GROUP // 2)).astype(jnp.int32)
-        vals = ((b >> (d % GROUP // (GROUP // 2) * 4)) & 15).astype(jnp.float32) - 8
-    return (vals * scale).astype(cdt)
+        return sc, [(0, load(g * GROUP, GROUP).astype(jnp.int32))]
+    b = load(g * GROUP // 2, GROUP // 2).astype(jnp.int32)
+    return sc, [(0, (b & 15) - 8), (GROUP // 2, (b >> 4) - 8)]
 
 
 def _dot(a, b, contract_b: int):
@@ -151,32 +166,73 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
     need = jnp.where(n > 0, jnp.minimum(kvlen_ref[seg], last + 1), 0)
     lo = sp * TPS
     hi = jnp.minimum(lo + TPS, (need + BK - 1) // BK)
-    q = q_ref[kh, pl.ds(start * G, BQG), :]  # [BQG, D]
+    rows = pl.ds(start * G, BQG)
+    q = q_ref[kh, rows, :]  # [BQG, D]
+    # Quantized values accumulate per piece of a scale group ([BQG, n] each), written side by
+    # side at the end; a plain V accumulates [BQG, D] at once.
+    half = GROUP // 2
+    runs = [(0, GROUP)] if v_kind == "q8_0" else [(0, half), (half, half)]
+    v_cols = [(0, D)] if v_kind == "plain" else [
+        (g * GROUP + first, n) for g in range(D // GROUP) for first, n in runs
+    ]  # fmt: skip
+
+    k_runs = [(0, GROUP)] if k_kind == "q8_0" else [(0, half), (half, half)]
+    q_parts = {  # q's columns per piece of a quantized K's groups, loaded once
+        (g, first): q_ref[kh, rows, pl.ds(g * GROUP + first, n)]
+        for g in range(D // GROUP if k_kind != "plain" else 0)
+        for first, n in k_runs
+    }
+
+    def scores(phys, off, ok):
+        """q . k for the tile's BK tokens: [BQG, BK] float32."""
+        if k_kind == "plain":
+            return _dot(q, _load_tile(k_data, phys, off, kh, ok, cdt, D), 1)
+        s = jnp.zeros((BQG, BK), jnp.float32)
+        for g in range(D // GROUP):
+            sc, pieces = _group_pieces(k_data, k_scale, k_kind, phys, off, kh, ok, g)
+            part = None
+            for first, codes in pieces:
+                d = _dot(q_parts[g, first], codes.astype(cdt), 1)
+                part = d if part is None else part + d
+            s = s + part * sc[None, :]
+        return s
+
+    def values(p, phys, off, ok):
+        """p [BQG, BK] times the tile's values, per accumulator piece."""
+        if v_kind == "plain":
+            return [_dot(p.astype(cdt), _load_tile(v_data, phys, off, kh, ok, cdt, D), 0)]
+        out = []
+        for g in range(D // GROUP):
+            sc, pieces = _group_pieces(v_data, v_scale, v_kind, phys, off, kh, ok, g)
+            pg = (p * sc[None, :]).astype(cdt)
+            out += [_dot(pg, codes.astype(cdt), 0) for _, codes in pieces]
+        return out
 
     def body(j, carry):
-        m, den, acc = carry
+        m, den, accs = carry
         kpos = j * BK + jnp.arange(BK)
         ok = kpos < need
         phys = bt_ref[seg, jnp.minimum(kpos // P, MB - 1)]  # [BK] physical block per token
         off = kpos % P
-        kt = _load_tile(k_data, k_scale, k_kind, phys, off, kh, ok, cdt, D)
-        s = _dot(q, kt, 1) * scale  # [BQG, BK]
+        s = scores(phys, off, ok) * scale  # [BQG, BK]
         mask = (kpos[None, :] <= qpos[:, None]) & ok[None, :] & row_ok[:, None]
         s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         den = den * alpha + jnp.sum(p, axis=1)
-        vt = _load_tile(v_data, v_scale, v_kind, phys, off, kh, ok, cdt, D)
-        return m_new, den, acc * alpha[:, None] + _dot(p.astype(cdt), vt, 0)
+        new = values(p, phys, off, ok)
+        accs = tuple(a * alpha[:, None] + n for a, n in zip(accs, new, strict=True))
+        return m_new, den, accs
 
     init = (
         jnp.full((BQG,), MASK_VALUE, jnp.float32),
         jnp.zeros((BQG,), jnp.float32),
-        jnp.zeros((BQG, D), jnp.float32),
+        tuple(jnp.zeros((BQG, n), jnp.float32) for _, n in v_cols),
     )
-    m, den, acc = jax.lax.fori_loop(lo, hi, body, init)
-    acc_ref[...] = acc
+    m, den, accs = jax.lax.fori_loop(lo, hi, body, init)
+    for (c0, n), a in zip(v_cols, accs, strict=True):
+        acc_ref[:, pl.ds(c0, n)] = a
     m_ref[...] = m
     l_ref[...] = den
 
