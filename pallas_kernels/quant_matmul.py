@@ -99,16 +99,25 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     okb = ok[:, :, None] if many else ok[:, None]
     rows1, blk1 = (cols[:, None], blk[None, :]) if many else (cols, blk)
 
+    # A block's groups share bytes (Q4_K's groups 2r and 2r + 1 are the two nibbles of one
+    # run; every group reads the same d, dmin and packed scales), and a load is not merged with
+    # an equal one by the compiler: each distinct load is issued once per block and reused.
+    loaded: dict[tuple, jax.Array] = {}
+
     def load(off: int, n: int):
-        b = off - hs if h0 == 0 else off  # the head is at the block's start or its end
-        assert 0 <= b and b + n <= fmt.body_size, (fmt.qtype, off, n)
-        idx = blk_b * fmt.body_size + b + jnp.arange(n)  # [1, U, n] or [n]
-        idx = idx if many else idx[None, :]
-        return plgpu.load(body_at(rows, idx), mask=okb, other=0)
+        if ("body", off, n) not in loaded:
+            b = off - hs if h0 == 0 else off  # the head is at the block's start or its end
+            assert 0 <= b and b + n <= fmt.body_size, (fmt.qtype, off, n)
+            idx = blk_b * fmt.body_size + b + jnp.arange(n)  # [1, U, n] or [n]
+            idx = idx if many else idx[None, :]
+            loaded["body", off, n] = plgpu.load(body_at(rows, idx), mask=okb, other=0)
+        return loaded["body", off, n]
 
     def load1(off: int):
-        assert h0 <= off < h0 + hs, (fmt.qtype, off)
-        return plgpu.load(head_at(blk1 * hs + off - h0, rows1), mask=ok, other=0)
+        if ("head", off) not in loaded:
+            assert h0 <= off < h0 + hs, (fmt.qtype, off)
+            loaded["head", off] = plgpu.load(head_at(blk1 * hs + off - h0, rows1), mask=ok, other=0)
+        return loaded["head", off]
 
     return load, load1
 
