@@ -8,6 +8,10 @@ move (the weights of every expert with rows, the rows in and out) against the co
 measured in the same run.
 
     python bench/moe_kernel.py --variants 16:128:128:4:3 64:128:64:4:2 --out moe_kernel.json
+
+`--type q4_k` (any pallas_kernels.ggml_blocks.FORMATS type) times quantized experts kept in their
+blocks (random valid blocks, make_model.random_rows), against ragged_dot over the same experts
+dequantized to bf16 inside the step (what the XLA path does with them).
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from luce_jax.loading.quants import keep_quantized
 from luce_jax.models.moe import grouped_matmul_xla
+from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.moe_grouping import grouped_matmul
 
+from make_model import random_rows
 from meta import meta_line, run_meta, write_result
 from roofline import copy_bandwidth
 from timing import per_call
@@ -54,21 +61,27 @@ def parse_variant(v: str) -> dict:
     return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
 
 
-def run_case(name, tokens, k, K, N, E, swiglu, bw, variants, n_weights) -> list[dict]:
+def expert_weights(E, K, Nw, qtype, n_weights):
+    """n_weights distinct expert stacks: bf16 [E, K, Nw], or QuantWeight [E, Nw, K]."""
+    if qtype == "bf16":
+        return [(jax.random.normal(jax.random.key(1 + i), (E, K, Nw), jnp.float32) * 0.05)
+                .astype(jnp.bfloat16) for i in range(n_weights)]  # fmt: skip
+    t = FORMATS[qtype].qtype
+    return [keep_quantized(random_rows(E * Nw, K, t, np.random.default_rng(i)), t, (E, Nw, K),
+                           jnp.bfloat16) for i in range(n_weights)]  # fmt: skip
+
+
+def run_case(name, tokens, k, K, N, E, swiglu, bw, variants, n_weights, qtype="bf16") -> list[dict]:
     r = np.random.default_rng(0)
     experts = np.stack([r.choice(E, k, replace=False) for _ in range(tokens)]).reshape(-1)
     sizes = jnp.asarray(np.bincount(experts, minlength=E), jnp.int32)
     M = tokens * k
     x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
     Nw = 2 * N if swiglu else N
-    ws = [
-        (jax.random.normal(jax.random.key(1 + i), (E, K, Nw), jnp.float32) * 0.05).astype(
-            jnp.bfloat16
-        )
-        for i in range(n_weights)
-    ]
+    ws = expert_weights(E, K, Nw, qtype, n_weights)
     used = int(np.count_nonzero(np.asarray(sizes)))
-    nbytes = used * K * Nw * 2 + M * K * 2 + M * N * 2
+    per_expert = K * Nw * 2 if qtype == "bf16" else ws[0].nbytes // E
+    nbytes = used * per_expert + M * K * 2 + M * N * 2
     flops = 2 * M * K * Nw
     fx = functools.partial(grouped_matmul_xla, swiglu=swiglu, out_dtype=jnp.bfloat16)
     ox = jax.jit(fx)(x, ws[0], sizes).astype(jnp.float32)
@@ -87,7 +100,8 @@ def run_case(name, tokens, k, K, N, E, swiglu, bw, variants, n_weights) -> list[
             rows.append(dict(case=name, variant=v, error=str(e).splitlines()[0][:200]))
             continue
         row = dict(
-            case=name, variant=v, M=M, K=K, N=N, E=E, experts_with_rows=used, swiglu=swiglu,
+            case=name, type=qtype, variant=v, M=M, K=K, N=N, E=E, experts_with_rows=used,
+            swiglu=swiglu,
             max_diff=diff, xla_us=tx * 1e6, pallas_us=tp * 1e6, speedup=tx / tp,
             xla_TFLOP_s=flops / tx / 1e12, pallas_TFLOP_s=flops / tp / 1e12,
             xla_GB_s=nbytes / tx / 1e9, pallas_GB_s=nbytes / tp / 1e9,
@@ -110,14 +124,16 @@ def main():
     )
     ap.add_argument("--weights", type=int, default=8, help="distinct weight buffers cycled")
     ap.add_argument("--cases", type=int, nargs="+", default=None, help="indices into CASES")
+    ap.add_argument("--type", default="bf16", choices=["bf16", *FORMATS], help="expert weights")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bw = copy_bandwidth()
     cases = [CASES[i] for i in a.cases] if a.cases is not None else CASES
-    rows = [r for c in cases for r in run_case(*c, bw, a.variants, a.weights)]
+    rows = [r for c in cases for r in run_case(*c, bw, a.variants, a.weights, a.type)]
     meta = run_meta()
     lines = [
-        f"Grouped expert matmuls, bf16, random uniform routing; copy bandwidth {bw / 1e9:.0f} "
+        f"Grouped expert matmuls, {a.type} experts, random uniform routing; copy bandwidth "
+        f"{bw / 1e9:.0f} "
         f"GB/s. Time per call inside one executable of {LAYERS} dependent calls cycling over "
         f"{a.weights} weight buffers. Variant: block_m:block_n:block_k:warps:stages.",
         "",
