@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -141,7 +142,10 @@ async def completions(request: Request, state: ServerState, engine, body: dict) 
 async def chat_completions(request: Request, state: ServerState, engine, body: dict) -> Response:
     P.check_fields(body, P.CHAT_FIELDS)
     tools = T.chat_tools(body)
-    tools = tools if tools is not None and tools.mode != "none" else None
+    if tools is not None and tools.mode != "none":
+        tools = dataclasses.replace(tools, syntax=T.syntax_of(engine.tokenizer.chat_template))
+    else:
+        tools = None
     text = await run_in_threadpool(_chat_prompt, engine, body, tools)
     check_length_bound(engine, text, "messages")
     ids = await run_in_threadpool(engine.tokenizer.encode, text, False)

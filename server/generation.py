@@ -211,19 +211,20 @@ async def respond(
                 ],
             )
 
-        calls = T.CallStream(tools.names) if chat and tools is not None else None
+        calls = T.CallStream(tools.names, tools.syntax) if chat and tools is not None else None
 
         def chunk(g, ev):
             offset = len(g.text) - len(ev.text)
             text, finish, new = ev.text, g.finish_reason, []
             if calls is not None:
                 text, new = calls.feed(ev.text)
+                if ev.final:
+                    rest, last = calls.flush()
+                    text, new = text + rest, new + last
+                    finish = "tool_calls" if calls.calls and finish == "stop" else finish
                 first = calls.calls - len(new)  # index of the first new call
                 if not tools.parallel:  # the first call only
                     new = new[: max(0, 1 - first)]
-                if ev.final:
-                    text += calls.flush()
-                    finish = "tool_calls" if calls.calls and finish == "stop" else finish
                 new = [{"index": first + k, **c} for k, c in enumerate(new)]
             lps, tids = list(ev.logprobs), list(ev.token_ids)
             return envelope(obj, [choice(text, finish, lps, tids, offset, new)])
@@ -243,7 +244,7 @@ async def respond(
     if chat:
         message, finish = {"role": "assistant", "content": gen.text}, gen.finish_reason
         if tools is not None:
-            content, calls = T.parse(gen.text, tools.names)
+            content, calls = T.parse(gen.text, tools.names, tools.syntax)
             if calls:
                 calls = calls if tools.parallel else calls[:1]
                 message = {"role": "assistant", "content": content, "tool_calls": calls}

@@ -320,14 +320,29 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise bad(f"{where}.content", "must be a string or a list of text parts")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append(
-            {
-                **{k: v for k, v in m.items() if k not in ("content", "role")},
-                "role": role,
-                "content": content,
-            }
-        )
+        extra = {k: v for k, v in m.items() if k not in ("content", "role")}
+        if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list):
+            extra["tool_calls"] = [_rendered_call(c, f"{where}.tool_calls[{j}]")
+                                   for j, c in enumerate(m["tool_calls"])]  # fmt: skip
+        out.append({**extra, "role": role, "content": content})
     return out
+
+
+def _rendered_call(call, where: str) -> dict:
+    """An assistant message's tool call as chat templates take it: OpenAI sends arguments as
+    JSON text, templates expect the object (Llama 3.1's writes `arguments | tojson`)."""
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise bad(f"{where}.function", "must be an object with a name")
+    args = f.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise bad(f"{where}.function.arguments", "must be a JSON object or its text") from None
+    if not isinstance(args, dict):
+        raise bad(f"{where}.function.arguments", "must be a JSON object or its text")
+    return {**call, "function": {**f, "arguments": args}}
 
 
 def chat_logprobs(body: dict) -> int | None:

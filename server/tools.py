@@ -1,9 +1,10 @@
 """Chat tool calls: the request's tools and tool_choice, the grammar that forces a call, and the
 parser that turns the model's `<tool_call>` blocks into OpenAI `tool_calls`, whole or streamed.
 
-The call syntax is the Hermes / Qwen one that the Qwen2.5, Qwen3 and Qwen3.5 chat templates
-teach (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`); other families'
-syntaxes are not parsed yet.
+Two call syntaxes, chosen from the chat template (`syntax_of`): the Hermes / Qwen one that the
+Qwen2.5, Qwen3 and Qwen3.5 templates teach (`<tool_call>\\n{"name": ..., "arguments": {...}}
+\\n</tool_call>`, any number of calls among text), and Llama 3.1's JSON reply (the whole reply
+is `{"name": ..., "parameters": {...}}`, one call).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from luce_jax.host.grammar import check_schema
 from .protocol import bad
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HERMES, LLAMA3 = "hermes", "llama3_json"
+PYTHON_TAG = "<|python_tag|>"
 BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -34,6 +37,7 @@ class Tools:
     mode: str
     name: str | None = None
     parallel: bool = True
+    syntax: str = HERMES  # HERMES or LLAMA3 (syntax_of the model's chat template)
 
     @property
     def names(self) -> set[str]:
@@ -44,21 +48,32 @@ class Tools:
         grammar makes the reply exactly one such call."""
         if self.mode not in ("required", "named"):
             return None
+        key = "parameters" if self.syntax == LLAMA3 else "arguments"
         options = [
             {
                 "type": "object",
                 "properties": {
                     "name": {"const": t["function"]["name"]},
-                    "arguments": t["function"].get("parameters") or {"type": "object"},
+                    key: t["function"].get("parameters") or {"type": "object"},
                 },
-                "required": ["name", "arguments"],
+                "required": ["name", key],
                 "additionalProperties": False,
             }
             for t in self.tools
             if self.mode == "required" or t["function"]["name"] == self.name
         ]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
+        if self.syntax == LLAMA3:
+            return json.dumps(schema), "", ""
         return json.dumps(schema), OPEN + "\n", "\n" + CLOSE
+
+
+def syntax_of(template: str | None) -> str:
+    """The tool-call syntax a chat template teaches: Hermes <tool_call> blocks unless it asks
+    for Llama 3.1's {"name", "parameters"} reply."""
+    if template and OPEN not in template and '"parameters"' in template:
+        return LLAMA3
+    return HERMES
 
 
 def chat_tools(body: dict) -> Tools | None:
@@ -134,9 +149,14 @@ def call_from(block: str, names: set[str]) -> dict | None:
     }
 
 
-def parse(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
+def parse(text: str, names: set[str], syntax: str = HERMES) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole reply: calls from the blocks that parse, content the
-    text outside them (stripped; None if empty once calls were found)."""
+    text outside them (stripped; None if empty once calls were found). Llama 3.1: the whole
+    reply is one call or content."""
+    if syntax == LLAMA3:
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
+        call = call_from(body, names) if body.startswith("{") else None
+        return (None, [call]) if call else (text, [])
     calls, content, last = [], [], 0
     for m in BLOCK.finditer(text):
         call = call_from(m.group(1), names)
@@ -156,12 +176,20 @@ class CallStream:
     """Incremental `parse` for streamed replies: text is passed on except what may be part of a
     tool call, which is held until its block closes and then sent as one whole call."""
 
-    def __init__(self, names: set[str]):
-        self.names, self.buf, self.calls = names, "", 0
+    def __init__(self, names: set[str], syntax: str = HERMES):
+        self.names, self.syntax, self.buf, self.calls = names, syntax, "", 0
+        self.plain = False  # Llama 3.1: the reply is known not to be a call
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         """(content to send now, completed calls) after `text` arrives."""
         self.buf += text
+        if self.syntax == LLAMA3:  # a reply that may be a call is held whole
+            head = self.buf.lstrip()
+            if not self.plain and (not head or head.startswith("{") or PYTHON_TAG.startswith(
+                    head[: len(PYTHON_TAG)])):  # fmt: skip
+                return "", []
+            self.plain, out, self.buf = True, self.buf, ""
+            return out, []
         out, calls = [], []
         while True:
             i = self.buf.find(OPEN)
@@ -192,7 +220,12 @@ class CallStream:
             text_out = ""
         return text_out, calls
 
-    def flush(self) -> str:
-        """What is held back when the reply ends (an unclosed block stays text)."""
+    def flush(self) -> tuple[str, list[dict]]:
+        """(text, calls) held back when the reply ends: a Llama 3.1 call, or what is left (an
+        unclosed block stays text)."""
         out, self.buf = self.buf, ""
-        return out if not self.calls or out.strip() else ""
+        if self.syntax == LLAMA3 and not self.plain:
+            content, calls = parse(out, self.names, LLAMA3)
+            self.calls += len(calls)
+            return ("" if calls else out), calls
+        return (out if not self.calls or out.strip() else ""), []

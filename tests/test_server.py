@@ -400,6 +400,23 @@ BAD = [
     ),
     (
         "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}
+                    ],
+                },
+            ]
+        },
+        400,
+        "messages[1].tool_calls[0].function.arguments",
+    ),  # fmt: skip
+    (
+        "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
         400,
         "response_format",

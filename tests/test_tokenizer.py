@@ -101,28 +101,33 @@ def test_chat_template_equals_transformers(fixtures_dir, template, messages, gen
     assert ours.apply_chat_template(messages, add_generation_prompt=gen, **kwargs) == expected
 
 
-def test_tools_and_tool_turns_render_as_transformers_does(fixtures_dir):
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_tools_and_tool_turns_render_as_transformers_does(fixtures_dir, template):
     """What the server passes a chat template for tool calling: `tools` (OpenAI shape), an
-    assistant turn of tool_calls with empty content, and the tool's result."""
+    assistant turn of tool_calls (arguments as an object) with empty content, and the tool's
+    result."""
     from transformers import PreTrainedTokenizerFast
 
-    source = (fixtures_dir / "chat_templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    source = (fixtures_dir / "chat_templates" / template).read_text()
     ours = load(fixtures_dir, "qwen2", source)
-    hf = PreTrainedTokenizerFast(tokenizer_object=ours.hf, eos_token="<|endoftext|>")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=ours.hf, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
     hf.chat_template = source
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     call = {"id": "call_1", "type": "function",
-            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}  # fmt: skip
+            "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}  # fmt: skip
     messages = [
         {"role": "user", "content": "2 + 3?"},
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "5"},
     ]
+    kwargs = {"date_string": "26 Jul 2024"} if "Llama" in template else {}
     expected = hf.apply_chat_template(messages, tools=tools, tokenize=False,
-                                      add_generation_prompt=True)  # fmt: skip
-    text = ours.apply_chat_template(messages, True, tools=tools)
+                                      add_generation_prompt=True, **kwargs)  # fmt: skip
+    text = ours.apply_chat_template(messages, True, tools=tools, **kwargs)
     assert text == expected
-    assert '"name": "add"' in text and "<tool_response>\n5\n</tool_response>" in text
+    assert '"name": "add"' in text and '"a": 2' in text and "5" in text
 
 
 def test_gguf_embedded_template_is_used(fixtures_dir):

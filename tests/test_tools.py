@@ -1,12 +1,13 @@
 """Chat tool calls: request validation, the forced-call grammar, and the parser that turns
 <tool_call> blocks into OpenAI tool_calls, whole and streamed."""
 
+import dataclasses
 import json
 
 import pytest
 
 from server.protocol import APIError
-from server.tools import CallStream, chat_tools, parse
+from server.tools import LLAMA3, CallStream, chat_tools, parse, syntax_of
 
 WEATHER = {
     "type": "function",
@@ -57,7 +58,8 @@ def test_streamed_pieces_give_the_same_calls_and_content(piece):
     for i in range(0, len(REPLY), piece):
         t, c = s.feed(REPLY[i : i + piece])
         text, calls = text + t, calls + c
-    text += s.flush()
+    rest, last = s.flush()
+    text, calls = text + rest, calls + last
     content, whole = parse(REPLY, names)
     assert text.strip() == content
     assert [c["function"] for c in calls] == [c["function"] for c in whole]
@@ -102,3 +104,41 @@ def test_forced_calls_are_one_call_of_the_allowed_tools():
     assert json.loads(named.forced()[0])["properties"]["name"] == {"const": "get_time"}
     assert chat_tools({"tools": [WEATHER]}).forced() is None  # auto: parsed, not forced
     assert chat_tools({"tools": [WEATHER], "tool_choice": "none"}).mode == "none"
+
+
+def test_the_syntax_is_read_off_the_chat_template(fixtures_dir):
+    read = lambda name: (fixtures_dir / "chat_templates" / name).read_text()  # noqa: E731
+    assert syntax_of(read("Qwen-Qwen3-0.6B.jinja")) == "hermes"
+    assert syntax_of(read("meta-llama-Llama-3.1-8B-Instruct.jinja")) == LLAMA3
+    assert syntax_of(None) == "hermes"
+
+
+LLAMA_REPLY = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_a_llama_json_reply_is_one_call_whole_or_streamed(piece):
+    names = {"get_weather"}
+    content, (call,) = parse(LLAMA_REPLY, names, LLAMA3)
+    assert content is None and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    s, text, calls = CallStream(names, LLAMA3), "", []
+    for i in range(0, len(LLAMA_REPLY), piece):
+        t, c = s.feed(LLAMA_REPLY[i : i + piece])
+        text, calls = text + t, calls + c
+    t, c = s.flush()
+    assert text + t == "" and [x["function"] for x in calls + c] == [call["function"]]
+
+
+def test_a_plain_llama_reply_streams_as_content():
+    s = CallStream({"get_weather"}, LLAMA3)
+    assert s.feed("  ") == ("", [])  # may still become a call
+    assert s.feed("It is sunny.") == ("  It is sunny.", [])
+    assert s.feed(" {x}") == (" {x}", []) and s.flush() == ("", [])
+    assert parse("It is sunny.", {"get_weather"}, LLAMA3) == ("It is sunny.", [])
+
+
+def test_forced_llama_calls_are_bare_json_with_parameters():
+    t = chat_tools({"tools": [WEATHER], "tool_choice": "required"})
+    schema, before, after = dataclasses.replace(t, syntax=LLAMA3).forced()
+    assert (before, after) == ("", "") and "parameters" in json.loads(schema)["required"]

@@ -248,6 +248,7 @@ class GGUFTokenizer:
                 eog.add(i)
         self.eog_ids = frozenset(eog)
         src = chat_template if chat_template is not None else vocab.chat_template
+        self.chat_template = src  # the source (the server reads its tool-call syntax from it)
         self._template = compile_chat_template(src) if src else None
 
     @classmethod
