@@ -147,7 +147,7 @@ async def respond(
     tools: T.Tools | None = None,
 ) -> Response:
     """Submit `ids` and answer in OpenAI's completion (chat=False) or chat shape; with `tools`
-    (offered to the model), the reply's <tool_call> blocks become `tool_calls`.
+    (offered to the model), the calls in the reply (tools.py's syntaxes) become `tool_calls`.
 
     A full queue is decided here, before any response starts: 429 with Retry-After for
     streaming and non-streaming requests alike."""

@@ -69,11 +69,9 @@ class Grammars:
     """
 
     def __init__(self, token_bytes: list[bytes], stop_ids, vocab_size: int):
-        self._token_bytes, self._stop_ids, self.vocab_size = (
-            token_bytes,
-            sorted(stop_ids),
-            vocab_size,
-        )
+        self._token_bytes = token_bytes
+        self._stop_ids = sorted(stop_ids)
+        self.vocab_size = vocab_size
         self._compiler = None
         self._matchers: dict[int, object] = {}  # slot -> xgrammar.GrammarMatcher
         self._printable = None  # [words] bitmask of tokens without control characters
@@ -109,11 +107,10 @@ class Grammars:
                 g = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
             except Exception as e:
                 raise _invalid(e) from e
-            # a literal in EBNF is quoted and escaped as a JSON string is
-            parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") for t in (prefix, suffix)]
-            if prefix or suffix:
-                g = xgr.Grammar.concat(*([parts[0]] if prefix else []), g,
-                                       *([parts[1]] if suffix else []))  # fmt: skip
+            if prefix or suffix:  # a literal in EBNF is quoted and escaped as JSON text is
+                lit = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") if t else None
+                       for t in (prefix, suffix)]  # fmt: skip
+                g = xgr.Grammar.concat(*(p for p in (lit[0], g, lit[1]) if p is not None))
             self._compiled[key] = self._compiler.compile_grammar(g)
         return self._compiled[key]
 
