@@ -113,7 +113,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     if draft is None:
         proposer = NgramProposer()
     else:
-        d_runner = runner_for(DraftRunner, *draft, depth=spec_k)
+        d_runner = runner_for(DraftRunner, *draft, depth=spec_k, vocab=mc.vocab_size)
         with clock.phase("draft compile and timing"):
             d_runner.warmup(pairs)
         proposer = DraftProposer(
@@ -125,6 +125,7 @@ def _load(config: EngineConfig, clock: StartupClock):
             engine.token_buckets,
             engine.rows_for,
             config.prefill_chunk,
+            engine.slots,
         )
         # The draft program's cost, linear in depth: t(d) = fixed + d * per_depth.
         t1, tk = d_runner.propose_time[1], d_runner.propose_time[spec_k]

@@ -155,6 +155,27 @@ def test_sampled_token_distribution_matches_the_target(engines):
     assert st["accepted"] > n / 4, st  # the draft's proposals were often kept
 
 
+def test_sampled_proposals_share_the_targets_noise_and_are_kept(engines, engine_config, tiny_gguf):
+    """A draft that is the target itself, at temperature 1: its proposals are sampled with the
+    noise the target's rows use, so nearly every one is the token the target samples (greedy
+    proposals would match a sampled token only as often as it is the argmax), and the output
+    is still the one without speculation."""
+    base = engine_config.replace(max_concurrency=8, prefill_chunk=32, prefill_token_budget=64)
+    loaded = load_engine(base.replace(spec_mode="draft", draft=tiny_gguf, draft_tokens=K))
+    engine = loaded[1]
+    engine.spec.policy = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
+    engine.spec.policy.observe_step = lambda seconds: None
+    arrivals = [
+        (i, p, SamplingParams(max_tokens=16, temperature=1.0, seed=7 + i, ignore_eos=True))
+        for i, p in enumerate(prompts())
+    ]
+    want, _ = run(engines["off"], arrivals)
+    got, _ = run(loaded, arrivals)
+    assert got == want
+    st = engine.spec.stats()
+    assert st["proposed"] > 50 and st["accepted"] >= 0.95 * st["proposed"], st
+
+
 def test_speculation_flags_are_validated(tiny_gguf):
     with pytest.raises(ValueError, match="spec_mode"):
         EngineConfig(spec_mode="eagle")

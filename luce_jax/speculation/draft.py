@@ -4,9 +4,10 @@ The draft runs on a DraftRunner (draft_runner.py) and a KVPool of the same desig
 target's. Slot s of the draft holds the same sequence as slot s of the target, fed lazily: each
 `propose` call that wants proposals runs one program that feeds every slot the tokens
 its draft cache lacks (prompt chunks, then the one or two tokens the last verify emitted)
-and then up to K - 1 batched greedy decode steps on the device, so K proposals cost one
-host round trip. Proposals are the draft's greedy tokens, so they are deterministic and
-the target's verification is exact (see device/sampling.sample_rows).
+and then up to K - 1 batched decode steps on the device, so K proposals cost one host round
+trip. Proposals are sampled with the noise the target's rows will use (draft_runner.py), so
+the target keeps a proposal only when it is the token it samples itself, and its output is
+the one without speculation (see device/sampling.sample_rows).
 
 Rollback: the draft fed its own proposals past the sequence; when the target's verdict
 arrives (`extend`) the draft keeps only the fed tokens that match what was accepted, by
@@ -16,6 +17,8 @@ shortening its fed length. Blocks stay claimed (the reservation covers the whole
 from __future__ import annotations
 
 import logging
+
+import numpy as np
 
 from ..host.batch import Row, pick_bucket
 from ..host.kv_pool import KVPool
@@ -32,13 +35,15 @@ class DraftProposer:
       block_size, max_slots, max_blocks_per_seq: as the target engine's.
       token_buckets: the draft runner's warmed token buckets; rows_for: T -> row bucket.
       chunk: prompt tokens one slot feeds per catch-up step.
+      slots: the target engine's SlotTable, whose sampling parameters, seeds and progress the
+        proposals are sampled with (None: greedy proposals).
     """
 
     def __init__(
         self, runner, num_blocks, block_size, max_slots, max_blocks_per_seq, token_buckets,
-        rows_for, chunk,
+        rows_for, chunk, slots=None,
     ):  # fmt: skip
-        self.runner = runner
+        self.runner, self.slots = runner, slots
         self.pool = KVPool(num_blocks, block_size, max_slots, max_blocks_per_seq)
         self.token_buckets, self.rows_for, self.chunk = token_buckets, rows_for, chunk
         self.seq: dict[int, list[int]] = {}  # slot -> prompt + accepted output
@@ -97,7 +102,13 @@ class DraftProposer:
         if not rows:
             return props
         t = pick_bucket(sum(len(r.tokens) for r in rows), self.token_buckets)
-        out = self.runner.propose(rows, self.pool.block_array, t, self.rows_for(t), wants)
+        S, sampling = self.rows_for(t), None
+        if self.slots is not None:  # speculation collects every step: `generated` is exact
+            ids = np.array([r.slot for r in rows], np.int32)
+            starts = np.array([r.start for r in rows], np.int32)
+            sampling = self.slots.row_inputs(ids, starts, np.array(wants) > 0, S)
+        out = self.runner.propose(rows, self.pool.block_array, t, S, wants,
+                                  sampling_rows=sampling)  # fmt: skip
         for i, (r, k) in enumerate(zip(rows, wants, strict=True)):
             self.fed[r.slot] += len(r.tokens)
             if k:

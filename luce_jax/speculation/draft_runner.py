@@ -1,8 +1,18 @@
-"""The draft model's device side: its own KV and one greedy propose program per bucket.
+"""The draft model's device side: its own KV and one propose program per bucket.
 
-One program per (T, S) bucket: a catch-up step, then up to K - 1 batched greedy decode steps
-in a while loop on the device, so K proposals cost one host round trip (draft.py drives it).
-Shapes: T tokens, S rows, K proposals (depth), P block size, MB blocks per sequence.
+One program per (T, S) bucket: a catch-up step, then up to K - 1 batched decode steps in a
+while loop on the device, so K proposals cost one host round trip (draft.py drives it).
+
+Proposals are sampled as the target will sample: with each row's own parameters (temperature,
+top-k, top-p, min-p) and, for the proposal the target's logits row at offset j will check, the
+noise of (the row's seed, its tokens generated + j), which is the noise that target row draws
+(device/sampling.sample). So a draft that predicts the target's distribution well proposes the
+very token the target samples, and at temperature 0 the argmax, as before. The target keeps a
+proposal when it equals its own sample, so its output is token for token the one without
+speculation; this coupling of the two samples through shared noise is what makes sampled
+drafts pay without a rejection step that would change the tokens a seed gives.
+Shapes: T tokens, S rows, K proposals (depth), V vocabulary, P block size, MB blocks per
+sequence.
 """
 
 from __future__ import annotations
@@ -13,27 +23,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..device import sampling
 from ..device.programs import BucketPrograms, best_of_3
 from ..host.batch import layout_size, lower, pack, step_layout, unpack
+from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense
 
-# The step inputs a propose program reads (greedy: no sampling parameters, one logits row each).
+# The step inputs a propose program reads (one logits row each; no penalty state).
 _KEYS = ("tokens", "positions", "seg_ids", "write_idx", "block_tables", "kv_lens", "cu_q_lens",
-         "sample_mask", "logit_rows")  # fmt: skip
+         "sample_mask", "logit_rows", "top_k", "seeds", "steps")  # fmt: skip
 
 
 class DraftRunner:
     """The draft's KV and BucketPrograms of `_propose_fn`; only the KV is donated.
 
     Args: as device.runner.Runner's (without max_proposals), and depth: K, the most proposals
-      per row.
+      per row; vocab: V, the target's logits width (the draft's are padded to it, so that the
+      noise of a (seed, step) is the target's vector; default the draft's own).
     """
 
     def __init__(
         self, cfg, params, num_blocks, block_size, max_slots, max_blocks_per_seq, kv_types,
         attention_fn=None, grouped_matmul_fn=None, quant_matmul=None, *, depth: int,
+        vocab: int | None = None,
     ):  # fmt: skip
         self.cfg, self.params, self.depth = cfg, params, depth
+        self.vocab = vocab or cfg.vocab_size
         self.block_size, self.max_slots, self.max_blocks = block_size, max_slots, max_blocks_per_seq
         self.kv = dense.init_kv(cfg, num_blocks, block_size, *kv_types)
         self._forward = functools.partial(
@@ -54,21 +69,36 @@ class DraftRunner:
         keep = [(n, s) for n, s in step_layout(T, S, S, self.max_blocks) if n in _KEYS]
         return keep + [("want", (S,)), ("depth", (1,))]
 
-    def _propose_fn(self, params, kv, ints, *, T: int, S: int):
-        """A draft model's greedy proposals in one program; T, S static.
+    def _propose_fn(self, params, kv, ints, floats, *, T: int, S: int):
+        """A draft model's proposals in one program; T, S static.
 
         The catch-up batch (prompt chunks, and each speculating row's unfed tokens) runs as a
-        step; its rows with sample_mask propose argmax tokens, then up to depth - 1 batched
-        decode steps (a while loop: depth is data) feed each row its last proposal while the
-        row wants more. Rows that want no more write the sink.
+        step; its rows with sample_mask propose a token, then up to depth - 1 batched decode
+        steps (a while loop: depth is data) feed each row its last proposal while the row
+        wants more. Rows that want no more write the sink. Proposal j of a row is sampled
+        with the row's parameters and the noise of (seed, steps + j) (module docstring).
 
         Args: params; kv (donated); ints: int32 packed per `layout` (want [S]: proposals
-          per row, depth [1]: the largest).
+          per row, depth [1]: the largest; top_k, seeds, steps [S]: the rows' sampling as
+          the target's step has them); floats: float32 [6, S] (FLOAT_FIELDS).
         Returns: (tokens int32 [S, K], kv).
         """
         batch = unpack(ints, self.layout(T, S))
+        sp = sampling.named(floats, batch["top_k"])
+        seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)
+        none = jnp.zeros((S, self.vocab), jnp.int32)  # no penalty state: proposals only
+
+        def pick(logits, j):
+            """[S, V_draft] logits -> the rows' samples for the target's offset j."""
+            V = logits.shape[-1]
+            if V < self.vocab:  # ids the draft lacks are never proposed
+                logits = jnp.pad(logits, ((0, 0), (0, self.vocab - V)), constant_values=-jnp.inf)
+            tok, _ = sampling.sample(logits[:, : self.vocab], none, none > 0, sp, seeds,
+                                     batch["steps"] + j)  # fmt: skip
+            return tok
+
         logits, kv, _ = self._forward(params, kv, batch)
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+        tok = pick(logits, 0)  # [S]
         out = jnp.zeros((S, self.depth), jnp.int32).at[:, 0].set(tok)
         P, Td = self.block_size, max(S, 8)  # decode steps pad to 8 tokens, as the step's buckets
         rows = jnp.arange(S)
@@ -91,7 +121,7 @@ class DraftRunner:
                 "logit_rows": rows,
             }
             logits, kv, _ = self._forward(params, kv, dec)
-            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            tok = pick(logits, j)
             return j + 1, kv, tok, out.at[:, j].set(tok)
 
         carry = (jnp.int32(1), kv, tok, out)
@@ -101,23 +131,32 @@ class DraftRunner:
     def step_function(self, T: int, S: int):
         """The propose program for bucket (T, S) and abstract arguments to lower it with."""
         ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
-        return functools.partial(self._propose_fn, T=T, S=S), (self.params, self.kv, ints)
+        floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
+        fn = functools.partial(self._propose_fn, T=T, S=S)
+        return fn, (self.params, self.kv, ints, floats)
 
-    def propose(self, rows, tables, t_bucket: int, s_bucket: int, want: list[int], depth=None):
-        """Greedy proposals (see _propose_fn); waits for them.
+    def propose(
+        self, rows, tables, t_bucket: int, s_bucket: int, want: list[int], depth=None,
+        sampling_rows: dict | None = None,
+    ):  # fmt: skip
+        """Proposals (see _propose_fn); waits for them.
 
         Args: rows: the catch-up batch (batch.Row; sample=True on speculating rows, whose
           blocks must cover start + len(tokens) + want - 1); tables: int32 [slots, MB] block
           tables; want: per row, proposals wanted (<= K); depth: loop count (default
-          max(want)).
+          max(want)); sampling_rows: the rows' floats, top_k, seeds and steps as
+          SlotTable.row_inputs gives them (default: greedy).
         Returns: int32 [len(rows), K]: row i's proposals are [i, :want[i]].
         """
         T, S = t_bucket, s_bucket
         b = lower(rows, tables, self.block_size, T, S)
+        b.update(sampling_rows or padding_inputs(S))
         b["want"] = np.zeros(S, np.int32)
         b["want"][: len(want)] = want
         b["depth"] = np.array([max(want, default=0) if depth is None else depth], np.int32)
-        out, self.kv = self.programs[(T, S)](self.params, self.kv, pack(b, self.layout(T, S)))
+        out, self.kv = self.programs[(T, S)](
+            self.params, self.kv, pack(b, self.layout(T, S)), b["floats"]
+        )
         return np.asarray(out)[: len(rows)]
 
     def warmup(self, pairs: list[tuple[int, int]]) -> None:
