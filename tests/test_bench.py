@@ -239,3 +239,21 @@ def test_profile_attributes_step_time_to_model_parts(engine_config):
     assert r["device_busy_ms"] <= device * 1.001
     assert r["device_busy_ms"] <= r["step_ms"] * 1.001
     assert sum(parts.values()) >= r["step_ms"] * 0.999
+
+
+def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
+    """bench/kernel_ptx.py: Pallas's Triton module compiled to sm_90a PTX on the CPU, with
+    ptxas' register count (the tool for kernel work between GPU runs)."""
+    import jax.numpy as jnp
+    import kernel_ptx
+
+    from pallas_kernels.ggml_blocks import QuantWeight
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    w = QuantWeight.from_rows(jnp.zeros((64, 512 // 32 * 34), jnp.uint8), "q8_0")
+    (ttir,) = kernel_ptx.triton_modules(
+        lambda x: quant_matmul(x, w, interpret=False), jnp.zeros((8, 512), jnp.bfloat16)
+    )
+    stats = kernel_ptx.compiled(ttir, num_warps=4, num_stages=2)
+    assert stats["registers"] > 0 and stats["spill_bytes"] == 0
+    assert any(k.startswith("ld.global") for k in stats["global_loads"])

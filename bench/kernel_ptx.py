@@ -1,0 +1,131 @@
+"""What a Pallas kernel compiles to for the H200, without a GPU: loads, shared memory, registers.
+
+Lowers a kernel for the cuda platform on the CPU (as tests/test_triton_lowering.py does),
+compiles the Triton module that Pallas built to PTX for sm_90a with the `triton` package's own
+compiler (a Triton newer than jaxlib's reads it), and runs the ptxas that package bundles for
+registers and spills. Per kernel: global loads by width, shared memory bytes, registers, spill
+bytes. No timing: a count to compare variants by between GPU runs, never a speed claim.
+
+    python bench/kernel_ptx.py quant_matmul --types q8_0 q4_k --live 1
+    python bench/kernel_ptx.py paged_attention --kv-types bf16 q8_0 q4_0
+
+Needs `triton` (xgrammar's dependency pulls it into the test extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.pallas.triton import pallas_call_registration as registration
+
+from pallas_kernels import kv_cache
+from pallas_kernels.ggml_blocks import FORMATS, QuantWeight
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.quant_matmul import quant_matmul
+
+
+def triton_modules(f, *args) -> list[str]:
+    """The Triton modules (MLIR text) Pallas builds while lowering f(*args) for cuda."""
+    seen, build = [], registration.lowering.lower_jaxpr_to_triton_module
+
+    def keep(*a, **k):
+        result = build(*a, **k)
+        seen.append(str(result.module))
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = build
+    return seen
+
+
+def compiled(ttir: str, num_warps: int, num_stages: int) -> dict:
+    """PTX statistics and ptxas' register report of one Triton module."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ttir")
+        with open(src, "w") as f:
+            f.write(ttir)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+        ptx = k.asm["ptx"]
+        ptx_path = os.path.join(d, "k.ptx")
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    return {
+        "global_loads": dict(collections.Counter(re.findall(r"(ld\.global[.\w]*)", ptx))),
+        "shared_bytes": k.metadata.shared,
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_bytes": sum(map(int, spill.groups())) if spill else None,
+        "ptx_lines": ptx.count("\n"),
+    }
+
+
+def quant_cases(a):
+    for q in a.types:
+        f = FORMATS[q]
+        w = QuantWeight.from_rows(jnp.zeros((a.n, a.k // f.block * f.type_size), jnp.uint8), q)
+        x = jnp.zeros((a.rows, a.k), jnp.bfloat16)
+        live = None if a.live is None else jnp.int32(a.live)
+        kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages)
+        yield q, (lambda x, w=w, n=live, kw=kw: quant_matmul(x, w, n, **kw)), (x,)
+
+
+def attention_cases(a):
+    H, K, D, P, ctx = 32, 8, 128, 16, 4096
+    MB = ctx // P
+    for t in a.kv_types:
+        k = jnp.zeros((1 + MB * a.rows, P, K, D), jnp.bfloat16)
+        k = k if t == "bf16" else kv_cache.quantize(k, t)
+        T = a.rows
+        args = (
+            jnp.zeros((T, H, D), jnp.bfloat16), k, k, jnp.zeros((T,), jnp.int32),
+            jnp.full((T,), ctx - 1, jnp.int32), jnp.zeros((T, MB), jnp.int32),
+            jnp.full((T,), ctx, jnp.int32),
+        )  # fmt: skip
+        cu = jnp.arange(T + 1, dtype=jnp.int32)
+        kw = dict(scale=0.1, cu_q_lens=cu, interpret=False, num_warps=a.warps,
+                  num_stages=a.stages)  # fmt: skip
+        yield t, (lambda *x, kw=kw: paged_attention(*x, **kw)), args
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("kernel", choices=["quant_matmul", "paged_attention"])
+    ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k"], choices=list(FORMATS))
+    ap.add_argument("--kv-types", nargs="+", default=["bf16", "q8_0", "q4_0"])
+    ap.add_argument("--rows", type=int, default=8, help="M (quant_matmul) or decode rows")
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=24576)
+    ap.add_argument("--live", type=int, default=None, help="quant_matmul's live rows")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=2)
+    a = ap.parse_args()
+    cases = quant_cases(a) if a.kernel == "quant_matmul" else attention_cases(a)
+    for name, f, args in cases:
+        for i, ttir in enumerate(triton_modules(f, *args)):
+            print(name, i, compiled(ttir, a.warps, a.stages))
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    np.set_printoptions(linewidth=200)
+    main()
