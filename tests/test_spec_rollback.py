@@ -80,9 +80,11 @@ class FakeRunner:
     def fetch(self, launched):
         return launched
 
-    def propose(self, rows, tables, t_bucket, s_bucket, want):
+    def propose(self, rows, tables, t_bucket, s_bucket, want, sampling_rows=None):
         """The draft program: feed the catch-up rows, then each speculating row's first
-        want - 1 proposals after them (as the device loop writes them)."""
+        want - 1 proposals after them (as the device loop writes them). The rows' sampling
+        inputs come padded to the bucket, one per row."""
+        assert sampling_rows is None or sampling_rows["steps"].shape == (s_bucket,)
         b = lower(rows, tables, self.block_size, t_bucket, s_bucket)
         n_tok = sum(len(r.tokens) for r in rows)
         self.kv[b["write_idx"][:n_tok]] = b["tokens"][:n_tok]
