@@ -26,8 +26,6 @@ import numpy as np
 from luce_jax.loading.quants import keep_quantized
 from pallas_kernels.ggml_blocks import FORMATS, dequantize_weight
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, quant_matmul_xla
-from pallas_kernels.quant_prefill import QTYPES as TILE_QTYPES
-from pallas_kernels.quant_prefill import quant_prefill
 
 from make_model import random_rows
 from meta import meta_line, run_meta, write_result
@@ -55,12 +53,6 @@ def parse_vector(v: str) -> dict:
                 vector_programs=vp)  # fmt: skip
 
 
-def parse_tiles(v: str) -> dict:
-    """block_m:block_n:block_k:warps:stages of quant_prefill."""
-    bm, bn, bk, warps, stages = (int(t) for t in v.split(":"))
-    return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-
-
 def xla_reduce(x, w):
     """Row 0 of x @ W^T as XLA's multiply-and-reduce with W dequantized inside the fusion (no
     dot, no bf16 copy of W if XLA fuses the decoding into the reduction); other rows zero."""
@@ -79,7 +71,6 @@ def run_case(
     n_weights,
     xla: bool,
     lives=(),
-    tiles=(),
     vectors=(),
     rows=None,
     flush=lambda: None,
@@ -108,9 +99,6 @@ def run_case(
         fns += [(f"vector {v} live {n}", functools.partial(quant_matmul, live=live,
                  out_dtype=jnp.bfloat16, vector_rows=n,
                  **parse_vector(v))) for v in vectors]  # fmt: skip
-    if qtype in TILE_QTYPES:  # the tile-dequantize kernel (pallas_kernels/quant_prefill.py)
-        fns += [(f"tiles {v}", functools.partial(quant_prefill, out_dtype=jnp.bfloat16,
-                 **parse_tiles(v))) for v in tiles]  # fmt: skip
     if lives and xla:  # one row as XLA's fused multiply-reduce over the dequantized weight
         fns.append(("xla-reduce live 1", xla_reduce))
     if xla:
@@ -159,12 +147,6 @@ def main():
     ap.add_argument("--weights", type=int, default=4, help="distinct weight buffers cycled")
     ap.add_argument("--no-xla", action="store_true", help="skip XLA's dequantize-then-dot")
     ap.add_argument("--live", type=int, nargs="*", default=[], help="also with these live rows")
-    ap.add_argument(
-        "--tiles",
-        nargs="*",
-        default=[],
-        help="also quant_prefill (q8_0, q4_0) at block_m:block_n:block_k:warps:stages",
-    )
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bw = copy_bandwidth()
@@ -179,7 +161,7 @@ def main():
         for s in shapes:
             for M in a.rows:
                 run_case(t, *s, M, bw, a.variants, a.weights, not a.no_xla,
-                         [n for n in a.live if n < M], a.tiles, a.vector_variants, rows,
+                         [n for n in a.live if n < M], a.vector_variants, rows,
                          flush)  # fmt: skip
     flush()
 

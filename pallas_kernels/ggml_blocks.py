@@ -228,7 +228,7 @@ def dequantize_weight(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
 
 def _byte_f16(load1, off):
     """float32 from the little-endian f16 whose bytes load1(off), load1(off + 1) give (off a
-    static block offset, or an index array)."""
+    static block offset)."""
     lo, hi = load1(off).astype(jnp.uint16), load1(off + 1).astype(jnp.uint16)
     return jax.lax.bitcast_convert_type(lo | (hi << 8), jnp.float16).astype(jnp.float32)
 

@@ -100,13 +100,3 @@ def test_gated_delta_lowers_to_a_valid_triton_module(verified, dtype, chunk):
     )
     lower_for_cuda(lambda *a: gated_delta(*a, interpret=False, chunk=chunk), *args)
     assert len(verified) == 1
-
-
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k", "q6_k"])
-def test_quant_prefill_lowers_to_a_valid_triton_module(verified, qtype):
-    from pallas_kernels.quant_prefill import quant_prefill
-
-    w = zero_weight(qtype, 2048, 4096)
-    x = jnp.zeros((512, 4096), jnp.bfloat16)
-    lower_for_cuda(lambda x, w: quant_prefill(x, w, interpret=False), x, w)
-    assert len(verified) == 1
