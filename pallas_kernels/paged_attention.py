@@ -117,6 +117,13 @@ def _load_tile(data_ref, phys, off, kh, ok, cdt, D):
     )
 
 
+def _pieces(kind: str) -> list[tuple[int, int]]:
+    """(first value, values) of the pieces a quantized scale group splits into: q8_0 one run
+    of 32 bytes; q4_0 the low and high nibbles of one run of 16 bytes."""
+    half = GROUP // 2
+    return [(0, GROUP)] if kind == "q8_0" else [(0, half), (half, half)]
+
+
 def _group_pieces(data_ref, scale_ref, kind, phys, off, kh, ok, g):
     """Scale group g of a quantized tile: (scale float32 [BK], [(first value, codes [BK, n])]).
 
@@ -137,7 +144,8 @@ def _group_pieces(data_ref, scale_ref, kind, phys, off, kh, ok, g):
     if kind == "q8_0":
         return sc, [(0, load(g * GROUP, GROUP).astype(jnp.int32))]
     b = load(g * GROUP // 2, GROUP // 2).astype(jnp.int32)
-    return sc, [(0, (b & 15) - 8), (GROUP // 2, (b >> 4) - 8)]
+    (lo, _), (hi, _) = _pieces(kind)
+    return sc, [(lo, (b & 15) - 8), (hi, (b >> 4) - 8)]
 
 
 def _dot(a, b, contract_b: int):
@@ -170,17 +178,13 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
     q = q_ref[kh, rows, :]  # [BQG, D]
     # Quantized values accumulate per piece of a scale group ([BQG, n] each), written side by
     # side at the end; a plain V accumulates [BQG, D] at once.
-    half = GROUP // 2
-    runs = [(0, GROUP)] if v_kind == "q8_0" else [(0, half), (half, half)]
     v_cols = [(0, D)] if v_kind == "plain" else [
-        (g * GROUP + first, n) for g in range(D // GROUP) for first, n in runs
+        (g * GROUP + first, n) for g in range(D // GROUP) for first, n in _pieces(v_kind)
     ]  # fmt: skip
-
-    k_runs = [(0, GROUP)] if k_kind == "q8_0" else [(0, half), (half, half)]
     q_parts = {  # q's columns per piece of a quantized K's groups, loaded once
         (g, first): q_ref[kh, rows, pl.ds(g * GROUP + first, n)]
         for g in range(D // GROUP if k_kind != "plain" else 0)
-        for first, n in k_runs
+        for first, n in _pieces(k_kind)
     }
 
     def scores(phys, off, ok):

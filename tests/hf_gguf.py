@@ -66,6 +66,7 @@ def make_hf_model(
         bos_token_id=vocab - 1,
         eos_token_id=256 + 6,
     )
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
     if arch == "llama":
         cfg = LlamaConfig(
             **common, rope_theta=10000.0, tie_word_embeddings=bool(tie), rope_scaling=rope_scaling
@@ -84,9 +85,7 @@ def make_hf_model(
             head_dim=32,
             rope_theta=1e6,
             tie_word_embeddings=bool(tie),
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
+            **experts,
             norm_topk_prob=True,
         )
         model = Qwen3MoeForCausalLM(cfg)
@@ -99,12 +98,7 @@ def make_hf_model(
         )
 
         moe = arch == "qwen35moe"  # 8 experts, 2 per token, and a gated shared expert
-        extra = dict(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            shared_expert_intermediate_size=40,
-        )
+        extra = dict(experts, shared_expert_intermediate_size=40)
         cfg = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(
             **{**common, "num_hidden_layers": 4},
             **(extra if moe else {}),

@@ -154,8 +154,13 @@ class DenseEngine:
         self.spec = speculator
 
     @property
+    def constraining(self) -> bool:
+        """Some live slot's output is constrained by a grammar."""
+        return self.grammars is not None and self.grammars.active
+
+    @property
     def overlap(self) -> bool:
-        return self.spec is None and not (self.grammars is not None and self.grammars.active)
+        return self.spec is None and not self.constraining
 
     @property
     def in_flight(self) -> int:
@@ -275,7 +280,7 @@ class DenseEngine:
         S = self.rows_for(T)
         b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
         b.update(sl.row_inputs(rows.slots, rows.starts, rows.sample, S))
-        if self.grammars is not None and self.grammars.active:
+        if self.constraining:
             allow = self.grammars.masks(rows.slots, rows.sample, S)
             if allow is not None:
                 b["allow"] = allow
@@ -341,7 +346,7 @@ class DenseEngine:
             return []
         sl = self.slots
         left = sl.max_tokens[dec] - sl.generated[dec] - 1
-        if self.grammars is not None and self.grammars.active:  # proposals skip the grammar
+        if self.constraining:  # proposals skip the grammar
             left = np.where([self.grammars.constrained(s) for s in dec.tolist()], 0, left)
         caps = dict(zip(dec.tolist(), np.clip(left, 0, self.spec.k).tolist(), strict=True))
         chosen = self.spec.choose(caps, prompt_tokens)
