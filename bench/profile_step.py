@@ -215,6 +215,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--dtype", default="auto", help="EngineConfig.dtype (quantized: keep packed)")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warm", type=int, default=4)
@@ -238,6 +239,7 @@ def main():
     max_ctx = a.ctx + a.steps + a.warm + 128
     cfg = EngineConfig(
         **({"model": a.model} if a.model else {}),
+        dtype=a.dtype,
         max_concurrency=cmax,
         max_ctx=max_ctx,
         kv_pool_tokens=cmax * (-(-max_ctx // 16) + 1) * 16,

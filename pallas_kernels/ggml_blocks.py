@@ -237,6 +237,24 @@ def _int(v):
     return v.astype(jnp.int32)
 
 
+# Codes to floats inside a kernel. The H200 issues an integer-to-float conversion (I2F) at a
+# sixteenth of its FMA rate, and a kernel converts every weight value it reads, so both helpers
+# stay off that unit (bench/kernel_ptx.py --sass counts the instructions).
+
+
+def exact_f32(codes):
+    """Small integers (|v| < 2**22) to float32: v added to the bits of 1.5 * 2**23 gives the
+    float 1.5 * 2**23 + v exactly, and one float subtraction leaves v."""
+    magic = 0x4B400000
+    return jax.lax.bitcast_convert_type(codes + magic, jnp.float32) - float(1.5 * 2**23)
+
+
+def codes_as(codes, dtype):
+    """Codes in int8's range to a 16-bit float dtype for a dot: through int8, which Triton
+    converts with byte permutes and one packed add per two values rather than an I2F each."""
+    return codes.astype(jnp.int8).astype(dtype)
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     """How a kernel decodes one block of a type, a group at a time.

