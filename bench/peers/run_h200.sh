@@ -12,7 +12,7 @@
 #   bench/peers/run_h200.sh models:bf16 ours:bf16 structured:bf16     # constrained vs not
 #     (structured needs xgrammar's cp312 wheels in .whl: pip download --no-deps
 #      --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 xgrammar
-#      apache-tvm-ffi; the device's python3 has the torch xgrammar imports)
+#      apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection; the device's python3 has the torch xgrammar imports)
 #
 # SHAPE is a bench/make_model.py shape (default qwen3-8b); OURS_FLAGS are added to our server's
 # flags.
