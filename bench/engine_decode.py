@@ -30,25 +30,33 @@ from roofline import copy_bandwidth, decode_step, model_bytes
 log = logging.getLogger("engine_decode")
 
 
-def device_step_time(runner, exe, args, n: int) -> float:
-    """Seconds per step of the jitted step alone, re-run back to back on the last decode batch.
+def device_step_time(runner, forward, sampling, n: int) -> float:
+    """Seconds per step of the compiled forward pass and sampling alone, re-run back to back
+    on the last decode batch (forward, sampling: each an (executable, arguments) pair).
 
     The difference to the engine's step time is host work: planning, lowering, transfers.
     Re-running rewrites the same KV slots with the same values, so the cache stays valid.
     """
     import jax
 
-    a = list(args)
-    a[1], a[2] = runner.kv, runner.state
-    out = exe(*a)
-    a[1], a[2] = out[3], out[4]
-    jax.block_until_ready(out)
+    (fexe, fargs), (sexe, sargs) = forward, sampling
+    fa, sa = list(fargs), list(sargs)
+
+    def step():
+        fa[1], fa[2], fa[3] = runner.kv, runner.state.get("model"), runner._sampler_state()
+        logits, runner.kv, model_state, _ = fexe(*fa)
+        if model_state is not None:
+            runner.state["model"] = model_state
+        sa[0], sa[1] = logits, runner._sampler_state()
+        *out, state = sexe(*sa)
+        runner.state.update(state)
+        return out
+
+    jax.block_until_ready(step())
     t = time.perf_counter()
     for _ in range(n):
-        out = exe(*a)
-        a[1], a[2] = out[3], out[4]
+        out = step()
     jax.block_until_ready(out)
-    runner.kv, runner.state = a[1], a[2]
     return (time.perf_counter() - t) / n
 
 
@@ -142,23 +150,26 @@ def run(args, backend: str, moe_backend: str) -> dict:
             sched.step()
         compiles = engine.runner.compiles
         runner = engine.runner
-        originals, captured = dict(runner.programs._exec), {}
+        progs, captured = (runner.programs, runner.sample_programs), {}
+        originals = [dict(p._exec) for p in progs]
 
-        def spy(exe, _c=captured):
+        def spy(exe, which, _c=captured):
             def call(*a):
-                _c["exe"], _c["args"] = exe, a
+                _c[which] = (exe, a)
                 return exe(*a)
 
             return call
 
-        runner.programs._exec = {k: spy(v) for k, v in originals.items()}
+        for p, orig in zip(progs, originals, strict=True):
+            p._exec = {k: spy(v, p.name) for k, v in orig.items()}
         t = time.perf_counter()
         for _ in range(args.steps):
             sched.step()
         dt = (time.perf_counter() - t) / args.steps
-        runner.programs._exec = originals
+        for p, orig in zip(progs, originals, strict=True):
+            p._exec = orig
         assert engine.runner.compiles == compiles, "compiled while decoding"
-        dev_dt = device_step_time(runner, captured["exe"], captured["args"], args.steps)
+        dev_dt = device_step_time(runner, captured["step"], captured["sampling"], args.steps)
         for r in reqs:
             sched.cancel(r)
         ctx_avg = args.ctx + args.warm + args.steps / 2

@@ -1,10 +1,13 @@
-"""What a Pallas kernel compiles to for the H200, without a GPU: loads, shared memory, registers.
+"""What a Pallas kernel compiles to for the H200, without a GPU: loads, registers, instructions.
 
 Lowers a kernel for the cuda platform on the CPU (as tests/test_triton_lowering.py does),
-compiles the Triton module that Pallas built to PTX for sm_90a with the `triton` package's own
-compiler (a Triton newer than jaxlib's reads it), and runs the ptxas that package bundles for
-registers and spills. Per kernel: global loads by width, shared memory bytes, registers, spill
-bytes. No timing: a count to compare variants by between GPU runs, never a speed claim.
+compiles the Triton module that Pallas built for sm_90a with the `triton` package's own
+compiler (a Triton newer than jaxlib's reads it), and reads the cubin with the cuobjdump and
+nvdisasm that package bundles. Per kernel: global loads by width (PTX), shared memory bytes,
+registers, local memory (spills), SASS instructions by opcode and the I2F conversions among
+them (the H200 issues those at a sixteenth of its FMA rate). No timing: a count to compare
+variants by between GPU runs, never a speed claim. `--vector` or `--dots` keeps one path of
+quant_matmul's branch.
 
     python bench/kernel_ptx.py quant_matmul --types q8_0 q4_k --live 1
     python bench/kernel_ptx.py paged_attention --kv-types bf16 q8_0 q4_0
@@ -51,31 +54,44 @@ def triton_modules(f, *args) -> list[str]:
 
 
 def compiled(ttir: str, num_warps: int, num_stages: int) -> dict:
-    """PTX statistics and ptxas' register report of one Triton module."""
+    """PTX statistics, the cubin's resource usage and its SASS opcode counts, one module.
+
+    Registers and local memory (where spills go) come from cuobjdump on the cubin Triton built
+    (its own ptxas run: a separate ptxas call can refuse a newer Triton's PTX version), and
+    the opcode counts from nvdisasm, both bundled with the `triton` package.
+    """
     import triton
     from triton.backends.compiler import GPUTarget
 
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said aloud
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ttir")
         with open(src, "w") as f:
             f.write(ttir)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
-        ptx = k.asm["ptx"]
-        ptx_path = os.path.join(d, "k.ptx")
-        with open(ptx_path, "w") as f:
-            f.write(ptx)
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
-                           capture_output=True, text=True, check=True)  # fmt: skip
-    regs = re.search(r"Used (\d+) registers", r.stderr)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+        ptx, cubin = k.asm["ptx"], os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        run = lambda *c: subprocess.run(c, capture_output=True, text=True, check=True).stdout  # noqa: E731
+        usage = run(os.path.join(tools, "cuobjdump"), "-res-usage", cubin)
+        sass = run(os.path.join(tools, "nvdisasm"), "-c", cubin)
+    ops = collections.Counter(
+        m.split(".")[0]
+        for m in re.findall(
+            r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M
+        )
+    )
     return {
         "global_loads": dict(collections.Counter(re.findall(r"(ld\.global[.\w]*)", ptx))),
         "shared_bytes": k.metadata.shared,
-        "registers": int(regs.group(1)) if regs else None,
-        "spill_bytes": sum(map(int, spill.groups())) if spill else None,
+        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+        "spill_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),  # per thread
         "ptx_lines": ptx.count("\n"),
+        "sass": sum(ops.values()),
+        "sass_ops": dict(ops.most_common(12)),
+        "I2F": sum(v for o, v in ops.items() if o.startswith("I2F")),  # a 16th of the FMA rate
     }
 
 
@@ -118,7 +134,13 @@ def main():
     ap.add_argument("--live", type=int, default=None, help="quant_matmul's live rows")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
+    path = ap.add_mutually_exclusive_group()
+    path.add_argument("--vector", action="store_true", help="quant_matmul's vector path only")
+    path.add_argument("--dots", action="store_true", help="quant_matmul's dots path only")
     a = ap.parse_args()
+    if a.vector or a.dots:  # the kernel's lax.cond(few, vectors, dots) traces one branch
+        keep = 1 if a.vector else 2
+        jax.lax.cond = lambda pred, *fns_and_ops: fns_and_ops[keep - 1](*fns_and_ops[2:])
     cases = quant_cases(a) if a.kernel == "quant_matmul" else attention_cases(a)
     for name, f, args in cases:
         for i, ttir in enumerate(triton_modules(f, *args)):

@@ -132,6 +132,25 @@ def test_unconstrained_requests_are_unchanged_beside_constrained_ones(llm):
     assert not llm.engine.grammars.active  # finished requests leave no matcher behind
 
 
+def test_constrained_requests_keep_the_asynchronous_loop(llm, monkeypatch):
+    """The forward pass of a constrained step is launched before the step in flight is
+    collected, so the device does not wait for the host between steps; its sampling (and
+    mask) follows that collect, so each mask comes from the token before it."""
+    runner, events = llm.engine.runner, []
+    for name, code in (("launch_forward", "F"), ("launch_sample", "S"), ("fetch", "R")):
+        f = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, _f=f, _c=code: events.append(_c) or _f(*a))
+    out = llm.generate(
+        ["import json\n"], SamplingParams(max_tokens=40, temperature=0, json_schema=SCHEMAS[10])
+    )[0]
+    jsonschema.validate(json.loads(out.text), SCHEMAS[10])
+    seq = "".join(events)  # the step in flight at the end may be collected after generate
+    # Steady state: sample N, forward N + 1, then collect N. Collecting each step instead
+    # would read forward N, sample N, collect N.
+    assert seq.startswith("FSFR") and seq.count("SFR") >= len(out.token_ids) - 1, seq
+    assert "FSR" not in seq[1:], seq
+
+
 def test_speculation_leaves_constrained_rows_unchanged(llm, compile_cache):
     """Proposals skip the grammar, so constrained rows verify none; with speculation on, a
     constrained request's greedy output is the one without it, beside a speculating row."""

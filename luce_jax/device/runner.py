@@ -1,10 +1,14 @@
 """Device state (params, KV arrays, per-slot sampler state) and the jitted, bucketed step.
 
-`launch` packs a lowered step into one int32 and one float32 buffer, dispatches the compiled
-program of its bucket and starts copying the outputs to the host; `fetch` waits for them. JAX
-dispatches asynchronously, so `launch` returns while the device computes and the engine can
-launch the next step before it fetches this one. Shapes: T tokens, S rows, R logits rows, K
-proposals, V vocabulary, NB KV blocks, P block size, MB blocks per sequence.
+A step is two compiled programs per bucket: the forward pass (`launch_forward`: the model,
+logits [R, V]) and its sampling (`launch_sample`: penalties, the grammar masks, sampling,
+verification, logprobs). `launch` dispatches both. Split, the forward pass of a step with rows
+under a grammar can run while the host still fills their masks from the last step's tokens
+(host/engine.py), so a constrained request keeps the asynchronous loop. The step's inputs are
+packed into one int32 and one float32 buffer; outputs start copying to the host at launch and
+`fetch` waits for them. JAX dispatches asynchronously, so launches return while the device
+computes. Shapes: T tokens, S rows, R logits rows, K proposals, V vocabulary, NB KV blocks,
+P block size, MB blocks per sequence.
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ from . import sampling
 from .programs import BucketPrograms, best_of_3
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A dispatched forward pass whose sampling is not launched yet."""
+
+    logits: jax.Array  # float32 [R, V]
+    ints: jax.Array  # the step's packed int32 inputs, on the device for both programs
+    T: int
+    S: int
 
 
 @dataclass(frozen=True)
@@ -88,11 +102,12 @@ class Runner:
         self._quant_matmul = quant_matmul
         self._delta = delta_fn
         self.programs = BucketPrograms(self.step_function, donate=(1, 2), name="step")
+        self.sample_programs = BucketPrograms(self.sample_function, donate=(1,), name="sampling")
         self._open: dict[int, jax.Array] = {}  # S -> all-allowed masks [S, words]
 
     @property
     def compiles(self) -> int:
-        return self.programs.compiles
+        return self.programs.compiles + self.sample_programs.compiles
 
     def logit_width(self, T: int, S: int) -> int:
         """Logits rows R of bucket (T, S): one per row, and room for every row's proposals."""
@@ -101,19 +116,16 @@ class Runner:
     def layout(self, T: int, S: int):
         return step_layout(T, S, self.logit_width(T, S), self.max_blocks)
 
-    def _step_fn(self, params, kv, state, ints, floats, allow, *, T: int, S: int):
-        """One model step with sampling and verification (device/sampling.py); T, S static.
+    def _step_fn(self, params, kv, model_state, state, ints, *, T: int, S: int):
+        """One model forward pass; T, S static.
 
-        Args: params; kv and state (donated); ints: int32 [N] packed per `layout`; floats:
-          float32 [6, S] sampling parameters (FLOAT_FIELDS); allow: int32 [S, ceil(V / 32)]
-          bitmasks of the tokens each row may sample (host/grammar.py; all bits set: any).
-        Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], kv, state,
-          model stats (dense.forward's)).
+        Args: params; kv and model_state (a hybrid model's per-slot state, else None; both
+          donated); state: the sampler's (read for the decode rows' input tokens); ints: int32
+          [N] packed per `layout`.
+        Returns: (logits float32 [R, V], kv, model_state, model stats (dense.forward's)).
         """
         batch = unpack(ints, self.layout(T, S))
         batch["tokens"] = sampling.feed(batch, state)
-        state = dict(state)
-        model_state = state.pop("model", None)
         if model_state is None:
             logits, kv, stats = dense.forward(
                 params, kv, batch, self.cfg, self._attention, self._grouped_matmul,
@@ -125,47 +137,83 @@ class Runner:
                 self._delta, self._grouped_matmul,
             )  # fmt: skip
             stats = {}
+        return logits.astype(jnp.float32), kv, model_state, stats
+
+    def _sample_fn(self, logits, state, ints, floats, allow, *, T: int, S: int):
+        """Sampling and verification of one step's logits (device/sampling.py); T, S static.
+
+        Args: logits float32 [R, V]; state (donated): the sampler's per-slot state; ints: the
+          step's packed inputs; floats: float32 [6, S] sampling parameters (FLOAT_FIELDS);
+          allow: int32 [S, ceil(V / 32)] bitmasks of the tokens each row may sample
+          (host/grammar.py; all bits set: any).
+        Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state).
+        """
+        batch = unpack(ints, self.layout(T, S))
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
-            packed, top_ids, top_lp, state = sampling.sample_rows(
-                logits, state, batch, floats, self.k, allow
-            )
-        if model_state is not None:
-            state["model"] = model_state
-        return packed, top_ids, top_lp, kv, state, stats
+            return sampling.sample_rows(logits, state, batch, floats, self.k, allow)
+
+    def _sampler_state(self) -> dict:
+        return {k: v for k, v in self.state.items() if k != "model"}
 
     def step_function(self, T: int, S: int):
-        """The step for bucket (T, S) and abstract arguments to trace or lower it with."""
+        """The forward pass of bucket (T, S) and abstract arguments to trace or lower it with."""
         ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
-        floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
-        allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
-        args = (self.params, self.kv, self.state, ints, floats, allow)
+        args = (self.params, self.kv, self.state.get("model"), self._sampler_state(), ints)
         return functools.partial(self._step_fn, T=T, S=S), args
 
+    def sample_function(self, T: int, S: int):
+        """The sampling program of bucket (T, S) and abstract arguments for it."""
+        ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
+        logits = jax.ShapeDtypeStruct((self.logit_width(T, S), self.cfg.vocab_size), jnp.float32)
+        floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
+        allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
+        args = (logits, self._sampler_state(), ints, floats, allow)
+        return functools.partial(self._sample_fn, T=T, S=S), args
+
     def executable(self, T: int, S: int):
-        """The compiled executable of a warmed bucket (for cost analysis and HLO text)."""
+        """The compiled forward pass of a warmed bucket (for cost analysis and HLO text)."""
         return self.programs[(T, S)]
 
     def launch(self, b: dict[str, np.ndarray], T: int, S: int) -> Launched:
-        """Dispatch one step and start copying its outputs to the host; does not wait.
+        """Dispatch one step, forward pass and sampling, and start copying its outputs to the
+        host; does not wait.
 
         Args:
-          b: host.batch.lower's arrays for bucket (T, S, logit_width) and SlotTable.row_inputs'.
+          b: host.batch.lower's arrays for bucket (T, S, logit_width) and SlotTable.row_inputs'
+            (and "allow", the grammar masks, where a row samples under one).
         """
-        ints = pack(b, self.layout(T, S))
+        return self.launch_sample(self.launch_forward(b, T, S), b)
+
+    def launch_forward(self, b: dict[str, np.ndarray], T: int, S: int) -> Forward:
+        """Dispatch a step's forward pass; its sampling waits for launch_sample."""
+        ints = jax.device_put(pack(b, self.layout(T, S)))
+        logits, self.kv, model_state, self.last_stats = self.programs[(T, S)](
+            self.params, self.kv, self.state.get("model"), self._sampler_state(), ints
+        )
+        if model_state is not None:
+            self.state["model"] = model_state
+        return Forward(logits, ints, T, S)
+
+    def launch_sample(self, fwd: Forward, b: dict[str, np.ndarray]) -> Launched:
+        """Dispatch the sampling of a launched forward pass (b: its lowered arrays; "allow",
+        when present, the rows' grammar masks) and start copying its outputs to the host.
+        Sampling programs run in launch order, each after the forward pass it samples, so
+        the next forward pass reads the tokens this one samples."""
         allow = b.get("allow")
         if allow is None:  # no row under a grammar: a mask kept on the device, never sent
-            allow = self._open.get(S)
+            allow = self._open.get(fwd.S)
             if allow is None:
-                allow = self._open[S] = jnp.full(
-                    (S, mask_words(self.cfg.vocab_size)), -1, jnp.int32
+                allow = self._open[fwd.S] = jnp.full(
+                    (fwd.S, mask_words(self.cfg.vocab_size)), -1, jnp.int32
                 )
-        packed, top_ids, top_lp, self.kv, self.state, self.last_stats = self.programs[(T, S)](
-            self.params, self.kv, self.state, ints, b["floats"], allow
+        packed, top_ids, top_lp, state = self.sample_programs[(fwd.T, fwd.S)](
+            fwd.logits, self._sampler_state(), fwd.ints, b["floats"], allow
         )
+        self.state.update(state)
         top = (top_ids, top_lp) if b["want_logprobs"][0] else None
         for x in (packed, *(top or ())):
             x.copy_to_host_async()
-        return Launched(packed, top, self.logit_width(T, S))
+        return Launched(packed, top, self.logit_width(fwd.T, fwd.S))
 
     def fetch(self, launched: Launched) -> dict[str, np.ndarray]:
         """Wait for a launched step's outputs.
@@ -193,8 +241,9 @@ class Runner:
         return b
 
     def warmup(self, pairs: list[tuple[int, int]]) -> None:
-        """Compile every (T, S) bucket pair."""
+        """Compile every (T, S) bucket pair's forward pass and sampling."""
         self.programs.warmup(pairs)
+        self.sample_programs.warmup(pairs)
 
     def time_steps(self, pairs: list[tuple[int, int]]) -> None:
         """Time each bucket on an all-padding step (which reads every weight, as a real step

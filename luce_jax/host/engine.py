@@ -9,8 +9,14 @@ the oldest launched step and returns its tokens. A decode row reads its input to
 device (the slot's last sampled token), so the scheduler dispatches step N+1 before it
 collects step N, and the host's planning and lowering overlap the device's work. With
 speculation the proposals for a step depend on the tokens of the step before, so `overlap`
-is False and each step is collected before the next is planned; likewise while a slot's output
-is constrained by a grammar (its next mask depends on its last token: host/grammar.py).
+is False and each step is collected before the next is planned.
+
+A row under a grammar (host/grammar.py) samples from a mask that depends on its last token,
+which step N+1's dispatch does not know yet. So step N+1's forward pass is launched at once
+and its sampling waits: it is launched when step N's tokens are in (at the next dispatch or
+the collect of step N+1, whichever comes first), with masks filled from them, while the
+device runs the forward pass. On the H200, collecting each step instead (the engine's first
+way) lost 19 to 53% of the throughput at C1 to C32 (2026-12-01_structured_qwen3-8b-bf16.md).
 """
 
 from __future__ import annotations
@@ -93,11 +99,14 @@ class SeqEngine(Protocol):
 
 @dataclass
 class _Launched:
-    handle: object  # the runner's, for fetch
+    handle: object  # the runner's, for fetch (None while the sampling waits for masks)
     rows: Rows
     epochs: np.ndarray  # [n] slot epochs at dispatch
     logit_start: np.ndarray  # [n] first logits row of each row
     t0: float  # perf_counter at dispatch
+    forward: object = None  # the runner's Forward whose sampling waits for masks
+    inputs: dict | None = None  # the lowered arrays its sampling needs
+    failed: BaseException | None = None  # its sampling's launch raised (at a later dispatch)
 
 
 class DenseEngine:
@@ -160,7 +169,7 @@ class DenseEngine:
 
     @property
     def overlap(self) -> bool:
-        return self.spec is None and not self.constraining
+        return self.spec is None
 
     @property
     def in_flight(self) -> int:
@@ -280,12 +289,14 @@ class DenseEngine:
         S = self.rows_for(T)
         b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
         b.update(sl.row_inputs(rows.slots, rows.starts, rows.sample, S))
-        if self.constraining:
-            allow = self.grammars.masks(rows.slots, rows.sample, S)
-            if allow is not None:
-                b["allow"] = allow
+        # A row under a grammar needs the tokens of the step in flight for its mask: this
+        # step's sampling waits for them (the module's docstring), its forward pass does not.
+        wait = self.constraining and any(map(self.grammars.constrained, rows.slots[rows.sample]))
+        if self._launched and self._launched[-1].handle is None:
+            self._launch_sampling(self._launched[-1])  # it reads the step in flight's tokens
         try:
-            handle = self.runner.launch(b, T, S)
+            fwd = self.runner.launch_forward(b, T, S)
+            handle = None if wait else self.runner.launch_sample(fwd, b)
         except Exception:
             self.pool.clear_cache()  # a launch that raised may have left the KV half-written
             raise
@@ -295,8 +306,27 @@ class DenseEngine:
             self.pool.cache_blocks(slot, sl.prompt[slot], int(sl.prefilled[slot]))
         sl.generated[rows.slots[rows.sample]] += 1  # a verify row's accepted ones: at collect
         epochs = sl.epoch[rows.slots]
-        self._launched.append(_Launched(handle, rows, epochs, b["logit_start"][: len(rows)], t0))
+        self._launched.append(
+            _Launched(handle, rows, epochs, b["logit_start"][: len(rows)], t0,
+                      *((fwd, b) if wait else ()))
+        )  # fmt: skip
         self.last_bucket = (T, S)
+
+    def _launch_sampling(self, f: _Launched) -> None:
+        """Launch the sampling of step f, which waits for grammar masks. Every step before it
+        is collected (the scheduler keeps at most one step in flight when it dispatches), so
+        each matcher has accepted its slot's last token. A launch that raises fails f's
+        requests when f is collected."""
+        assert f.handle is None and all(g is f for g in self._launched), "steps before f"
+        b = dict(f.inputs)
+        allow = self.grammars.masks(f.rows.slots, f.rows.sample, b["floats"].shape[1])
+        if allow is not None:
+            b["allow"] = allow
+        try:
+            f.handle = self.runner.launch_sample(f.forward, b)
+        except Exception as e:
+            f.failed = e
+        f.forward = f.inputs = None
 
     def collect(self) -> StepResult:
         """Wait for the oldest launched step; its tokens for the slots still live.
@@ -308,6 +338,10 @@ class DenseEngine:
         sl, rows = self.slots, f.rows
         live = sl.epoch[rows.slots] == f.epochs
         try:
+            if f.handle is None and f.failed is None:
+                self._launch_sampling(f)
+            if f.failed is not None:
+                raise f.failed
             out = self.runner.fetch(f.handle)
         except Exception as e:
             self.pool.clear_cache()  # blocks entered for this step may never have been written

@@ -4,8 +4,8 @@ A constrained slot's next token is drawn only from those its grammar allows: bef
 the host fills a bitmask per constrained row (bit v of word v // 32 set: token v allowed) that
 the step applies to the row's logits before sampling (device/sampling.py), and after the step
 the matcher accepts the sampled token. The mask for a token depends on the token before it,
-so while a constrained slot is live the engine collects each step before planning the next
-(no overlap), as with speculation; rows without a grammar are unchanged.
+so a step with constrained rows launches its forward pass at once and its sampling once the
+step before is collected (host/engine.py); rows without a grammar are unchanged.
 
 Whitespace between JSON tokens is not free: with it, a model can pad with spaces and newlines
 until max_tokens (the embedded model did, 50 of 60 tokens), so output is compact JSON, as
