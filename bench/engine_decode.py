@@ -44,10 +44,10 @@ def device_step_time(runner, forward, sampling, n: int) -> float:
 
     def step():
         fa[1], fa[2], fa[3] = runner.kv, runner.state.get("model"), runner._sampler_state()
-        logits, runner.kv, model_state, _ = fexe(*fa)
+        logits, tokens, runner.kv, model_state, _ = fexe(*fa)
         if model_state is not None:
             runner.state["model"] = model_state
-        sa[0], sa[1] = logits, runner._sampler_state()
+        sa[0], sa[1], sa[2] = logits, tokens, runner._sampler_state()
         *out, state = sexe(*sa)
         runner.state.update(state)
         return out

@@ -190,3 +190,19 @@ def test_a_slot_reused_right_after_its_request_ends_gives_the_new_request_its_ow
     assert b.output_ids == b_alone
     engine.pool.check()
     assert engine.pool.available == engine.pool.capacity
+
+
+def test_the_penalty_state_sees_the_tokens_the_steps_fed(loaded, engine_config):
+    """The repetition penalty's 'seen' mask of a slot holds its prompt and the outputs fed back
+    (a decode row's token comes from the device, and the sampling program must count that
+    token, not the row's placeholder), and nothing else."""
+    tok, engine = loaded
+    engine.config = engine_config
+    prompt = prompts(2)[1][:12]
+    req = Request(list(prompt), GREEDY.replace(max_tokens=12, repetition_penalty=1.3))
+    sched = Scheduler(engine, tok)
+    sched.add(req)
+    while not sched.idle:
+        sched.step()
+    seen = set(np.flatnonzero(np.asarray(engine.runner.state["prompt_mask"][req.slot])).tolist())
+    assert set(prompt) | set(req.output_ids[:-1]) <= seen <= set(prompt) | set(req.output_ids)

@@ -37,6 +37,7 @@ class Forward:
     """A dispatched forward pass whose sampling is not launched yet."""
 
     logits: jax.Array  # float32 [R, V]
+    tokens: jax.Array  # int32 [T]: the tokens the step fed (the decode rows' from the device)
     ints: jax.Array  # the step's packed int32 inputs, on the device for both programs
     T: int
     S: int
@@ -102,7 +103,7 @@ class Runner:
         self._quant_matmul = quant_matmul
         self._delta = delta_fn
         self.programs = BucketPrograms(self.step_function, donate=(1, 2), name="step")
-        self.sample_programs = BucketPrograms(self.sample_function, donate=(1,), name="sampling")
+        self.sample_programs = BucketPrograms(self.sample_function, donate=(2,), name="sampling")
         self._open: dict[int, jax.Array] = {}  # S -> all-allowed masks [S, words]
 
     @property
@@ -122,7 +123,8 @@ class Runner:
         Args: params; kv and model_state (a hybrid model's per-slot state, else None; both
           donated); state: the sampler's (read for the decode rows' input tokens); ints: int32
           [N] packed per `layout`.
-        Returns: (logits float32 [R, V], kv, model_state, model stats (dense.forward's)).
+        Returns: (logits float32 [R, V], the fed tokens int32 [T], kv, model_state, model
+          stats (dense.forward's)).
         """
         batch = unpack(ints, self.layout(T, S))
         batch["tokens"] = sampling.feed(batch, state)
@@ -137,18 +139,20 @@ class Runner:
                 self._delta, self._grouped_matmul,
             )  # fmt: skip
             stats = {}
-        return logits.astype(jnp.float32), kv, model_state, stats
+        return logits.astype(jnp.float32), batch["tokens"], kv, model_state, stats
 
-    def _sample_fn(self, logits, state, ints, floats, allow, *, T: int, S: int):
+    def _sample_fn(self, logits, tokens, state, ints, floats, allow, *, T: int, S: int):
         """Sampling and verification of one step's logits (device/sampling.py); T, S static.
 
-        Args: logits float32 [R, V]; state (donated): the sampler's per-slot state; ints: the
-          step's packed inputs; floats: float32 [6, S] sampling parameters (FLOAT_FIELDS);
-          allow: int32 [S, ceil(V / 32)] bitmasks of the tokens each row may sample
-          (host/grammar.py; all bits set: any).
+        Args: logits float32 [R, V]; tokens int32 [T]: the tokens the forward pass fed;
+          state (donated): the sampler's per-slot state; ints: the step's packed inputs;
+          floats: float32 [6, S] sampling parameters (FLOAT_FIELDS); allow: int32
+          [S, ceil(V / 32)] bitmasks of the tokens each row may sample (host/grammar.py; all
+          bits set: any).
         Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state).
         """
         batch = unpack(ints, self.layout(T, S))
+        batch["tokens"] = tokens  # fed ones: penalties count them, verification reads them
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             return sampling.sample_rows(logits, state, batch, floats, self.k, allow)
 
@@ -165,9 +169,10 @@ class Runner:
         """The sampling program of bucket (T, S) and abstract arguments for it."""
         ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
         logits = jax.ShapeDtypeStruct((self.logit_width(T, S), self.cfg.vocab_size), jnp.float32)
+        tokens = jax.ShapeDtypeStruct((T,), jnp.int32)
         floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
         allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
-        args = (logits, self._sampler_state(), ints, floats, allow)
+        args = (logits, tokens, self._sampler_state(), ints, floats, allow)
         return functools.partial(self._sample_fn, T=T, S=S), args
 
     def executable(self, T: int, S: int):
@@ -187,12 +192,12 @@ class Runner:
     def launch_forward(self, b: dict[str, np.ndarray], T: int, S: int) -> Forward:
         """Dispatch a step's forward pass; its sampling waits for launch_sample."""
         ints = jax.device_put(pack(b, self.layout(T, S)))
-        logits, self.kv, model_state, self.last_stats = self.programs[(T, S)](
+        logits, tokens, self.kv, model_state, self.last_stats = self.programs[(T, S)](
             self.params, self.kv, self.state.get("model"), self._sampler_state(), ints
         )
         if model_state is not None:
             self.state["model"] = model_state
-        return Forward(logits, ints, T, S)
+        return Forward(logits, tokens, ints, T, S)
 
     def launch_sample(self, fwd: Forward, b: dict[str, np.ndarray]) -> Launched:
         """Dispatch the sampling of a launched forward pass (b: its lowered arrays; "allow",
@@ -207,7 +212,7 @@ class Runner:
                     (fwd.S, mask_words(self.cfg.vocab_size)), -1, jnp.int32
                 )
         packed, top_ids, top_lp, state = self.sample_programs[(fwd.T, fwd.S)](
-            fwd.logits, self._sampler_state(), fwd.ints, b["floats"], allow
+            fwd.logits, fwd.tokens, self._sampler_state(), fwd.ints, b["floats"], allow
         )
         self.state.update(state)
         top = (top_ids, top_lp) if b["want_logprobs"][0] else None
