@@ -5,7 +5,7 @@ compiles the Triton module that Pallas built for sm_90a with the `triton` packag
 compiler (a Triton newer than jaxlib's reads it), and reads the cubin with the cuobjdump and
 nvdisasm that package bundles. Per kernel: global loads by width (PTX), shared memory bytes,
 registers, local memory (spills), SASS instructions by opcode and the I2F conversions among
-them (the H200 issues those at a sixteenth of its FMA rate). No timing: a count to compare
+them (the H200 issues those at an eighth of its FMA rate). No timing: a count to compare
 variants by between GPU runs, never a speed claim. `--vector` or `--dots` keeps one path of
 quant_matmul's branch.
 

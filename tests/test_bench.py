@@ -244,7 +244,7 @@ def test_profile_attributes_step_time_to_model_parts(engine_config):
 def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
     """bench/kernel_ptx.py: Pallas's Triton module compiled for sm_90a on the CPU, with its
     registers and instructions (the tool for kernel work between GPU runs). The Q8_0 kernel,
-    vector path included, converts no code with an I2F (a sixteenth of the FMA rate)."""
+    vector path included, converts no code with an I2F (an eighth of the FMA rate)."""
     import jax.numpy as jnp
     import kernel_ptx
 
