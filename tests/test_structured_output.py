@@ -151,6 +151,29 @@ def test_constrained_requests_keep_the_asynchronous_loop(llm, monkeypatch):
     assert "FSR" not in seq[1:], seq
 
 
+def test_a_deferred_sampling_that_raises_fails_only_its_step(llm, monkeypatch):
+    """A constrained step's sampling is launched at a later dispatch; if that launch raises,
+    the step's requests fail when it is collected, nothing leaks, and the next request runs."""
+    runner, calls = llm.engine.runner, []
+    real = runner.launch_sample
+
+    def flaky(fwd, b):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected sampling failure")
+        return real(fwd, b)
+
+    monkeypatch.setattr(runner, "launch_sample", flaky)
+    sp = SamplingParams(max_tokens=30, temperature=0, json_schema=SCHEMAS[10])
+    out = llm.generate(["import json\n"], sp)[0]
+    assert out.finish_reason == "error" and "injected" in out.error, out
+    monkeypatch.undo()
+    again = llm.generate(["import json\n"], sp)[0]
+    jsonschema.validate(json.loads(again.text), SCHEMAS[10])
+    engine = llm.engine
+    assert engine.pool.available == engine.pool.capacity and not engine.grammars.active
+
+
 def test_speculation_leaves_constrained_rows_unchanged(llm, compile_cache):
     """Proposals skip the grammar, so constrained rows verify none; with speculation on, a
     constrained request's greedy output is the one without it, beside a speculating row."""

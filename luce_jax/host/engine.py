@@ -318,11 +318,11 @@ class DenseEngine:
         each matcher has accepted its slot's last token. A launch that raises fails f's
         requests when f is collected."""
         assert f.handle is None and all(g is f for g in self._launched), "steps before f"
-        b = dict(f.inputs)
-        allow = self.grammars.masks(f.rows.slots, f.rows.sample, b["floats"].shape[1])
-        if allow is not None:
-            b["allow"] = allow
         try:
+            b = dict(f.inputs)
+            allow = self.grammars.masks(f.rows.slots, f.rows.sample, b["floats"].shape[1])
+            if allow is not None:
+                b["allow"] = allow
             f.handle = self.runner.launch_sample(f.forward, b)
         except Exception as e:
             f.failed = e
