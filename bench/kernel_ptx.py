@@ -87,7 +87,11 @@ def compiled(ttir: str, num_warps: int, num_stages: int) -> dict:
         "global_loads": dict(collections.Counter(re.findall(r"(ld\.global[.\w]*)", ptx))),
         "shared_bytes": k.metadata.shared,
         "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-        "spill_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),  # per thread
+        # per thread: a spilled register lives in the stack frame (STACK), other local arrays
+        # in LOCAL
+        "spill_bytes": sum(
+            int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("STACK", "LOCAL")
+        ),
         "ptx_lines": ptx.count("\n"),
         "sass": sum(ops.values()),
         "sass_ops": dict(ops.most_common(12)),
