@@ -43,13 +43,14 @@ def device_step_time(runner, forward, sampling, n: int) -> float:
     fa, sa = list(fargs), list(sargs)
 
     def step():
-        fa[1], fa[2], fa[3] = runner.kv, runner.state.get("model"), runner._sampler_state()
-        logits, tokens, runner.kv, model_state, _ = fexe(*fa)
+        st = runner.state
+        fa[1], fa[2], fa[3], fa[4] = runner.kv, st.get("model"), st["prompt_mask"], st["last"]
+        logits, row_tokens, runner.kv, model_state, st["prompt_mask"], _ = fexe(*fa)
         if model_state is not None:
-            runner.state["model"] = model_state
-        sa[0], sa[1], sa[2] = logits, tokens, runner._sampler_state()
+            st["model"] = model_state
+        sa[0], sa[1], sa[2], sa[3] = logits, row_tokens, runner._sampler_state(), st["prompt_mask"]
         *out, state = sexe(*sa)
-        runner.state.update(state)
+        st.update(state)
         return out
 
     jax.block_until_ready(step())

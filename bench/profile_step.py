@@ -130,7 +130,7 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None)
     used = set()
     originals = dict(runner.programs._exec)
     runner.programs._exec = {k: _spy(k, v, used) for k, v in originals.items()}
-    sampling = runner.sample_programs._exec  # each bucket's sampling program, run beside it
+    sampling = runner.sample_programs._exec  # the sampling programs, one per row width
     with tempfile.TemporaryDirectory() as d:
         opts = jax.profiler.ProfileOptions()
         opts.python_tracer_level = 0  # tracing every Python call would inflate host time
@@ -152,7 +152,12 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None)
         "steps": steps,
         "wall_ms": wall,
         "buckets": sorted(used),
-        "hlo": "\n".join(e[k].as_text() for k in sorted(used) for e in (originals, sampling)),
+        "hlo": "\n".join(
+            [
+                *(originals[k].as_text() for k in sorted(used)),
+                *(e.as_text() for e in sampling.values()),
+            ]
+        ),  # fmt: skip
         "trace": trace,
     }
     if save_dir:

@@ -7,11 +7,13 @@ under a grammar can run while the host still fills their masks from the last ste
 (host/engine.py), so a constrained request keeps the asynchronous loop. (DESIGN.md has one
 jitted function per step; with it, constrained requests ran at 0.47x to 0.81x the throughput of
 unconstrained ones on the H200, and split at 1.02x to 1.47x:
-bench/results/2026-12-01_structured_qwen3-8b-bf16.md.) The step's inputs are
-packed into one int32 and one float32 buffer; outputs start copying to the host at launch and
-`fetch` waits for them. JAX dispatches asynchronously, so launches return while the device
-computes. Shapes: T tokens, S rows, R logits rows, K proposals, V vocabulary, NB KV blocks,
-P block size, MB blocks per sequence.
+bench/results/2026-12-01_structured_qwen3-8b-bf16.md.) The forward pass also does the fed-token
+bookkeeping (the penalties' seen mask, the tokens verification reads), so the sampling program
+reads no [T] array and one serves every bucket of a row width. Each program's int32 inputs are
+packed into one buffer, the sampling parameters into one float32 buffer; outputs start copying
+to the host at launch and `fetch` waits for them. JAX dispatches asynchronously, so launches
+return while the device computes. Shapes: T tokens, S rows, R logits rows, K proposals, V
+vocabulary, NB KV blocks, P block size, MB blocks per sequence.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..host.batch import layout_size, lower, pack, step_layout, unpack
+from ..host.batch import layout_size, lower, pack, sample_layout, step_layout, unpack
 from ..host.grammar import words as mask_words
 from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense, hybrid
@@ -40,9 +42,8 @@ class Forward:
     """A dispatched forward pass whose sampling is not launched yet."""
 
     logits: jax.Array  # float32 [R, V]
-    tokens: jax.Array  # int32 [T]: the tokens the step fed (the decode rows' from the device)
-    ints: jax.Array  # the step's packed int32 inputs, on the device for both programs
-    T: int
+    row_tokens: jax.Array  # int32 [R, K + 1] (sampling.mark_fed's)
+    R: int
     S: int
 
 
@@ -105,7 +106,8 @@ class Runner:
         self._grouped_matmul = grouped_matmul_fn
         self._quant_matmul = quant_matmul
         self._delta = delta_fn
-        self.programs = BucketPrograms(self.step_function, donate=(1, 2), name="step")
+        self.programs = BucketPrograms(self.step_function, donate=(1, 2, 3), name="step")
+        # keyed by (R, S): the sampling program reads no [T] array
         self.sample_programs = BucketPrograms(self.sample_function, donate=(2,), name="sampling")
         self._open: dict[int, jax.Array] = {}  # S -> all-allowed masks [S, words]
 
@@ -120,17 +122,18 @@ class Runner:
     def layout(self, T: int, S: int):
         return step_layout(T, S, self.logit_width(T, S), self.max_blocks)
 
-    def _step_fn(self, params, kv, model_state, state, ints, *, T: int, S: int):
-        """One model forward pass; T, S static.
+    def _step_fn(self, params, kv, model_state, prompt_mask, last, ints, *, T: int, S: int):
+        """One model forward pass and the fed-token bookkeeping; T, S static.
 
-        Args: params; kv and model_state (a hybrid model's per-slot state, else None; both
-          donated); state: the sampler's (read for the decode rows' input tokens); ints: int32
-          [N] packed per `layout`.
-        Returns: (logits float32 [R, V], the fed tokens int32 [T], kv, model_state, model
-          stats (dense.forward's)).
+        Args: params; kv, model_state (a hybrid model's per-slot state, else None) and
+          prompt_mask [S_max, V] (the tokens each slot has seen), all three donated; last
+          [S_max]: each slot's last sampled token, fed to its decode row; ints: int32 [N]
+          packed per `layout`.
+        Returns: (logits float32 [R, V], row tokens int32 [R, K + 1] (sampling.mark_fed's),
+          kv, model_state, prompt_mask, model stats (dense.forward's)).
         """
         batch = unpack(ints, self.layout(T, S))
-        batch["tokens"] = sampling.feed(batch, state)
+        batch["tokens"] = sampling.feed(batch, {"last": last})
         if model_state is None:
             logits, kv, stats = dense.forward(
                 params, kv, batch, self.cfg, self._attention, self._grouped_matmul,
@@ -142,41 +145,50 @@ class Runner:
                 self._delta, self._grouped_matmul,
             )  # fmt: skip
             stats = {}
-        return logits.astype(jnp.float32), batch["tokens"], kv, model_state, stats
+        with jax.named_scope("sampling"):
+            prompt_mask, row_tokens = sampling.mark_fed(prompt_mask, batch, self.k)
+        return logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, stats
 
-    def _sample_fn(self, logits, tokens, state, ints, floats, allow, *, T: int, S: int):
-        """Sampling and verification of one step's logits (device/sampling.py); T, S static.
+    def _sample_fn(self, logits, row_tokens, state, prompt_mask, sints, floats, allow, *, R, S):
+        """Sampling and verification of one step's logits (device/sampling.py); R, S static.
 
-        Args: logits float32 [R, V]; tokens int32 [T]: the tokens the forward pass fed;
-          state (donated): the sampler's per-slot state; ints: the step's packed inputs;
-          floats: float32 [6, S] sampling parameters (FLOAT_FIELDS); allow: int32
-          [S, ceil(V / 32)] bitmasks of the tokens each row may sample (host/grammar.py; all
-          bits set: any).
+        Args: logits float32 [R, V]; row_tokens int32 [R, K + 1]; state (donated): the
+          sampler's counts and last; prompt_mask (read); sints: int32 packed per
+          host.batch.sample_layout; floats: float32 [6, S] sampling parameters (FLOAT_FIELDS);
+          allow: int32 [S, ceil(V / 32)] bitmasks of the tokens each row may sample
+          (host/grammar.py; all bits set: any).
         Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state).
         """
-        batch = unpack(ints, self.layout(T, S))
-        batch["tokens"] = tokens  # fed ones: penalties count them, verification reads them
+        batch = unpack(sints, sample_layout(S, R))
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
-            return sampling.sample_rows(logits, state, batch, floats, self.k, allow)
+            return sampling.sample_rows(
+                logits, row_tokens, state, prompt_mask, batch, floats, self.k, allow
+            )
 
     def _sampler_state(self) -> dict:
-        return {k: v for k, v in self.state.items() if k != "model"}
+        return {"counts": self.state["counts"], "last": self.state["last"]}
 
     def step_function(self, T: int, S: int):
         """The forward pass of bucket (T, S) and abstract arguments to trace or lower it with."""
         ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
-        args = (self.params, self.kv, self.state.get("model"), self._sampler_state(), ints)
+        st = self.state
+        args = (self.params, self.kv, st.get("model"), st["prompt_mask"], st["last"], ints)
         return functools.partial(self._step_fn, T=T, S=S), args
 
-    def sample_function(self, T: int, S: int):
-        """The sampling program of bucket (T, S) and abstract arguments for it."""
-        ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
-        logits = jax.ShapeDtypeStruct((self.logit_width(T, S), self.cfg.vocab_size), jnp.float32)
-        tokens = jax.ShapeDtypeStruct((T,), jnp.int32)
+    def sample_function(self, R: int, S: int):
+        """The sampling program for R logits rows and S rows, and abstract arguments for it."""
+        sints = jax.ShapeDtypeStruct((layout_size(sample_layout(S, R)),), jnp.int32)
+        logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32)
+        row_tokens = jax.ShapeDtypeStruct((R, self.k + 1), jnp.int32)
         floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
         allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
-        args = (logits, tokens, self._sampler_state(), ints, floats, allow)
-        return functools.partial(self._sample_fn, T=T, S=S), args
+        args = (logits, row_tokens, self._sampler_state(), self.state["prompt_mask"], sints,
+                floats, allow)  # fmt: skip
+        return functools.partial(self._sample_fn, R=R, S=S), args
+
+    def sample_buckets(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The (R, S) sampling programs that the (T, S) bucket pairs need."""
+        return sorted({(self.logit_width(t, s), s) for t, s in pairs})
 
     def executable(self, T: int, S: int):
         """The compiled forward pass of a warmed bucket (for cost analysis and HLO text)."""
@@ -194,13 +206,16 @@ class Runner:
 
     def launch_forward(self, b: dict[str, np.ndarray], T: int, S: int) -> Forward:
         """Dispatch a step's forward pass; its sampling waits for launch_sample."""
-        ints = jax.device_put(pack(b, self.layout(T, S)))
-        logits, tokens, self.kv, model_state, self.last_stats = self.programs[(T, S)](
-            self.params, self.kv, self.state.get("model"), self._sampler_state(), ints
+        ints = pack(b, self.layout(T, S))
+        st = self.state
+        logits, row_tokens, self.kv, model_state, st["prompt_mask"], self.last_stats = (
+            self.programs[(T, S)](
+                self.params, self.kv, st.get("model"), st["prompt_mask"], st["last"], ints
+            )
         )
         if model_state is not None:
-            self.state["model"] = model_state
-        return Forward(logits, tokens, ints, T, S)
+            st["model"] = model_state
+        return Forward(logits, row_tokens, self.logit_width(T, S), S)
 
     def launch_sample(self, fwd: Forward, b: dict[str, np.ndarray]) -> Launched:
         """Dispatch the sampling of a launched forward pass (b: its lowered arrays; "allow",
@@ -214,14 +229,16 @@ class Runner:
                 allow = self._open[fwd.S] = jnp.full(
                     (fwd.S, mask_words(self.cfg.vocab_size)), -1, jnp.int32
                 )
-        packed, top_ids, top_lp, state = self.sample_programs[(fwd.T, fwd.S)](
-            fwd.logits, fwd.tokens, self._sampler_state(), fwd.ints, b["floats"], allow
-        )
+        sints = pack(b, sample_layout(fwd.S, fwd.R))
+        packed, top_ids, top_lp, state = self.sample_programs[(fwd.R, fwd.S)](
+            fwd.logits, fwd.row_tokens, self._sampler_state(), self.state["prompt_mask"],
+            sints, b["floats"], allow,
+        )  # fmt: skip
         self.state.update(state)
         top = (top_ids, top_lp) if b["want_logprobs"][0] else None
         for x in (packed, *(top or ())):
             x.copy_to_host_async()
-        return Launched(packed, top, self.logit_width(fwd.T, fwd.S))
+        return Launched(packed, top, fwd.R)
 
     def fetch(self, launched: Launched) -> dict[str, np.ndarray]:
         """Wait for a launched step's outputs.
@@ -251,7 +268,7 @@ class Runner:
     def warmup(self, pairs: list[tuple[int, int]]) -> None:
         """Compile every (T, S) bucket pair's forward pass and sampling."""
         self.programs.warmup(pairs)
-        self.sample_programs.warmup(pairs)
+        self.sample_programs.warmup(self.sample_buckets(pairs))
 
     def time_steps(self, pairs: list[tuple[int, int]]) -> None:
         """Time each bucket on an all-padding step (which reads every weight, as a real step

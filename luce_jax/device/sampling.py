@@ -111,7 +111,36 @@ def constrain(logits, allow):
     return jnp.where(bits > 0, logits, -jnp.inf)
 
 
-def sample_rows(logits, state: dict, batch: dict, floats, k: int, allow=None):
+def mark_fed(prompt_mask, batch: dict, k: int):
+    """The fed-token half of the sampler's bookkeeping, run in the forward pass (it needs the
+    step's [T] tokens; the sampling program then depends on rows alone, one per row width).
+
+    Args:
+      prompt_mask: [S_max, V] bool, the tokens each slot has seen (consumed).
+      batch: the step's arrays, with `feed`'s tokens; k: K.
+    Returns:
+      (prompt_mask with fresh slots cleared and the fed tokens, proposals excepted, marked;
+      row_tokens int32 [R, K + 1]: per logits row, the fed tokens at its row minus 0 .. K - 1
+      (the proposals before it) and at its row plus 1 (the proposal it verifies)).
+    """
+    T = batch["tokens"].shape[0]
+    oob = prompt_mask.shape[0]  # padding rows (slot -1) index past the end: dropped
+    slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])
+    # A request's first row may start past 0 (a cached prefix): the host marks it.
+    fresh = jnp.where((batch["fresh"] > 0) & (batch["slots"] >= 0), slots, oob)
+    pmask = prompt_mask.at[fresh].set(False, mode="drop")  # a new tenant starts clean
+    # Fed tokens count as seen for the repetition penalty (prompt or earlier output), except
+    # proposals: those count in sample_rows, for the positions after them only.
+    seg_ids, cu, tokens_in = batch["seg_ids"], batch["cu_q_lens"], batch["tokens"]
+    proposal = jnp.arange(T) >= cu[1:][seg_ids] - batch["n_draft"][seg_ids]
+    real_tok = (jnp.arange(T) < cu[-1]) & ~proposal
+    pmask = pmask.at[jnp.where(real_tok, slots[seg_ids], oob), tokens_in].set(True, mode="drop")
+    at = batch["logit_rows"][:, None] + jnp.array([*(-m for m in range(k)), 1])  # [R, K + 1]
+    return pmask, tokens_in[jnp.clip(at, 0, T - 1)]
+
+
+def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, floats, k: int,
+                allow=None):  # fmt: skip
     """Sample every logits row, verify speculative proposals, and update the slot state.
 
     Every logits row samples with its segment's parameters and noise (seed, step + offset),
@@ -124,29 +153,24 @@ def sample_rows(logits, state: dict, batch: dict, floats, k: int, allow=None):
     for the same seed.
 
     Args:
-      logits: [R, V] float32; state: init_state's arrays (consumed).
-      batch: the step's arrays (host.batch.lower's, with `feed`'s tokens, and top_k, seeds,
-        steps, fresh [S], want_logprobs [1]); floats: [6, S] FLOAT_FIELDS per row; k: K;
+      logits: [R, V] float32; row_tokens: [R, K + 1] (mark_fed's); state: counts and last
+        (consumed); prompt_mask: mark_fed's, read only.
+      batch: the step's row arrays (host.batch.sample_layout's: slots, sample_mask, n_draft,
+        logit_start, top_k, seeds, steps, fresh [S], logit_seg, logit_off [R],
+        want_logprobs [1]); floats: [6, S] FLOAT_FIELDS per row; k: K;
       allow: int32 [S, ceil(V / 32)] token bitmasks per row (structured output), or None; a
         step where every bit is set skips them.
     Returns:
       (packed int32 [2R + S]: sampled token per logits row, its logprob's float32 bits, and
       proposals accepted per row; top ids int32 [R, 20] and top logprobs [R, 20], zeros when
-      no row asked for logprobs; the new state).
+      no row asked for logprobs; the new state, counts and last).
     """
-    T, S, R = batch["tokens"].shape[0], batch["slots"].shape[0], logits.shape[0]
+    S, R = batch["slots"].shape[0], logits.shape[0]
     oob = state["counts"].shape[0]  # padding rows (slot -1) index past the end: dropped
     slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])
-    # A request's first row may start past 0 (a cached prefix): the host marks it.
     fresh = jnp.where((batch["fresh"] > 0) & (batch["slots"] >= 0), slots, oob)
     counts = state["counts"].at[fresh].set(0, mode="drop")  # a new tenant starts clean
-    pmask = state["prompt_mask"].at[fresh].set(False, mode="drop")
-    # Fed tokens count as seen for the repetition penalty (prompt or earlier output), except
-    # proposals: those count below, for the positions after them only.
-    seg_ids, cu, tokens_in = batch["seg_ids"], batch["cu_q_lens"], batch["tokens"]
-    proposal = jnp.arange(T) >= cu[1:][seg_ids] - batch["n_draft"][seg_ids]
-    real_tok = (jnp.arange(T) < cu[-1]) & ~proposal
-    pmask = pmask.at[jnp.where(real_tok, slots[seg_ids], oob), tokens_in].set(True, mode="drop")
+    pmask = prompt_mask
     seg, off = batch["logit_seg"], batch["logit_off"]  # [R]
     if allow is not None:
         logits = jax.lax.cond(
@@ -155,7 +179,7 @@ def sample_rows(logits, state: dict, batch: dict, floats, k: int, allow=None):
     row_slots = jnp.minimum(slots, oob - 1)[seg]
     row_counts = counts[row_slots]
     for m in range(k):  # proposals 1..off precede the logits row at offset off
-        t = tokens_in[jnp.maximum(batch["logit_rows"] - m, 0)]
+        t = row_tokens[:, m]
         row_counts = row_counts.at[jnp.arange(R), t].add((m < off).astype(jnp.int32))
     sp = {name: v[seg] for name, v in named(floats, batch["top_k"]).items()}
     seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)[seg]
@@ -163,9 +187,9 @@ def sample_rows(logits, state: dict, batch: dict, floats, k: int, allow=None):
     tokens, logp = sample(logits, row_counts, pmask[row_slots], sp, seeds, steps)
     # Verification: the first proposal unequal to the token sampled before it.
     n_draft = batch["n_draft"][seg]
-    nxt = tokens_in[jnp.minimum(batch["logit_rows"] + 1, T - 1)]
+    nxt = row_tokens[:, k]
     miss = (off >= 0) & (off < n_draft) & (tokens != nxt)
-    first_miss = jax.ops.segment_min(jnp.where(miss, off, T), seg, num_segments=S)
+    first_miss = jax.ops.segment_min(jnp.where(miss, off, R), seg, num_segments=S)
     accepted = jnp.minimum(first_miss, batch["n_draft"])  # [S]
     sampled = batch["sample_mask"] > 0
     emitted = (off >= 0) & (off <= accepted[seg]) & sampled[seg]
@@ -186,4 +210,4 @@ def sample_rows(logits, state: dict, batch: dict, floats, k: int, allow=None):
     packed = jnp.concatenate(
         [tokens, jax.lax.bitcast_convert_type(chosen, jnp.int32), accepted.astype(jnp.int32)]
     )
-    return packed, top_ids, top_lp, {"counts": counts, "prompt_mask": pmask, "last": last}
+    return packed, top_ids, top_lp, {"counts": counts, "last": last}

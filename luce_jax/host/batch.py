@@ -191,6 +191,24 @@ def step_layout(T: int, S: int, R: int, MB: int) -> Layout:
     ]
 
 
+def sample_layout(S: int, R: int) -> Layout:
+    """The row arrays the sampling program reads (device/sampling.sample_rows): no [T] array, so
+    buckets of one row width share one sampling program."""
+    return [
+        ("slots", (S,)),
+        ("sample_mask", (S,)),
+        ("n_draft", (S,)),
+        ("logit_start", (S,)),
+        ("top_k", (S,)),
+        ("seeds", (S,)),
+        ("steps", (S,)),
+        ("fresh", (S,)),
+        ("logit_seg", (R,)),
+        ("logit_off", (R,)),
+        ("want_logprobs", (1,)),
+    ]
+
+
 def layout_size(layout: Layout) -> int:
     return sum(int(np.prod(shape)) for _, shape in layout)
 
