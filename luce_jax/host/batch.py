@@ -176,18 +176,8 @@ def step_layout(T: int, S: int, R: int, MB: int) -> Layout:
         ("block_tables", (S, MB)),
         ("kv_lens", (S,)),
         ("cu_q_lens", (S + 1,)),
-        ("slots", (S,)),
-        ("sample_mask", (S,)),
-        ("n_draft", (S,)),
-        ("logit_start", (S,)),
-        ("top_k", (S,)),
-        ("seeds", (S,)),
-        ("steps", (S,)),
-        ("fresh", (S,)),
         ("logit_rows", (R,)),
-        ("logit_seg", (R,)),
-        ("logit_off", (R,)),
-        ("want_logprobs", (1,)),
+        *sample_layout(S, R),
     ]
 
 
