@@ -11,12 +11,10 @@ collects step N, and the host's planning and lowering overlap the device's work.
 speculation the proposals for a step depend on the tokens of the step before, so `overlap`
 is False and each step is collected before the next is planned.
 
-A row under a grammar (host/grammar.py) samples from a mask that depends on its last token,
-which step N+1's dispatch does not know yet. So step N+1's forward pass is launched at once
-and its sampling waits: it is launched when step N's tokens are in (at the next dispatch or
-the collect of step N+1, whichever comes first), with masks filled from them, while the
-device runs the forward pass. On the H200, collecting each step instead (the engine's first
-way) lost 19 to 53% of the throughput at C1 to C32 (2026-12-01_structured_qwen3-8b-bf16.md).
+A row under a grammar (host/grammar.py) samples from a mask that needs its last token, which
+step N+1's dispatch does not know: its forward pass is launched at once, its sampling when
+step N is collected (at the next dispatch or collect), with masks filled meanwhile. Collecting
+each step instead lost 19 to 53% at C1 to C32 (2026-12-01_structured_qwen3-8b-bf16.md).
 """
 
 from __future__ import annotations
@@ -289,8 +287,7 @@ class DenseEngine:
         S = self.rows_for(T)
         b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
         b.update(sl.row_inputs(rows.slots, rows.starts, rows.sample, S))
-        # A row under a grammar needs the tokens of the step in flight for its mask: this
-        # step's sampling waits for them (the module's docstring), its forward pass does not.
+        # a row under a grammar needs the step in flight's tokens: this sampling waits for them
         wait = self.constraining and any(map(self.grammars.constrained, rows.slots[rows.sample]))
         if self._launched and self._launched[-1].handle is None:
             self._launch_sampling(self._launched[-1])  # it reads the step in flight's tokens
