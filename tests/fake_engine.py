@@ -4,8 +4,8 @@ and steps collected one behind their dispatch (overlap) as the real engine's."""
 import time
 from collections import deque
 
-from luce_jax.host.engine import AdmitResult, StepFailed, StepLimits, StepResult, TokenOut
 from luce_jax.host.kv_pool import KVPool
+from luce_jax.host.seq_engine import AdmitResult, StepFailed, StepLimits, StepResult, TokenOut
 from luce_jax.host.slots import SlotTable
 
 

@@ -29,8 +29,8 @@ import logging
 import time
 from collections import deque
 
-from .engine import StepFailed, StepPlan, StepResult, TokenOut
 from .request import Event, OutputProcessor, Request
+from .seq_engine import StepFailed, StepPlan, StepResult, TokenOut
 
 log = logging.getLogger(__name__)
 
