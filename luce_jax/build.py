@@ -33,7 +33,6 @@ def _load(config: EngineConfig, clock: StartupClock):
     """load_engine's steps, each timed as a phase of `clock`."""
     import jax
 
-    from .device import triton_cache
     from .device.programs import enable_compile_cache
     from .device.runner import Runner
     from .host.engine import DenseEngine
@@ -108,8 +107,6 @@ def _load(config: EngineConfig, clock: StartupClock):
     pairs = engine.bucket_pairs()
     with clock.phase("compile", f"{len(pairs)} buckets"):
         runner.warmup(pairs)
-    if (tc := triton_cache.installed()) is not None:
-        clock.notes["compile"] += f"; Triton kernels {tc.compiled} built, {tc.from_disk} read back"
     if config.spec_mode == "off":
         return tokenizer, engine
     per_depth = fixed = 0.0

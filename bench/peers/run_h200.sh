@@ -111,17 +111,17 @@ step_ours() {  # $1 weight type
     --out "$RES/${DAY}_concurrency_ours${TAG:-}_$SHAPE-$t.json" ${EXTRA:-}
 }
 
-step_startup() {  # $1 weight type: our server started cold (empty caches), then warm; its ready line
-  local t=$1 model="$M/$SHAPE-$1.gguf" cache="/tmp/xc_start_$1" how pid
-  rm -rf "$cache"
+step_startup() {  # $1 weight type: our server (ours_cmd's flags) cold, then warm; its ready line
+  local t=$1 model="$M/$SHAPE-$1.gguf" how pid cmd
+  rm -rf /tmp/xc  # ours_cmd's compile cache: the later ours:$1 step starts warm from it
+  cmd=$(ours_cmd "$model" $CTX | sed -e 's/{port}/8399/' -e 's/--log-level warning/--log-level info/')
   for how in cold warm; do
     local log="$RES/startup_${how}_$SHAPE-$t.log" t0=$SECONDS
-    python3 -m luce_jax.serve --model "$model" --port 8399 --max-concurrency 32 --max-ctx $CTX \
-      --kv-pool-tokens 0 --compile-cache-dir "$cache" ${OURS_FLAGS:-} > "$log" 2>&1 &
+    $cmd > "$log" 2>&1 &
     pid=$!
     until grep -q "ready:" "$log" || ! kill -0 $pid 2>/dev/null || [ $((SECONDS - t0)) -gt 900 ]; do
       sleep 1; done
-    echo "$how start: $((SECONDS - t0)) s"; grep -E "ready in|Triton" "$log" | tail -2
+    echo "$how start: $((SECONDS - t0)) s"; grep -E "ready in" "$log" | tail -1
     kill $pid; wait $pid 2>/dev/null
   done
 }

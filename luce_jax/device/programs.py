@@ -17,15 +17,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import jax
 from tqdm.auto import tqdm
 
-from . import triton_cache
-
 log = logging.getLogger(__name__)
 
 
 def enable_compile_cache(path: str | None) -> None:
-    """Use JAX's persistent compilation cache so restarts skip recompiling the buckets, and
-    compile each distinct Triton kernel once (triton_cache.py: in memory, and under path)."""
-    triton_cache.install(os.path.join(path, "triton") if path else None)
+    """Use JAX's persistent compilation cache so restarts skip recompiling the buckets."""
     if not path:
         return
     os.makedirs(path, exist_ok=True)
