@@ -281,7 +281,9 @@ def quant_matmul_fn(backend: str):
     if backend == "pallas":
         from pallas_kernels.quant_matmul import quant_matmul
 
-        return QuantMatmul(quant_matmul)
+        from .host.batch import SMALLEST_TOKEN_BUCKET
+
+        return QuantMatmul(quant_matmul, live_rows_max=SMALLEST_TOKEN_BUCKET)
     return QuantMatmul()
 
 

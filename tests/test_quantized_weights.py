@@ -155,6 +155,22 @@ def test_the_kernel_runs_only_steps_up_to_its_row_limit():
     assert seen == [4]
 
 
+def test_only_the_smallest_bucket_passes_its_live_rows_to_the_kernel():
+    """A step in a bucket past the smallest is more than half live, so the kernel's few-rows
+    path would never run there: those calls get live=None and compile without it."""
+    seen = []
+
+    def kernel(x, w, live):
+        seen.append((x.shape[0], live))
+        return jnp.zeros((x.shape[0], w.shape[0]), jnp.float32)
+
+    qmm, w = QuantMatmul(kernel, max_rows=64, live_rows_max=8), qweight()
+    for t in (8, 16, 64):
+        linear(jnp.ones((t, 64)), w, qmm, live=jnp.int32(1))
+    assert [t for t, _ in seen] == [8, 16, 64]
+    assert seen[0][1] is not None and seen[1][1] is None and seen[2][1] is None
+
+
 def test_a_quantized_embedding_table_is_gathered_by_rows_and_tied_as_the_head():
     table = qweight(N=40)  # vocabulary of 40, width 64
     tokens = jnp.asarray([3, 0, 39, 3])

@@ -71,6 +71,9 @@ class Rows:
         return len(self.slots) + int(self.n_draft.sum())
 
 
+SMALLEST_TOKEN_BUCKET = 8  # a step's token axis is padded to at least this many rows
+
+
 def buckets(limit: int, smallest: int = 1) -> list[int]:
     """Powers of two from `smallest` up to the first one >= limit."""
     out = [smallest]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import EngineConfig
-from .batch import FROM_DEVICE, Rows, buckets, lower, pick_bucket
+from .batch import FROM_DEVICE, SMALLEST_TOKEN_BUCKET, Rows, buckets, lower, pick_bucket
 from .kv_pool import KVPool
 from .seq_engine import AdmitResult, StepFailed, StepLimits, StepPlan, StepResult, TokenOut
 from .slots import SlotTable
@@ -86,7 +86,9 @@ class DenseEngine:
         # pads to the next power of two and no further, and the buckets to compile are few.
         # Smallest bucket 8: XLA's GPU dot for M=1 measured 9.4 ms a Qwen3-8B step against
         # 6.6 ms at M=8 on the H200, so a lone decode row is padded to 8.
-        self.token_buckets = buckets(max(config.prefill_token_budget, self.slot_count), 8)
+        self.token_buckets = buckets(
+            max(config.prefill_token_budget, self.slot_count), SMALLEST_TOKEN_BUCKET
+        )
         self._max_rows = buckets(self.slot_count, 1)[-1]
         self.spec = None  # speculation.Speculator once enable_speculation is called
         self.grammars = None  # grammar.Grammars: structured output, when the builder sets it

@@ -28,6 +28,12 @@ class QuantMatmul(NamedTuple):
 
     kernel: object = None
     max_rows: int = 64
+    # The smallest token bucket: the only one whose steps can hold as few live rows as the
+    # kernel's vector path takes (2). Buckets double (host/batch.buckets) and a step takes the
+    # smallest that fits, so a larger bucket's steps are more than half live; their calls get
+    # no `live` and compile without that path, which cut a Q4_K call's Triton compile from 3.4
+    # to 1.4 s and Q6_K's from 7.8 to 2.8 s (bench/kernel_ptx.py's modules, this CPU).
+    live_rows_max: int = 8  # build.py passes host.batch.SMALLEST_TOKEN_BUCKET
 
 
 def linear(x, w, qmm: QuantMatmul | None = None, live=None):
@@ -46,7 +52,7 @@ def linear(x, w, qmm: QuantMatmul | None = None, live=None):
     if isinstance(w, QuantWeight):
         x = x.astype(w.dtype)
         if qmm is not None and qmm.kernel is not None and x.shape[0] <= qmm.max_rows:
-            return qmm.kernel(x, w, live)
+            return qmm.kernel(x, w, live if x.shape[0] <= qmm.live_rows_max else None)
         return quant_matmul_xla(x, w)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
