@@ -10,6 +10,8 @@ variants by between GPU runs, never a speed claim. `--vector` or `--dots` keeps 
 quant_matmul's branch.
 
     python bench/kernel_ptx.py quant_matmul --types q8_0 q4_k --live 1
+    python bench/kernel_ptx.py quant_matmul --types q4_k --live 1 --vector --words \
+        --values-per-step 1024
     python bench/kernel_ptx.py paged_attention --kv-types bf16 q8_0 q4_0
 
 Needs `triton` (xgrammar's dependency pulls it into the test extra).
@@ -105,7 +107,8 @@ def quant_cases(a):
         w = QuantWeight.from_rows(jnp.zeros((a.n, a.k // f.block * f.type_size), jnp.uint8), q)
         x = jnp.zeros((a.rows, a.k), jnp.bfloat16)
         live = None if a.live is None else jnp.int32(a.live)
-        kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages)
+        kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages, words=a.words,
+                  values_per_step=a.values_per_step)  # fmt: skip
         yield q, (lambda x, w=w, n=live, kw=kw: quant_matmul(x, w, n, **kw)), (x,)
 
 
@@ -136,6 +139,8 @@ def main():
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=24576)
     ap.add_argument("--live", type=int, default=None, help="quant_matmul's live rows")
+    ap.add_argument("--values-per-step", type=int, default=256, help="quant_matmul's")
+    ap.add_argument("--words", action="store_true", help="quant_matmul's word-decoding path")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     path = ap.add_mutually_exclusive_group()

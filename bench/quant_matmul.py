@@ -47,10 +47,11 @@ def parse_variant(v: str) -> dict:
 
 
 def parse_vector(v: str) -> dict:
-    """block_n:values_per_step:warps:stages:vector_programs of the vector path."""
-    bn, vps, warps, stages, vp = (int(t) for t in v.split(":"))
+    """block_n:values_per_step:warps:stages:vector_programs[:words] of the vector path (words
+    1: codes decoded a 32-bit word at a time, ggml_words.py; 0, the default: a code at a time)."""
+    bn, vps, warps, stages, vp, *words = (int(t) for t in v.split(":"))
     return dict(block_n=bn, values_per_step=vps, num_warps=warps, num_stages=stages,
-                vector_programs=vp)  # fmt: skip
+                vector_programs=vp, words=bool(words and words[0]))  # fmt: skip
 
 
 def xla_reduce(x, w):

@@ -51,6 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
 from .ggml_blocks import (
+    QTYPES,
     BlockFormat,
     QuantWeight,
     codes_as,
@@ -58,6 +59,7 @@ from .ggml_blocks import (
     dequantize_weight,
     exact_f32,
 )
+from .ggml_words import WORDS
 
 
 def quant_matmul_reference(x, w: QuantWeight):
@@ -129,7 +131,24 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     return load, load1
 
 
-def _kernel(live_ref, x_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps, n_blocks, R):
+def _kernel(
+    live_ref,
+    x_ref,
+    xw_ref,
+    h_ref,
+    b_ref,
+    w_ref,
+    o_ref,
+    *,
+    fmt,
+    BM,
+    BN,
+    U,
+    steps,
+    n_blocks,
+    R,
+    words,
+):
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     M, K = x_ref.shape
     N = b_ref.shape[0]
@@ -189,7 +208,52 @@ def _kernel(live_ref, x_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps, n_bl
             return tuple(accs)
 
         zero = jnp.zeros((BN, U), jnp.float32)
+        return rows_out(jax.lax.fori_loop(0, steps, body, (zero,) * R))
+
+    def vectors_words():
+        """The vector path a 32-bit word of codes at a time (ggml_words.py): each code becomes
+        f in [1, 2) with a shift and a mask-and-or, and row m accumulates, elementwise over
+        [BN, U, nw], A * f * x + B * x per group; one reduction after the loop."""
+        decode, nw = WORDS[QTYPES[fmt.qtype]]
+
+        def body(c, accs):
+            accs = list(accs)
+            blk, ok, (_, load1) = block(c, jnp.arange(U))
+            w_ok = col_ok[:, None, None] & ok[None, :, None]
+            h0, hs = fmt.head
+            loaded = {}
+
+            def loadw(off: int, nw: int):  # [BN, U, nw] uint32, off a file-block byte offset
+                b = off - hs if h0 == 0 else off
+                assert b % 4 == 0 and b + 4 * nw <= fmt.body_size, (fmt.qtype, off, nw)
+                if (b, nw) not in loaded:
+                    idx = blk[None, :, None] * (fmt.body_size // 4) + b // 4 + jnp.arange(nw)
+                    ref = w_ref.at[cols[:, None, None], idx]
+                    loaded[b, nw] = plgpu.load(ref, mask=w_ok, other=0)
+                return loaded[b, nw]
+
+            for g in range(fmt.groups):
+                A, B, pieces = decode(loadw, load1, g)
+                for m in range(R):
+                    fx = xs = 0.0
+                    for first, f in pieces:
+                        # xw holds each span of 4 nw values byte-major: value 4 i + p of a
+                        # span at p nw + i, so a piece's nw values are contiguous
+                        p = first % 4
+                        ks = blk[:, None] * fmt.block + g * fmt.group + first - p + p * nw
+                        ks = ks + jnp.arange(nw)[None, :]  # [U, nw]
+                        xm = plgpu.load(xw_ref.at[m, ks], mask=ks < K, other=0)
+                        xm = xm.astype(jnp.float32)
+                        fx = fx + f * xm[None]
+                        xs = xs + xm
+                    accs[m] = accs[m] + A[..., None] * fx + B[..., None] * xs[None]
+            return tuple(accs)
+
+        zero = jnp.zeros((BN, U, nw), jnp.float32)
         accs = jax.lax.fori_loop(0, steps, body, (zero,) * R)
+        return rows_out(tuple(jnp.sum(a, axis=2) for a in accs))
+
+    def rows_out(accs):  # R accumulators [BN, U] -> rows 0 .. R-1 of the [BM, BN] tile
         r = jnp.arange(BM)[:, None]
         out = jnp.zeros((BM, BN), jnp.float32)
         for m in range(R):
@@ -200,7 +264,7 @@ def _kernel(live_ref, x_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps, n_bl
         out = dots()
     else:
         few = (live_ref[0] <= R) & (i == 0)
-        out = jax.lax.cond(few, vectors, dots)
+        out = jax.lax.cond(few, vectors_words if words else vectors, dots)
     # The partials hold M rows, not NI * BM: a tile's rows past M are not stored (at M 8 the
     # padded tile doubled the partials' traffic, which a decode call writes and reads again).
     rows = i * BM + jnp.arange(BM)
@@ -239,6 +303,7 @@ def quant_matmul(
     min_programs: int = 2112,
     vector_rows: int = 2,
     vector_programs: int = 2112,
+    words: bool = False,
     interpret: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -264,6 +329,12 @@ def quant_matmul(
         when live <= vector_rows, and the grid is split to about vector_programs programs.
         At 1 and 2 live rows the vector path beat the dots in every case measured; at 4 it
         lost to them (Q8_0 gate/up 91 vs 70 us, Q4_K 121 vs 89; same file).
+      words: the vector path decodes 32-bit words of codes into floats in [1, 2)
+        (ggml_words.py) for the types that have such a decoder (all but IQ4_XS), rather than
+        a code at a time through integers. Off until timed on a GPU: compiled for sm_90a on
+        the CPU (bench/kernel_ptx.py), Q4_K's vector path at 1024 values per step took 8.8
+        SASS instructions per weight value against 15.3 for the default, Q8_0 and Q6_K did
+        not improve (9.8 vs 9.3, 17.5 vs 16.5).
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
@@ -278,17 +349,25 @@ def quant_matmul(
     programs = vector_programs if R else min_programs
     BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
     NI, NJ = -(-M // BM), -(-N // BN)
+    words = words and QTYPES[fmt.qtype] in WORDS
     kernel = functools.partial(
-        _kernel, fmt=fmt, BM=BM, BN=BN, U=U, steps=steps, n_blocks=n_blocks, R=R
+        _kernel, fmt=fmt, BM=BM, BN=BN, U=U, steps=steps, n_blocks=n_blocks, R=R, words=words
     )
+    body_words, xw = w.body, x  # unread placeholders without words
+    if words:
+        # the code bytes as little-endian uint32 words (a bitcast of the same buffer), and x
+        # with each span of 4 nw values byte-major, so a piece reads nw contiguous values
+        nw = WORDS[QTYPES[fmt.qtype]][1]
+        body_words = jax.lax.bitcast_convert_type(w.body.reshape(N, -1, 4), jnp.uint32)
+        xw = x.reshape(M, -1, nw, 4).swapaxes(-1, -2).reshape(M, K)
     live = jnp.full((1,), M if live is None else live, jnp.int32)
     out = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
     parts = pl.pallas_call(
         kernel,
         grid=(NI, NJ, S),
-        in_specs=[whole(live), whole(x), whole(w.head), whole(w.body)],
+        in_specs=[whole(a) for a in (live, x, xw, w.head, w.body, body_words)],
         out_specs=whole(out),
         out_shape=out,
         **call_options(interpret, num_warps, num_stages),
-    )(live, x, w.head, w.body)
+    )(live, x, xw, w.head, w.body, body_words)
     return parts.sum(0).astype(out_dtype)

@@ -11,6 +11,7 @@ from test_quants import random_blocks
 
 from luce_jax.loading.quants import keep_quantized
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight, dequantize_weight
+from pallas_kernels.ggml_words import WORDS
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, tiling
 
 T = GGMLQuantizationType
@@ -75,6 +76,22 @@ def test_live_rows_match_the_reference_on_either_path(qtype, K, N, vps, live, ve
     x = jax.random.normal(jax.random.key(live + K), (8, K), jnp.float32)
     got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=vps,
                        vector_rows=vector_rows, vector_programs=4, interpret=True)  # fmt: skip
+    ref = np.asarray(quant_matmul_reference(x, w))[:live]
+    np.testing.assert_allclose(np.asarray(got)[:live], ref, rtol=1e-4,
+                               atol=1e-5 * np.abs(ref).max())  # fmt: skip
+
+
+@pytest.mark.parametrize("live", [1, 2])
+@pytest.mark.parametrize("qtype", sorted(WORDS))
+def test_codes_decoded_a_word_at_a_time_match_the_reference(qtype, live):
+    """The vector path's word decoding (codes moved into the mantissa of 1.0, the group's
+    affine map applied to the sums) over a K that ends inside a step and an N that ends inside
+    a tile; its float32 rounding stays within the byte path's tolerance."""
+    B = FORMATS[qtype].block
+    w = weight(qtype, 40, 3 * B, seed=live)
+    x = jax.random.normal(jax.random.key(live), (8, 3 * B), jnp.float32)
+    got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=2 * max(B, 256),
+                       vector_programs=4, words=True, interpret=True)  # fmt: skip
     ref = np.asarray(quant_matmul_reference(x, w))[:live]
     np.testing.assert_allclose(np.asarray(got)[:live], ref, rtol=1e-4,
                                atol=1e-5 * np.abs(ref).max())  # fmt: skip

@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels import kv_cache
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight
+from pallas_kernels.ggml_words import WORDS
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
@@ -71,6 +72,15 @@ def test_quant_matmul_lowers_to_a_valid_triton_module(verified, qtype, M, K, N):
     lower_for_cuda(lambda x: quant_matmul(x, w, interpret=False), x)
     lower_for_cuda(lambda x, n: quant_matmul(x, w, n, interpret=False), x, jnp.int32(1))
     assert len(verified) == 2  # with live rows: the vector path and the dots under one branch
+
+
+@pytest.mark.parametrize("qtype", sorted(WORDS))
+def test_the_word_decoding_vector_path_lowers(verified, qtype):
+    w = zero_weight(qtype, 4096, 4096)
+    x = jnp.zeros((8, 4096), jnp.bfloat16)
+    f = lambda x, n: quant_matmul(x, w, n, words=True, values_per_step=512, interpret=False)  # noqa: E731
+    lower_for_cuda(f, x, jnp.int32(1))
+    assert len(verified) == 1
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
