@@ -11,7 +11,7 @@ quant_matmul's branch.
 
     python bench/kernel_ptx.py quant_matmul --types q8_0 q4_k --live 1
     python bench/kernel_ptx.py quant_matmul --types q4_k --live 1 --vector --words \
-        --values-per-step 1024
+        --values-per-step 1024 --block-n 32
     python bench/kernel_ptx.py paged_attention --kv-types bf16 q8_0 q4_0
 
 Needs `triton` (xgrammar's dependency pulls it into the test extra).
@@ -108,7 +108,7 @@ def quant_cases(a):
         x = jnp.zeros((a.rows, a.k), jnp.bfloat16)
         live = None if a.live is None else jnp.int32(a.live)
         kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages, words=a.words,
-                  values_per_step=a.values_per_step)  # fmt: skip
+                  values_per_step=a.values_per_step, block_n=a.block_n)  # fmt: skip
         yield q, (lambda x, w=w, n=live, kw=kw: quant_matmul(x, w, n, **kw)), (x,)
 
 
@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--n", type=int, default=24576)
     ap.add_argument("--live", type=int, default=None, help="quant_matmul's live rows")
     ap.add_argument("--values-per-step", type=int, default=256, help="quant_matmul's")
+    ap.add_argument("--block-n", type=int, default=64, help="quant_matmul's")
     ap.add_argument("--words", action="store_true", help="quant_matmul's word-decoding path")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
@@ -148,8 +149,14 @@ def main():
     path.add_argument("--dots", action="store_true", help="quant_matmul's dots path only")
     a = ap.parse_args()
     if a.vector or a.dots:  # the kernel's lax.cond(few, vectors, dots) traces one branch
-        keep = 1 if a.vector else 2
-        jax.lax.cond = lambda pred, *fns_and_ops: fns_and_ops[keep - 1](*fns_and_ops[2:])
+        keep, cond = 1 if a.vector else 2, jax.lax.cond
+
+        def one_branch(pred, true, false, *ops):  # other conds (a skipped row) stay
+            if getattr(false, "__name__", "") != "dots":
+                return cond(pred, true, false, *ops)
+            return (true, false)[keep - 1](*ops)
+
+        jax.lax.cond = one_branch
     cases = quant_cases(a) if a.kernel == "quant_matmul" else attention_cases(a)
     for name, f, args in cases:
         for i, ttir in enumerate(triton_modules(f, *args)):

@@ -131,24 +131,8 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     return load, load1
 
 
-def _kernel(
-    live_ref,
-    x_ref,
-    xw_ref,
-    h_ref,
-    b_ref,
-    w_ref,
-    o_ref,
-    *,
-    fmt,
-    BM,
-    BN,
-    U,
-    steps,
-    n_blocks,
-    R,
-    words,
-):
+def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, w_ref, o_ref, *, fmt, BM, BN, U,
+            steps, n_blocks, R, words):  # fmt: skip
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     M, K = x_ref.shape
     N = b_ref.shape[0]
@@ -235,18 +219,28 @@ def _kernel(
             for g in range(fmt.groups):
                 A, B, pieces = decode(loadw, load1, g)
                 for m in range(R):
-                    fx = xs = 0.0
-                    for first, f in pieces:
-                        # xw holds each span of 4 nw values byte-major: value 4 i + p of a
-                        # span at p nw + i, so a piece's nw values are contiguous
-                        p = first % 4
-                        ks = blk[:, None] * fmt.block + g * fmt.group + first - p + p * nw
-                        ks = ks + jnp.arange(nw)[None, :]  # [U, nw]
-                        xm = plgpu.load(xw_ref.at[m, ks], mask=ks < K, other=0)
-                        xm = xm.astype(jnp.float32)
-                        fx = fx + f * xm[None]
-                        xs = xs + xm
-                    accs[m] = accs[m] + A[..., None] * fx + B[..., None] * xs[None]
+
+                    def row(acc, m=m, g=g, A=A, B=B, pieces=pieces):
+                        fx = 0.0
+                        for first, f in pieces:
+                            # xw holds each span of 4 nw values byte-major: value 4 i + p of
+                            # a span at p nw + i, so a piece's nw values are contiguous
+                            p = first % 4
+                            ks = blk[:, None] * fmt.block + g * fmt.group + first - p + p * nw
+                            ks = ks + jnp.arange(nw)[None, :]  # [U, nw]
+                            xm = plgpu.load(xw_ref.at[m, ks], mask=ks < K, other=0)
+                            fx = fx + f * xm[None]
+                        # B times the group's sum of x, spread over the nw slots (exact: nw
+                        # is a power of two) that the loop's end sums again
+                        xs = plgpu.load(xg_ref.at[m, blk * fmt.groups + g], mask=ok, other=0)
+                        return acc + A[..., None] * fx + (B * (xs / nw)[None, :])[..., None]
+
+                    # a row past the live ones is skipped (one token in a bucket of 8)
+                    accs[m] = (
+                        row(accs[m])
+                        if m == 0
+                        else jax.lax.cond(live_ref[0] > m, row, lambda acc: acc, accs[m])
+                    )
             return tuple(accs)
 
         zero = jnp.zeros((BN, U, nw), jnp.float32)
@@ -331,10 +325,12 @@ def quant_matmul(
         lost to them (Q8_0 gate/up 91 vs 70 us, Q4_K 121 vs 89; same file).
       words: the vector path decodes 32-bit words of codes into floats in [1, 2)
         (ggml_words.py) for the types that have such a decoder (all but IQ4_XS), rather than
-        a code at a time through integers. Off until timed on a GPU: compiled for sm_90a on
-        the CPU (bench/kernel_ptx.py), Q4_K's vector path at 1024 values per step took 8.8
-        SASS instructions per weight value against 15.3 for the default, Q8_0 and Q6_K did
-        not improve (9.8 vs 9.3, 17.5 vs 16.5).
+        a code at a time through integers; x goes in float32 with its spans reordered and
+        its group sums taken by XLA first, and a second row is skipped when only one is live.
+        Off until timed on a GPU. Compiled for sm_90a on the CPU (bench/kernel_ptx.py
+        --vector), SASS instructions per weight value per program step, both rows: Q4_K 8.5
+        (block_n 32, 1024 values per step) against 15.3 for the default; Q6_K 12.2 against
+        16.5; Q8_0 9.7 against 9.3 (no gain).
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
@@ -353,21 +349,24 @@ def quant_matmul(
     kernel = functools.partial(
         _kernel, fmt=fmt, BM=BM, BN=BN, U=U, steps=steps, n_blocks=n_blocks, R=R, words=words
     )
-    body_words, xw = w.body, x  # unread placeholders without words
+    body_words, xw, xg = w.body, x, x  # unread placeholders without words
     if words:
-        # the code bytes as little-endian uint32 words (a bitcast of the same buffer), and x
-        # with each span of 4 nw values byte-major, so a piece reads nw contiguous values
+        # the code bytes as little-endian uint32 words (a bitcast of the same buffer)
         nw = WORDS[QTYPES[fmt.qtype]][1]
         body_words = jax.lax.bitcast_convert_type(w.body.reshape(N, -1, 4), jnp.uint32)
-        xw = x.reshape(M, -1, nw, 4).swapaxes(-1, -2).reshape(M, K)
+        # x in float32, its spans of 4 nw values byte-major (a piece's nw values contiguous),
+        # and its sums per group [M, K / group], which the groups' offsets multiply
+        xw = x.astype(jnp.float32)
+        xg = xw.reshape(M, -1, fmt.group).sum(-1)
+        xw = xw.reshape(M, -1, nw, 4).swapaxes(-1, -2).reshape(M, K)
     live = jnp.full((1,), M if live is None else live, jnp.int32)
     out = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
     parts = pl.pallas_call(
         kernel,
         grid=(NI, NJ, S),
-        in_specs=[whole(a) for a in (live, x, xw, w.head, w.body, body_words)],
+        in_specs=[whole(a) for a in (live, x, xw, xg, w.head, w.body, body_words)],
         out_specs=whole(out),
         out_shape=out,
         **call_options(interpret, num_warps, num_stages),
-    )(live, x, xw, w.head, w.body, body_words)
+    )(live, x, xw, xg, w.head, w.body, body_words)
     return parts.sum(0).astype(out_dtype)
