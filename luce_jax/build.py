@@ -12,6 +12,11 @@ log = logging.getLogger(__name__)
 
 # Device memory kept free for compile workspace and step activations when sizing the pool.
 WORKSPACE_FRACTION = 0.08
+# What the pool sizing counts as in use besides the weights (small arrays, the allocator's
+# own). The pool is sized from these fixed figures, not from the allocator's bytes_in_use,
+# which moved by tens of MB between two starts on the H200 (41530 and 41515 blocks): a pool
+# of another shape is another program, so every step missed the compile cache on restart.
+ALLOCATOR_SLACK = 2**30
 # dtype=auto dequantizes only while the dequantized weights take at most this share of device
 # memory, which leaves the rest for the KV pool; beyond it they stay quantized.
 DEQUANTIZED_WEIGHTS_FRACTION = 0.6
@@ -74,7 +79,10 @@ def _load(config: EngineConfig, clock: StartupClock):
         with clock.phase("draft weights"):
             draft = _load_draft(config, vocab, quantized)
         per_token += kv_cache_types(config, draft[0])[1]
-    num_blocks = kv_pool_blocks(config, jax.devices()[0], per_token, state_bytes(mc, config))
+    weights = weight_bytes(params) + (weight_bytes(draft[1]) if draft else 0)
+    num_blocks = kv_pool_blocks(
+        config, jax.devices()[0], per_token, state_bytes(mc, config), weights
+    )
     log.info(
         "KV pool: %d blocks of %d tokens (%.2f GiB)",
         num_blocks - 1,
@@ -304,18 +312,35 @@ def fit_to_model(config: EngineConfig, mc) -> EngineConfig:
     return config.replace(max_ctx=mc.context_length)
 
 
-def kv_pool_blocks(c: EngineConfig, device, bytes_per_token: int, reserved: int = 0) -> int:
-    """Blocks in the pool, the sink included: kv_pool_tokens, or what free memory holds after
-    `reserved` bytes (per-slot state allocated later)."""
+def kv_pool_blocks(
+    c: EngineConfig, device, bytes_per_token: int, reserved: int = 0, weights: int | None = None
+) -> int:
+    """Blocks in the pool, the sink included: kv_pool_tokens, or what device memory holds
+    after the workspace, `reserved` bytes (per-slot state allocated later) and what is in use.
+
+    In use is `weights` + ALLOCATOR_SLACK, the same on every start, so a restart builds the
+    same programs and hits the compile cache; only where the allocator holds more than that
+    does its bytes_in_use count, rounded up to a GiB (and a warning says so).
+    """
     P = c.kv_block_size
     if c.kv_pool_tokens:
         blocks = -(-c.kv_pool_tokens // P)
     else:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if stats and "bytes_limit" in stats:
-            free = (
-                stats["bytes_limit"] * (1 - WORKSPACE_FRACTION) - stats["bytes_in_use"] - reserved
-            )
+            in_use = stats["bytes_in_use"]
+            if weights is not None and in_use <= weights + ALLOCATOR_SLACK:
+                in_use = weights + ALLOCATOR_SLACK
+            else:
+                if weights is not None:
+                    log.warning(
+                        "%.2f GiB in use on the device, more than the weights' %.2f GiB and "
+                        "%.2f GiB slack: the KV pool may differ between starts (each size "
+                        "compiles its own programs)",
+                        in_use / 2**30, weights / 2**30, ALLOCATOR_SLACK / 2**30,
+                    )  # fmt: skip
+                in_use = -(-in_use // 2**30) * 2**30
+            free = stats["bytes_limit"] * (1 - WORKSPACE_FRACTION) - in_use - reserved
             blocks = int(free // (bytes_per_token * P))
         else:  # no allocator statistics (CPU): room for every slot at full context
             blocks = c.max_concurrency * c.max_blocks_per_seq

@@ -1,5 +1,7 @@
 """The dense engine driven by the scheduler: batching must not change any sequence's tokens."""
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -97,7 +99,6 @@ def test_seeded_sampling_is_reproducible_under_batching(loaded, engine_config):
 
 def test_max_ctx_is_clamped_to_the_model_context(caplog):
     """Clamped with a warning when asked for, quietly (INFO) when it is the default."""
-    import logging
 
     from luce_jax.build import fit_to_model
     from luce_jax.config import EngineConfig, ModelConfig
@@ -131,6 +132,33 @@ def test_kv_pool_sizing():
     assert blocks - 1 == int((10 * gib * 0.92 - 2 * gib) // (1024 * 16))
     with pytest.raises(ValueError, match="max_ctx=1024"):
         kv_pool_blocks(auto, Dev({"bytes_limit": gib, "bytes_in_use": gib - 2**20}), 1024)
+
+
+def test_the_pool_is_the_same_size_on_every_start(caplog):
+    """Two starts whose allocators report a few MB more or less in use (as the H200 did) get
+    one pool size, so the restart's programs are the ones the compile cache holds; an
+    allocator holding far more than the weights is counted, with a warning."""
+    from luce_jax.build import ALLOCATOR_SLACK, kv_pool_blocks
+    from luce_jax.config import EngineConfig
+
+    class Dev:
+        def __init__(self, in_use):
+            self.in_use = in_use
+
+        def memory_stats(self):
+            return {"bytes_limit": 100 * 2**30, "bytes_in_use": self.in_use}
+
+    c = EngineConfig(max_ctx=1024, kv_block_size=16, kv_pool_tokens=0)
+    weights, per_token = 5 * 2**30, 147456  # an 8B model's bf16 KV per token
+    sizes = {kv_pool_blocks(c, Dev(weights + mb * 2**20), per_token, 2**28, weights)
+             for mb in (3, 38, 500)}  # fmt: skip
+    assert len(sizes) == 1
+    free = 100 * 2**30 * 0.92 - weights - ALLOCATOR_SLACK - 2**28
+    assert sizes.pop() - 1 == int(free // (per_token * 16))
+    with caplog.at_level(logging.WARNING, logger="luce_jax.build"):
+        more = kv_pool_blocks(c, Dev(weights + 3 * 2**30 + 5), per_token, 2**28, weights)
+    assert "in use on the device" in caplog.text
+    assert more - 1 == int((100 * 2**30 * 0.92 - 9 * 2**30 - 2**28) // (per_token * 16))
 
 
 def test_too_long_prompt_fails_alone(loaded, engine_config):
