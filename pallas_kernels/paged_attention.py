@@ -125,14 +125,19 @@ def _pieces(kind: str) -> list[tuple[int, int]]:
     return [(0, GROUP)] if kind == "q8_0" else [(0, half), (half, half)]
 
 
-def _group_pieces(data_ref, scale_ref, kind, phys, off, kh, ok, g):
-    """Scale group g of a quantized tile: (scale float32 [BK], [(first value, codes [BK, n])]).
+def _group_pieces(data_ref, scale_ref, kind, phys, off, kh, ok, g, cdt):
+    """Scale group g of a quantized tile: (scale float32 [BK], [(first value, f [BK, n])],
+    (a, b)), the codes being a * f + b with f in cdt.
 
-    The codes are small integers (q8_0: -127..127, q4_0: -8..7), exact in any float dtype, so
-    a tile contracts with one dot per piece and its scale multiplies the dot's [.., BK] result
-    (keys) or the probabilities (values): one multiply per token and group, not per value.
-    Each piece is one run of consecutive bytes per token (32 for q8_0, 16 for q4_0: byte i of
-    a group holds value i in its low nibble and value i + 16 in its high nibble).
+    q8_0's codes (-127..127) are f itself (a 1, b 0), exact in any float dtype. q4_0's nibble
+    q goes into the mantissa of 1.0 as a bf16 (bits 0x3F80 | q << 3: f = 1 + q / 16, exact),
+    so the code q - 8 is 16 f - 24: two bit operations per value, where the integer route
+    (mask, subtract, convert through int8) had compiled to 50 SASS instructions per value
+    (`bench/kernel_ptx.py paged_attention --kv-types q4_0`). Either way a tile contracts with
+    one dot per piece, and the scale multiplies the dot's [.., BK] result (keys) or the
+    probabilities (values): one multiply per token and group, not per value. Each piece is one
+    run of consecutive bytes per token (32 for q8_0, 16 for q4_0: byte i of a group holds value
+    i in its low nibble and value i + 16 in its high nibble).
     """
     BK = phys.shape[0]
     sc = plgpu.load(scale_ref.at[phys, off, kh, g], mask=ok, other=0).astype(jnp.float32)
@@ -143,10 +148,21 @@ def _group_pieces(data_ref, scale_ref, kind, phys, off, kh, ok, g):
         return plgpu.load(data_ref.at[phys[:, None], off[:, None], kh, cols], mask=mask, other=0)
 
     if kind == "q8_0":
-        return sc, [(0, load(g * GROUP, GROUP).astype(jnp.int32))]
-    b = load(g * GROUP // 2, GROUP // 2).astype(jnp.int32)
+        return sc, [(0, codes_as(load(g * GROUP, GROUP).astype(jnp.int32), cdt))], (1.0, 0.0)
+    # q4_0's data comes as uint32 words (4 bytes, 8 nibbles: paged_attention's view): a
+    # group's 16 bytes per token are 4 word loads, and byte p of word w holds values 4 w + p
+    # (low nibble) and 16 + 4 w + p (high nibble)
+    w = load(g * GROUP // 8, GROUP // 8)[:, :, None]  # [BK, 4, 1]
+    shift = 8 * jnp.arange(4, dtype=jnp.uint32)[None, None, :]
     (lo, _), (hi, _) = _pieces(kind)
-    return sc, [(lo, (b & 15) - 8), (hi, (b >> 4) - 8)]
+    BK = w.shape[0]
+
+    def unit(nibble_at):  # bf16 1 + q / 16 from q << 3 in its mantissa, in cdt (exact in any)
+        bits = (((w >> (shift + nibble_at)) & 15) << 3) | 0x3F80  # [BK, 4 words, 4 bytes]
+        bits = bits.reshape(BK, GROUP // 2).astype(jnp.uint16)
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(cdt)
+
+    return sc, [(lo, unit(0)), (hi, unit(4))], (16.0, -24.0)
 
 
 def _dot(a, b, contract_b: int):
@@ -187,6 +203,11 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
         for g in range(D // GROUP if k_kind != "plain" else 0)
         for first, n in _pieces(k_kind)
     }
+    q_sums = {  # q's sum over each group, for codes stored with an offset (q4_0)
+        g: sum(jnp.sum(q_parts[g, first].astype(jnp.float32), axis=1) for first, _ in pieces)
+        for g in range(D // GROUP if k_kind != "plain" else 0)
+        for pieces in [_pieces(k_kind)]
+    }
 
     def scores(phys, off, ok):
         """q . k for the tile's BK tokens: [BQG, BK] float32."""
@@ -194,12 +215,15 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
             return _dot(q, _load_tile(k_data, phys, off, kh, ok, cdt, D), 1)
         s = jnp.zeros((BQG, BK), jnp.float32)
         for g in range(D // GROUP):
-            sc, pieces = _group_pieces(k_data, k_scale, k_kind, phys, off, kh, ok, g)
+            sc, pieces, (a, b) = _group_pieces(k_data, k_scale, k_kind, phys, off, kh, ok, g, cdt)
             part = None
-            for first, codes in pieces:
-                d = _dot(q_parts[g, first], codes_as(codes, cdt), 1)
+            for first, f in pieces:
+                d = _dot(q_parts[g, first], f, 1)
                 part = d if part is None else part + d
-            s = s + part * sc[None, :]
+            if b:  # q . (a f + b) = a (q . f) + b sum(q), a and b folded into the scale
+                s = s + part * (a * sc)[None, :] + (b * q_sums[g])[:, None] * sc[None, :]
+            else:
+                s = s + part * sc[None, :]
         return s
 
     def values(p, phys, off, ok):
@@ -208,9 +232,13 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
             return [_dot(p.astype(cdt), _load_tile(v_data, phys, off, kh, ok, cdt, D), 0)]
         out = []
         for g in range(D // GROUP):
-            sc, pieces = _group_pieces(v_data, v_scale, v_kind, phys, off, kh, ok, g)
+            sc, pieces, (a, b) = _group_pieces(v_data, v_scale, v_kind, phys, off, kh, ok, g, cdt)
             pg = (p * sc[None, :]).astype(cdt)
-            out += [_dot(pg, codes_as(codes, cdt), 0) for _, codes in pieces]
+            if b:  # pg @ (a f + b) = a (pg @ f) + b rowsum(pg)
+                pg_sum = b * jnp.sum(pg.astype(jnp.float32), axis=1)[:, None]
+                out += [a * _dot(pg, f, 0) + pg_sum for _, f in pieces]
+            else:
+                out += [_dot(pg, f, 0) for _, f in pieces]
         return out
 
     def body(j, carry):
@@ -338,6 +366,13 @@ def paged_attention(
     qk = qk.transpose(1, 0, 2, 3).reshape(K, (T + bq) * Gp, D).astype(cdt)
     qpos = jnp.repeat(jnp.pad(positions, (0, bq)), Gp)
 
+    def as_words(c, kind):  # q4_0 data [NB, P, K, D/2] uint8 -> [NB, P, K, D/8] uint32
+        if kind != "q4_0":
+            return c
+        return (jax.lax.bitcast_convert_type(c[0].reshape(NB, P, K, D // 8, 4), jnp.uint32),
+                *c[1:])  # fmt: skip
+
+    k_in, v_in = as_words(k_in, kinds[0]), as_words(v_in, kinds[1])
     inputs = (meta, block_tables, kv_lens, qk, qpos, *k_in, *v_in)
     kernel = functools.partial(
         _kernel, scale=scale, BQG=bqg, G=Gp, BK=block_k, TPS=tps, kinds=kinds
