@@ -2,11 +2,12 @@
 
 A plain cache is one [NB, P, K, D] array. A quantized cache is a `Quantized` pair:
   q8_0: data int8 [NB, P, K, D], one f16 scale per 32 values, scale [NB, P, K, D/32];
-  q4_0: data uint8 [NB, P, K, D/2], two 4-bit values per byte in ggml's order (within a group
-        of 32, byte i holds value i in its low nibble and value i+16 in its high nibble),
-        scale [NB, P, K, D/32].
+  q4_0: data uint32 [NB, P, K, D/8]: little-endian words of ggml's bytes, two 4-bit values a
+        byte (within a group of 32, byte i holds value i in its low nibble and value i+16 in its
+        high nibble), scale [NB, P, K, D/32]. Words because paged attention loads a group as 4
+        of them: a uint8 cache viewed as words inside the step would be a copy of the cache.
 Quantization equals ggml's reference (gguf.quants.quantize) bit for bit. The type of a cache is
-read off its arrays (int8 data: q8_0, uint8: q4_0), so caches stay plain pytrees.
+read off its arrays (int8 data: q8_0, uint32: q4_0), so caches stay plain pytrees.
 
 This is the format the kernels read, so it lives beside them (pallas_kernels imports nothing from
 luce_jax); the model writes its KV through it too. Shapes: NB blocks, P block size, K kv heads,
@@ -26,7 +27,7 @@ QUANT_TYPES = tuple(QUANT_BYTES)
 
 
 class Quantized(NamedTuple):
-    data: jax.Array  # int8 [..., D] (q8_0) or uint8 [..., D/2] (q4_0)
+    data: jax.Array  # int8 [..., D] (q8_0) or uint32 [..., D/8] (q4_0)
     scale: jax.Array  # float16 [..., D/32]
 
 
@@ -58,7 +59,7 @@ def init(shape: tuple[int, ...], cache_type):
     *lead, D = shape
     if D % GROUP:
         raise ValueError(f"cache type {cache_type} needs a head dim divisible by {GROUP}, got {D}")
-    width, dt = (D, jnp.int8) if cache_type == "q8_0" else (D // 2, jnp.uint8)
+    width, dt = (D, jnp.int8) if cache_type == "q8_0" else (D // 8, jnp.uint32)
     return Quantized(jnp.zeros((*lead, width), dt), jnp.zeros((*lead, D // GROUP), jnp.float16))
 
 
@@ -77,7 +78,8 @@ def quantize(x, cache_type: str) -> Quantized:
         d = jnp.take_along_axis(g, i, axis=-1) / -8
         inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
         q = jnp.clip(jnp.trunc(g * inv + 8.5), 0, 15).astype(jnp.uint8)
-        data = (q[..., :16] | (q[..., 16:] << 4)).reshape(*lead, D // 2)
+        data = (q[..., :16] | (q[..., 16:] << 4)).reshape(*lead, D // 8, 4)
+        data = jax.lax.bitcast_convert_type(data, jnp.uint32)  # [..., D/8]
     return Quantized(data, d[..., 0].astype(jnp.float16))
 
 
@@ -88,7 +90,7 @@ def dequantize(c: Quantized, dtype=jnp.float32):
     if c.data.dtype == jnp.int8:
         v = c.data.reshape(*lead, n // GROUP, GROUP).astype(jnp.float32)
     else:
-        b = c.data.reshape(*lead, n // 16, 16)
+        b = jax.lax.bitcast_convert_type(c.data, jnp.uint8).reshape(*lead, n // 4, 16)
         v = jnp.concatenate([b & 15, b >> 4], axis=-1).astype(jnp.float32) - 8
     return (v * s).reshape(*lead, -1).astype(dtype)
 

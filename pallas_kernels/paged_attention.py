@@ -149,8 +149,8 @@ def _group_pieces(data_ref, scale_ref, kind, phys, off, kh, ok, g, cdt):
 
     if kind == "q8_0":
         return sc, [(0, codes_as(load(g * GROUP, GROUP).astype(jnp.int32), cdt))], (1.0, 0.0)
-    # q4_0's data comes as uint32 words (4 bytes, 8 nibbles: paged_attention's view): a
-    # group's 16 bytes per token are 4 word loads, and byte p of word w holds values 4 w + p
+    # q4_0's data is uint32 words (4 bytes, 8 nibbles; kv_cache.py): a group's 16 bytes per
+    # token are 4 word loads, and byte p of word w holds values 4 w + p
     # (low nibble) and 16 + 4 w + p (high nibble)
     w = load(g * GROUP // 8, GROUP // 8)[:, :, None]  # [BK, 4, 1]
     shift = 8 * jnp.arange(4, dtype=jnp.uint32)[None, None, :]
@@ -338,7 +338,7 @@ def paged_attention(
     NB, P, K = kv_cache.leading_shape(k_cache)
     S, MB = block_tables.shape
     for c, kind in zip((k_in, v_in), kinds, strict=True):
-        want = D if kind in ("plain", "q8_0") else D // 2
+        want = D if kind in ("plain", "q8_0") else D // 8
         if c[0].shape != (NB, P, K, want) or (kind != "plain" and D % GROUP):
             raise ValueError(
                 f"{kind} cache shape {c[0].shape} does not fit q {q.shape} and blocks {(NB, P, K)}"
@@ -366,13 +366,6 @@ def paged_attention(
     qk = qk.transpose(1, 0, 2, 3).reshape(K, (T + bq) * Gp, D).astype(cdt)
     qpos = jnp.repeat(jnp.pad(positions, (0, bq)), Gp)
 
-    def as_words(c, kind):  # q4_0 data [NB, P, K, D/2] uint8 -> [NB, P, K, D/8] uint32
-        if kind != "q4_0":
-            return c
-        return (jax.lax.bitcast_convert_type(c[0].reshape(NB, P, K, D // 8, 4), jnp.uint32),
-                *c[1:])  # fmt: skip
-
-    k_in, v_in = as_words(k_in, kinds[0]), as_words(v_in, kinds[1])
     inputs = (meta, block_tables, kv_lens, qk, qpos, *k_in, *v_in)
     kernel = functools.partial(
         _kernel, scale=scale, BQG=bqg, G=Gp, BK=block_k, TPS=tps, kinds=kinds

@@ -131,8 +131,8 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     return load, load1
 
 
-def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, w_ref, o_ref, *, fmt, BM, BN, U,
-            steps, n_blocks, R, words):  # fmt: skip
+def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps,
+            n_blocks, R, words):  # fmt: skip
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     M, K = x_ref.shape
     N = b_ref.shape[0]
@@ -211,9 +211,14 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, w_ref, o_ref, *, fmt,
                 b = off - hs if h0 == 0 else off
                 assert b % 4 == 0 and b + 4 * nw <= fmt.body_size, (fmt.qtype, off, nw)
                 if (b, nw) not in loaded:
-                    idx = blk[None, :, None] * (fmt.body_size // 4) + b // 4 + jnp.arange(nw)
-                    ref = w_ref.at[cols[:, None, None], idx]
-                    loaded[b, nw] = plgpu.load(ref, mask=w_ok, other=0)
+                    # the bytes [BN, U, nw, 4], each 4 reassembled into a little-endian word
+                    # (the weight stays uint8: a uint32 view made by XLA would copy it)
+                    idx = blk[None, :, None, None] * fmt.body_size + b
+                    idx = idx + 4 * jnp.arange(nw)[:, None] + jnp.arange(4)  # [1, U, nw, 4]
+                    ref = b_ref.at[cols[:, None, None, None], idx]
+                    byt = plgpu.load(ref, mask=w_ok[..., None], other=0).astype(jnp.uint32)
+                    shift = 8 * jnp.arange(4, dtype=jnp.uint32)
+                    loaded[b, nw] = jnp.sum(byt << shift, axis=-1, dtype=jnp.uint32)
                 return loaded[b, nw]
 
             for g in range(fmt.groups):
@@ -328,9 +333,9 @@ def quant_matmul(
         a code at a time through integers; x goes in float32 with its spans reordered and
         its group sums taken by XLA first, and a second row is skipped when only one is live.
         Off until timed on a GPU. Compiled for sm_90a on the CPU (bench/kernel_ptx.py
-        --vector), SASS instructions per weight value per program step, both rows: Q4_K 8.5
-        (block_n 32, 1024 values per step) against 15.3 for the default; Q6_K 12.2 against
-        16.5; Q8_0 9.7 against 9.3 (no gain).
+        --vector), SASS instructions per weight value per program step, both rows: Q4_K 9.0
+        (block_n 32, 1024 values per step) against 15.3 for the default; Q6_K 12.6 against
+        16.5; Q8_0 no gain.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
@@ -349,11 +354,9 @@ def quant_matmul(
     kernel = functools.partial(
         _kernel, fmt=fmt, BM=BM, BN=BN, U=U, steps=steps, n_blocks=n_blocks, R=R, words=words
     )
-    body_words, xw, xg = w.body, x, x  # unread placeholders without words
+    xw, xg = x, x  # unread placeholders without words
     if words:
-        # the code bytes as little-endian uint32 words (a bitcast of the same buffer)
         nw = WORDS[QTYPES[fmt.qtype]][1]
-        body_words = jax.lax.bitcast_convert_type(w.body.reshape(N, -1, 4), jnp.uint32)
         # x in float32, its spans of 4 nw values byte-major (a piece's nw values contiguous),
         # and its sums per group [M, K / group], which the groups' offsets multiply
         xw = x.astype(jnp.float32)
@@ -364,9 +367,9 @@ def quant_matmul(
     parts = pl.pallas_call(
         kernel,
         grid=(NI, NJ, S),
-        in_specs=[whole(a) for a in (live, x, xw, xg, w.head, w.body, body_words)],
+        in_specs=[whole(a) for a in (live, x, xw, xg, w.head, w.body)],
         out_specs=whole(out),
         out_shape=out,
         **call_options(interpret, num_warps, num_stages),
-    )(live, x, xw, xg, w.head, w.body, body_words)
+    )(live, x, xw, xg, w.head, w.body)
     return parts.sum(0).astype(out_dtype)
