@@ -313,7 +313,7 @@ def fit_to_model(config: EngineConfig, mc) -> EngineConfig:
 
 
 def kv_pool_blocks(
-    c: EngineConfig, device, bytes_per_token: int, reserved: int = 0, weights: int | None = None
+    c: EngineConfig, device, bytes_per_token: int, reserved: int = 0, weights: int = 0
 ) -> int:
     """Blocks in the pool, the sink included: kv_pool_tokens, or what device memory holds
     after the workspace, `reserved` bytes (per-slot state allocated later) and what is in use.
@@ -328,18 +328,11 @@ def kv_pool_blocks(
     else:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if stats and "bytes_limit" in stats:
-            in_use = stats["bytes_in_use"]
-            if weights is not None and in_use <= weights + ALLOCATOR_SLACK:
-                in_use = weights + ALLOCATOR_SLACK
-            else:
-                if weights is not None:
-                    log.warning(
-                        "%.2f GiB in use on the device, more than the weights' %.2f GiB and "
-                        "%.2f GiB slack: the KV pool may differ between starts (each size "
-                        "compiles its own programs)",
-                        in_use / 2**30, weights / 2**30, ALLOCATOR_SLACK / 2**30,
-                    )  # fmt: skip
-                in_use = -(-in_use // 2**30) * 2**30
+            in_use = weights + ALLOCATOR_SLACK
+            if stats["bytes_in_use"] > in_use:
+                in_use = -(-stats["bytes_in_use"] // 2**30) * 2**30
+                log.warning("%.1f GiB in use besides the weights: the KV pool's size may differ "
+                            "between starts", (in_use - weights) / 2**30)  # fmt: skip
             free = stats["bytes_limit"] * (1 - WORKSPACE_FRACTION) - in_use - reserved
             blocks = int(free // (bytes_per_token * P))
         else:  # no allocator statistics (CPU): room for every slot at full context
