@@ -260,3 +260,14 @@ def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
     assert stats["registers"] > 0 and stats["spill_bytes"] == 0
     assert any(k.startswith("ld.global") for k in stats["global_loads"])
     assert stats["sass"] > 0 and stats["I2F"] == 0, stats["sass_ops"]
+
+
+def test_kernel_bench_vector_variants_select_the_word_path():
+    """bench/quant_matmul.py's --vector-variants: an optional sixth field turns on the word
+    decoding, so one device call can time both vector paths."""
+    import quant_matmul as qmm_bench
+
+    words = qmm_bench.parse_vector("32:1024:4:2:2112:1")
+    assert words == dict(block_n=32, values_per_step=1024, num_warps=4, num_stages=2,
+                         vector_programs=2112, words=True)  # fmt: skip
+    assert qmm_bench.parse_vector("64:256:4:2:2112")["words"] is False
