@@ -171,6 +171,27 @@ def test_only_the_smallest_bucket_passes_its_live_rows_to_the_kernel():
     assert seen[0][1] is not None and seen[1][1] is None and seen[2][1] is None
 
 
+def test_the_logits_rows_always_pass_their_live_count():
+    """Logits rows are not token rows: a lone prompt's last token is one live row in a row
+    bucket of 16, and the head's projection still gets the live count (the few-rows path)."""
+    from types import SimpleNamespace
+
+    from luce_jax.models.dense import head
+
+    seen = []
+
+    def kernel(x, w, live):
+        seen.append((x.shape[0], live))
+        return jnp.zeros((x.shape[0], w.shape[0]), jnp.float32)
+
+    params = {"lm_head": qweight(N=40), "final_norm": jnp.ones((64,), jnp.float32)}
+    batch = {"logit_rows": jnp.zeros((16,), jnp.int32),
+             "logit_off": jnp.asarray([0] + [-1] * 15, jnp.int32)}  # fmt: skip
+    qmm = QuantMatmul(kernel, max_rows=64, live_rows_max=8)
+    logits = head(params, jnp.ones((32, 64)), batch, SimpleNamespace(rms_eps=1e-6), qmm)
+    assert logits.shape == (16, 40) and seen[0][0] == 16 and int(seen[0][1]) == 1
+
+
 def test_a_quantized_embedding_table_is_gathered_by_rows_and_tied_as_the_head():
     table = qweight(N=40)  # vocabulary of 40, width 64
     tokens = jnp.asarray([3, 0, 39, 3])

@@ -161,6 +161,9 @@ def head(params: dict, x, batch: dict, cfg: ModelConfig, quant_matmul):
         h = rms_norm(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
         # padding logits rows (offset -1) trail the real ones
         live_logits = jnp.sum(batch["logit_off"] >= 0) if "logit_off" in batch else None
+        if quant_matmul is not None:  # unlike token buckets, any row bucket can hold one live
+            # row (a lone prompt's last token), so the kernel always gets the live count
+            quant_matmul = quant_matmul._replace(live_rows_max=quant_matmul.max_rows)
         if "lm_head" in params:
             return linear(h, params["lm_head"], quant_matmul, live_logits)
         return unembed(h, params["embed"], quant_matmul, live_logits)
