@@ -31,9 +31,9 @@ class QuantMatmul(NamedTuple):
     # The smallest token bucket: the only one whose steps can hold as few live rows as the
     # kernel's vector path takes (2). Buckets double (host/batch.buckets) and a step takes the
     # smallest that fits, so a larger bucket's steps are more than half live; their calls get
-    # no `live` and compile without that path (the logits head, whose row buckets can hold one
-    # live row at any size, lifts the limit: dense.head), which cut a Q4_K call's Triton compile from 3.4
-    # to 1.4 s and Q6_K's from 7.8 to 2.8 s (bench/kernel_ptx.py's modules, this CPU).
+    # no `live` and compile without that path, which cut a Q4_K call's Triton compile from 3.4
+    # to 1.4 s and Q6_K's from 7.8 to 2.8 s (bench/kernel_ptx.py's modules, this CPU). The
+    # logits head lifts the limit (dense.head): a row bucket of any size can hold one live row.
     live_rows_max: int = 8  # build.py passes host.batch.SMALLEST_TOKEN_BUCKET
 
 
