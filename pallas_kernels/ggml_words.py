@@ -17,8 +17,8 @@ Each decoder takes loadw(off, nw), nw uint32 words of the block's code bytes at 
 byte offset off (little-endian: byte p of word i is byte 4 i + p), and load1(off), a head byte,
 and returns (A, B, pieces) for group g: pieces [(first, f)] where f [..., nw] holds the codes of
 values first + 4 i of the group (i < nw). Types whose codes index a table (IQ4_XS) have none.
-The kernel loads a word's 4 bytes and reassembles them, which compiles to 32-bit loads; a uint32
-view of the weight made by XLA outside the kernel would be a copy of the weight every call.
+The kernel loads the bytes as the byte path does (16 at a time) and reassembles each 4 into a
+word; a uint32 view of the weight made by XLA outside the kernel would copy it every call.
 """
 
 from __future__ import annotations

@@ -202,24 +202,14 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
 
         def body(c, accs):
             accs = list(accs)
-            blk, ok, (_, load1) = block(c, jnp.arange(U))
-            w_ok = col_ok[:, None, None] & ok[None, :, None]
-            h0, hs = fmt.head
-            loaded = {}
+            blk, ok, (load, load1) = block(c, jnp.arange(U))
+            shift = 8 * jnp.arange(4, dtype=jnp.uint32)
 
             def loadw(off: int, nw: int):  # [BN, U, nw] uint32, off a file-block byte offset
-                b = off - hs if h0 == 0 else off
-                assert b % 4 == 0 and b + 4 * nw <= fmt.body_size, (fmt.qtype, off, nw)
-                if (b, nw) not in loaded:
-                    # the bytes [BN, U, nw, 4], each 4 reassembled into a little-endian word
-                    # (the weight stays uint8: a uint32 view made by XLA would copy it)
-                    idx = blk[None, :, None, None] * fmt.body_size + b
-                    idx = idx + 4 * jnp.arange(nw)[:, None] + jnp.arange(4)  # [1, U, nw, 4]
-                    ref = b_ref.at[cols[:, None, None, None], idx]
-                    byt = plgpu.load(ref, mask=w_ok[..., None], other=0).astype(jnp.uint32)
-                    shift = 8 * jnp.arange(4, dtype=jnp.uint32)
-                    loaded[b, nw] = jnp.sum(byt << shift, axis=-1, dtype=jnp.uint32)
-                return loaded[b, nw]
+                # the block's bytes, each 4 reassembled into a little-endian word (the weight
+                # stays uint8: a uint32 view made by XLA would copy it)
+                byt = load(off, 4 * nw).reshape(BN, U, nw, 4).astype(jnp.uint32)
+                return jnp.sum(byt << shift, axis=-1, dtype=jnp.uint32)
 
             for g in range(fmt.groups):
                 A, B, pieces = decode(loadw, load1, g)
@@ -333,8 +323,8 @@ def quant_matmul(
         a code at a time through integers; x goes in float32 with its spans reordered and
         its group sums taken by XLA first, and a second row is skipped when only one is live.
         Off until timed on a GPU. Compiled for sm_90a on the CPU (bench/kernel_ptx.py
-        --vector), SASS instructions per weight value per program step, both rows: Q4_K 9.0
-        (block_n 32, 1024 values per step) against 15.3 for the default; Q6_K 12.6 against
+        --vector), SASS instructions per weight value per program step, both rows: Q4_K 8.7
+        (block_n 32, 1024 values per step) against 15.3 for the default; Q6_K 12.3 against
         16.5; Q8_0 no gain.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
