@@ -329,10 +329,13 @@ def _q6_k(load, load1, g):
     h, v = divmod(g * 16, 128)
     low = (_int(load(64 * h + v % 64, 16)) >> (4 * (v // 64))) & 15
     high = (_int(load(128 + 32 * h + v % 32, 16)) >> (2 * (v // 32))) & 3
-    a = _byte_f16(load1, 208) * jax.lax.bitcast_convert_type(load1(192 + g), jnp.int8).astype(
-        jnp.float32
-    )
-    return a, None, [(0, (low | (high << 4)) - 32)]
+    return _q6_k_scale(load1, g), None, [(0, (low | (high << 4)) - 32)]
+
+
+def _q6_k_scale(load1, g):
+    """Q6_K group g's scale: d times its int8 scale byte."""
+    sc = jax.lax.bitcast_convert_type(load1(192 + g), jnp.int8).astype(jnp.float32)
+    return _byte_f16(load1, 208) * sc
 
 
 def _iq4_value(q):

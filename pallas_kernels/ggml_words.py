@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .ggml_blocks import _byte_f16, _k_affine
+from .ggml_blocks import _byte_f16, _k_affine, _q6_k_scale
 
 ONE = 0x3F800000  # float32 1.0: mantissa bits below it add bits / 2**23
 
@@ -80,9 +80,7 @@ def _q6_k(loadw, load1, g):
     h, v = divmod(g * 16, 128)
     lo, nib = loadw(64 * h + v % 64, 4), 4 * (v // 64)
     hi, two = loadw(128 + 32 * h + v % 32, 4), 2 * (v // 32)
-    a = _byte_f16(load1, 208) * jax.lax.bitcast_convert_type(load1(192 + g), jnp.int8).astype(
-        jnp.float32
-    )
+    a = _q6_k_scale(load1, g)
     pieces = [
         (p, unit(bits(lo, 8 * p + nib, 17, 4) | bits(hi, 8 * p + two, 21, 2))) for p in range(4)
     ]
