@@ -131,13 +131,13 @@ def _group_pieces(data_ref, scale_ref, kind, phys, off, kh, ok, g, cdt):
 
     q8_0's codes (-127..127) are f itself (a 1, b 0), exact in any float dtype. q4_0's nibble
     q goes into the mantissa of 1.0 as a bf16 (bits 0x3F80 | q << 3: f = 1 + q / 16, exact),
-    so the code q - 8 is 16 f - 24: two bit operations per value, where the integer route
-    (mask, subtract, convert through int8) had compiled to 50 SASS instructions per value
-    (`bench/kernel_ptx.py paged_attention --kv-types q4_0`). Either way a tile contracts with
-    one dot per piece, and the scale multiplies the dot's [.., BK] result (keys) or the
-    probabilities (values): one multiply per token and group, not per value. Each piece is one
-    run of consecutive bytes per token (32 for q8_0, 16 for q4_0: byte i of a group holds value
-    i in its low nibble and value i + 16 in its high nibble).
+    so the code q - 8 is 16 f - 24: two bit operations per value. Through integers (mask,
+    subtract, convert through int8) the kernel had compiled to 6344 SASS instructions a step,
+    4464 this way (`bench/kernel_ptx.py paged_attention --kv-types q4_0`). Either way a tile
+    contracts with one dot per piece, and the scale multiplies the dot's [.., BK] result (keys)
+    or the probabilities (values): one multiply per token and group, not per value. Each piece
+    is one run of consecutive bytes per token (32 for q8_0, 16 for q4_0: byte i of a group
+    holds value i in its low nibble and value i + 16 in its high nibble).
     """
     BK = phys.shape[0]
     sc = plgpu.load(scale_ref.at[phys, off, kh, g], mask=ok, other=0).astype(jnp.float32)
@@ -203,11 +203,10 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
         for g in range(D // GROUP if k_kind != "plain" else 0)
         for first, n in _pieces(k_kind)
     }
-    q_sums = {  # q's sum over each group, for codes stored with an offset (q4_0)
-        g: sum(jnp.sum(q_parts[g, first].astype(jnp.float32), axis=1) for first, _ in pieces)
-        for g in range(D // GROUP if k_kind != "plain" else 0)
-        for pieces in [_pieces(k_kind)]
-    }
+    q_sums = {}  # q's sum over each group, for codes stored with an offset (q4_0)
+    for g in range(D // GROUP if k_kind == "q4_0" else 0):
+        parts = [q_parts[g, first].astype(jnp.float32) for first, _ in _pieces(k_kind)]
+        q_sums[g] = sum(jnp.sum(p, axis=1) for p in parts)
 
     def scores(phys, off, ok):
         """q . k for the tile's BK tokens: [BQG, BK] float32."""
