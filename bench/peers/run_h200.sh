@@ -126,12 +126,12 @@ step_startup() {  # $1 weight type: our server (ours_cmd's flags) cold, then war
   done
 }
 
-step_cache_keys() {  # why warm starts recompile: the embedded model (kept quantized) started twice
+step_cache_keys() {  # does a warm start hit every program? the embedded model (kept quantized) twice
   # on one compile cache; JAX's per-component key hashes and the step's lowered text, diffed
   rm -rf /tmp/xk
   for i in 1 2; do
-    JAX_DEBUG_LOG_MODULES=jax._src.cache_key,jax._src.compiler python3 - <<'PY' \
-      > "$RES/cache_keys_$i.log" 2>&1
+    JAX_DEBUG_LOG_MODULES=jax._src.cache_key,jax._src.compiler python3 - \
+      "$RES/step_text_$i.txt" <<'PY' > "$RES/cache_keys_$i.log" 2>&1
 import hashlib, logging, sys
 import jax
 logging.basicConfig(level=logging.INFO)
@@ -139,12 +139,11 @@ from luce_jax import LLM
 llm = LLM(max_concurrency=4, max_ctx=512, compile_cache_dir="/tmp/xk", dtype="quantized")
 fn, args = llm.engine.runner.step_function(8, 4)
 t = jax.jit(fn, donate_argnums=(1, 2, 3)).trace(*args).lower().as_text(debug_info=True)
-open(f"/tmp/step_{sys.argv[0]}.txt", "w").write(t)
+open(sys.argv[1], "w").write(t)
 print("step text", hashlib.sha1(t.encode()).hexdigest(), len(t))
 llm.close()
 PY
     grep -E "ready in|step text" "$RES/cache_keys_$i.log"
-    mv /tmp/step_-.txt "$RES/step_text_$i.txt" 2>/dev/null
   done
   diff <(grep -o "hash of serialized.*" "$RES/cache_keys_1.log" | sort) \
     <(grep -o "hash of serialized.*" "$RES/cache_keys_2.log" | sort) | head -20
