@@ -7,6 +7,8 @@ heads, D head dim, P block size, NB KV blocks, MB blocks per sequence, V vocabul
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -80,51 +82,73 @@ def forward(
       (real tokens routed to each expert in each MoE layer) for MoE models, else nothing.
     """
     attn = attention_fn or paged_attention_xla
-    T = batch["tokens"].shape[0]
-    H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     with jax.named_scope("embed"):
         x = embed(params["embed"], batch["tokens"])  # residual stream in f32
         cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
-    scale = 1.0 / (D**0.5)
     new_kv, counts = [], []
     live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
-    real = jnp.arange(T) < live
-    # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
-    # (bench/profile_step.py); they change no computation.
+    kernels = (attn, grouped_matmul, quant_matmul)
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
-        with jax.named_scope("qkv"):
-            h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-            qkv = linear(h, lp["wqkv"], quant_matmul, live)
-            if "bqkv" in lp:
-                qkv = qkv + lp["bqkv"]
-            q = qkv[:, : H * D].reshape(T, H, D)
-            k = qkv[:, H * D : (H + K) * D].reshape(T, K, D)
-            v = qkv[:, (H + K) * D :].reshape(T, K, D)
-            if "q_norm" in lp:
-                q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
-                k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
-            q = apply_rope(q, cos, sin, cfg)
-            k = apply_rope(k, cos, sin, cfg)
-        # The KV write stays a separate scatter rather than fused into the attention kernel: it
-        # took 1.6% (C1) and 1.8% (C8) of a Qwen3-8B step in the H200 profile
-        # (bench/results/2026-11-30_profile_qwen3-8b-bf16.md), which bounds what fusing saves,
-        # and a fused write would have to land before other programs of the same sequence read
-        # it, an ordering Triton programs of one grid do not have.
-        o, kc, vc = write_and_attend(attn, q, k, v, kc, vc, batch, scale, lp["wqkv"])
-        with jax.named_scope("attn_out"):
-            x = x + linear(o.reshape(T, H * D), lp["wo"], quant_matmul, live)
-        with jax.named_scope("mlp"):
-            h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-            if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
-                y, sizes = moe.ffn(lp, h, cfg, grouped_matmul, real, quant_matmul)
-                x = x + y
-                counts.append(sizes)
-            else:
-                x = x + swiglu(lp, h, quant_matmul, live)
+        x, kc, vc, sizes = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
+        if sizes is not None:
+            counts.append(sizes)
         new_kv.append((kc, vc))
     logits = head(params, x, batch, cfg, quant_matmul)
     stats = {"expert_counts": jnp.stack(counts)} if counts else {}
     return logits, new_kv, stats
+
+
+# Jitted so that a step traces and lowers each distinct layer signature once (layers of one
+# weight-type mix share it) and calls it per layer; XLA inlines the calls before optimizing,
+# so the compiled step is the same. Lowered inline, the 36 layers of a Qwen3-8B-shaped step
+# took 1.7 s to trace and lower per bucket (Triton modules included) and a warm start's
+# compile-cache lookups waited on it: 22 s of the H200's 30 s warm start for 6 buckets.
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
+def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig, kernels):
+    """One decoder layer: attention (writing this step's K/V) then the FFN, both residual.
+
+    Args:
+      lp: the layer's params; x: residual stream [T, d] float32; kc, vc: its caches;
+      cos, sin: rope tables; batch, live: forward's; kernels: (attention_fn, grouped_matmul,
+      quant_matmul) as forward takes them (hashable: they are static).
+    Returns:
+      (x, kc, vc, expert sizes [E] int32 for an MoE layer or None).
+    """
+    attn, grouped_matmul, quant_matmul = kernels
+    T = x.shape[0]
+    H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
+    # (bench/profile_step.py); they change no computation.
+    with jax.named_scope("qkv"):
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+        qkv = linear(h, lp["wqkv"], quant_matmul, live)
+        if "bqkv" in lp:
+            qkv = qkv + lp["bqkv"]
+        q = qkv[:, : H * D].reshape(T, H, D)
+        k = qkv[:, H * D : (H + K) * D].reshape(T, K, D)
+        v = qkv[:, (H + K) * D :].reshape(T, K, D)
+        if "q_norm" in lp:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
+        q = apply_rope(q, cos, sin, cfg)
+        k = apply_rope(k, cos, sin, cfg)
+    # The KV write stays a separate scatter rather than fused into the attention kernel: it
+    # took 1.6% (C1) and 1.8% (C8) of a Qwen3-8B step in the H200 profile
+    # (bench/results/2026-11-30_profile_qwen3-8b-bf16.md), which bounds what fusing saves,
+    # and a fused write would have to land before other programs of the same sequence read
+    # it, an ordering Triton programs of one grid do not have.
+    o, kc, vc = write_and_attend(attn, q, k, v, kc, vc, batch, 1.0 / D**0.5, lp["wqkv"])
+    with jax.named_scope("attn_out"):
+        x = x + linear(o.reshape(T, H * D), lp["wo"], quant_matmul, live)
+    sizes = None
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+        if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
+            y, sizes = moe.ffn(lp, h, cfg, grouped_matmul, jnp.arange(T) < live, quant_matmul)
+            x = x + y
+        else:
+            x = x + swiglu(lp, h, quant_matmul, live)
+    return x, kc, vc, sizes
 
 
 def write_and_attend(attn, q, k, v, kc, vc, batch: dict, scale: float, w_qkv):
