@@ -42,7 +42,8 @@ def _load(config: EngineConfig, clock: StartupClock):
     from .device.runner import Runner
     from .host.engine import DenseEngine
     from .host.grammar import Grammars
-    from .loading.gguf import GGUFFile, load_params, model_config, weight_bytes
+    from .loading.gguf import GGUFFile, model_config
+    from .loading.params import load_params, weight_bytes
     from .loading.tokenizer import GGUFTokenizer, GGUFVocab
     from .speculation.draft import DraftProposer
     from .speculation.draft_runner import DraftRunner
@@ -158,7 +159,8 @@ def _load(config: EngineConfig, clock: StartupClock):
 
 def _load_draft(config: EngineConfig, vocab, quantized: bool):
     """The draft model's (ModelConfig, params); its vocabulary must be the target's."""
-    from .loading.gguf import GGUFFile, load_params, model_config
+    from .loading.gguf import GGUFFile, model_config
+    from .loading.params import load_params
     from .loading.tokenizer import GGUFVocab
 
     f = GGUFFile(config.draft_model)

@@ -74,7 +74,8 @@ def test_q4_k_m_files_mix_types_as_llama_cpp_and_load(fixtures_dir, tmp_path, mo
     finite scales, so every tensor dequantizes to finite values of about the usual size."""
     import numpy as np
 
-    from luce_jax.loading.gguf import GGUFFile, load_params, model_config
+    from luce_jax.loading.gguf import GGUFFile, model_config
+    from luce_jax.loading.params import load_params
 
     monkeypatch.setitem(make_model.SHAPES, "tiny-k", dict(d=256, L=8, H=4, K=2, D=64, F=512,
                                                          tied=False))  # fmt: skip
@@ -101,7 +102,8 @@ def test_q4_k_m_files_mix_types_as_llama_cpp_and_load(fixtures_dir, tmp_path, mo
 def test_k_quant_and_iq4_xs_files_load(fixtures_dir, tmp_path, monkeypatch, type_name):
     import numpy as np
 
-    from luce_jax.loading.gguf import GGUFFile, load_params, model_config
+    from luce_jax.loading.gguf import GGUFFile, model_config
+    from luce_jax.loading.params import load_params
 
     monkeypatch.setitem(make_model.SHAPES, "tiny-k", dict(d=256, L=1, H=4, K=2, D=64, F=512,
                                                          tied=True))  # fmt: skip

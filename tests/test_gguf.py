@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from luce_jax.loading.gguf import GGUFFile, load_params, model_config
+from luce_jax.loading.gguf import GGUFFile, model_config
+from luce_jax.loading.params import load_params
 
 
 def test_header_matches_gguf_reader(tiny_models):

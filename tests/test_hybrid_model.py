@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from luce_jax.host.batch import Row, lower
-from luce_jax.loading.gguf import GGUFFile, load_params, model_config
+from luce_jax.loading.gguf import GGUFFile, model_config
+from luce_jax.loading.params import load_params
 from luce_jax.models import hybrid
 from luce_jax.sampling_params import SamplingParams
 

@@ -14,7 +14,8 @@ from test_dense_model import run
 from luce_jax.build import keep_quantized
 from luce_jax.config import EngineConfig
 from luce_jax.host.batch import Row
-from luce_jax.loading.gguf import GGUFFile, load_params, model_config, weight_bytes
+from luce_jax.loading.gguf import GGUFFile, model_config
+from luce_jax.loading.params import load_params, weight_bytes
 from luce_jax.models import dense
 from luce_jax.models.linear import QuantMatmul, embed, linear, unembed
 from pallas_kernels.ggml_blocks import QuantWeight, dequantize_weight

@@ -62,7 +62,7 @@ class Runner:
     The step is one jitted function per (T, S) bucket pair; KV and slot state are donated.
 
     Args:
-      cfg, params: the model (loading.gguf.load_params).
+      cfg, params: the model (loading.params.load_params).
       num_blocks, block_size, max_slots, max_blocks_per_seq: the KV pool's shape.
       kv_types: (k, v) cache types (a dtype, or "q8_0" / "q4_0").
       attention_fn, grouped_matmul_fn: the attention and MoE matmul backends.

@@ -22,6 +22,8 @@ __all__ = [
     "dequantize",
     "host_dequantize",
     "keep_quantized",
+    "prepare",
+    "to_device",
 ]
 
 
@@ -48,12 +50,21 @@ def _blocks(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
     return np.ascontiguousarray(raw).reshape(-1, size)
 
 
+def to_device(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> jax.Array:
+    """The tensor's bytes on the device, uint8 [n_blocks, type_size] (float32 values for a
+    type gguf-py unpacks on the host, HOST_TYPES), for dequantize's `blocks`."""
+    if qtype not in DEQUANTIZERS and qtype in HOST_TYPES:
+        return jnp.asarray(host_dequantize(raw, qtype, shape))
+    return jnp.asarray(_blocks(raw, qtype, shape))
+
+
 def dequantize(
-    raw: np.ndarray,
+    raw: np.ndarray | None,
     qtype: GGMLQuantizationType,
     shape: tuple[int, ...],
     dtype=jnp.float32,
     transpose: bool = False,
+    blocks: jax.Array | None = None,
 ) -> jax.Array:
     """Unpack GGML-typed bytes into a device array (cast and transpose fused on device).
 
@@ -65,14 +76,22 @@ def dequantize(
       dtype: result dtype (values are computed in float32 first).
       transpose: swap the last two axes ([in, out] for a linear weight, per expert for a
         stacked [E, out, in] expert tensor).
+      blocks: to_device(raw, ...) when already made (raw is then unread).
     Returns:
       array of `shape` (last two axes swapped if transposed).
     """
-    if qtype not in DEQUANTIZERS and qtype in HOST_TYPES:
-        x = jnp.asarray(host_dequantize(raw, qtype, shape))
-        return _cast(x, jnp.dtype(dtype), transpose)
-    blocks = jnp.asarray(_blocks(raw, qtype, shape))
+    blocks = to_device(raw, qtype, shape) if blocks is None else blocks
+    if qtype not in DEQUANTIZERS:  # a HOST_TYPES tensor's float32 values
+        return _cast(blocks, jnp.dtype(dtype), transpose)
     return _jitted(qtype, tuple(shape), jnp.dtype(dtype), transpose)(blocks)
+
+
+def prepare(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], dtype, keep):
+    """What the loader needs of a tensor before its device-side unpacking, made off its thread
+    (loading/prefetch.py): a QuantWeight if `keep` and the kernels take qtype, else
+    to_device's blocks."""
+    x = keep_quantized(raw, qtype, shape, dtype) if keep else None
+    return to_device(raw, qtype, shape) if x is None else x
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

@@ -66,7 +66,7 @@ def forward(
     """One model step over packed tokens; writes this step's K/V and returns requested logits.
 
     Args:
-      params: pytree from gguf.load_params.
+      params: pytree from loading.params.load_params.
       kv: per-layer (k, v) caches [NB, P, K, D] (or kv_cache.Quantized); block 0 is the sink
         padding rows write to.
       batch: dict of fixed-width int32 arrays:

@@ -138,7 +138,7 @@ def forward(
     """One hybrid model step over packed tokens.
 
     Args:
-      params: gguf.load_params' pytree of a qwen35 file; kv: init_kv's caches;
+      params: params.load_params' pytree of a qwen35 file; kv: init_kv's caches;
       state: init_state's arrays; batch: dense.forward's arrays plus slots [S] (-1 for
         padding rows) and fresh [S] (1 on a slot's first row: its state starts from zero).
       attention_fn, quant_matmul, grouped_matmul: as dense.forward; delta_fn: the gated delta

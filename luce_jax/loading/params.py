@@ -1,0 +1,214 @@
+"""The params pytree of a GGUF model: which file tensors make each weight, on the device,
+fused the way the models and kernels take them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from gguf import GGMLQuantizationType
+from tqdm.auto import tqdm
+
+from ..config import ModelConfig
+from .gguf import GGUFFile
+
+log = logging.getLogger(__name__)
+
+
+def load_params(
+    f: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", quantized: bool = False
+) -> tuple[ModelConfig, dict]:
+    """Copy the model's tensors to the device, dequantized to `dtype` or kept in their blocks.
+
+    Args:
+      dtype: the float dtype of dequantized weights, and the dtype every projection runs in.
+      quantized: keep quantized tensors (ggml_blocks.FORMATS types) in their GGUF blocks, as
+        QuantWeight [out, in]; float tensors are cast to dtype.
+    Returns:
+      (cfg with tied_embeddings set, params). Dense linear weights are stored [in, out] and the
+      q/k/v and gate/up projections are fused: wqkv [d, (H+2K)*D], w_gu [d, 2F] (QuantWeights
+      of one type fuse along their rows; of different types they stay a tuple, see
+      models/linear.py); MoE layers hold router [d, E], w_gu_exps [E, d, 2F] and
+      w_down_exps [E, F, d] instead (QuantWeight [E, 2F, d] and [E, d, F]). A hybrid model's
+      (qwen35) Gated DeltaNet layers hold w_in [d, C + Hv*Dv + 2Hv] (q, k, v | z | beta |
+      alpha), conv [C, Kc], dt_bias, ssm_a [Hv], ssm_norm [Dv] and w_out [Hv*Dv, d]; its full
+      attention wqkv yields query|gate per head first, [d, 2H*D + 2K*D].
+    """
+    import jax.numpy as jnp
+
+    from pallas_kernels.ggml_blocks import QuantWeight
+
+    from .prefetch import Prefetch, load_order
+    from .quants import DEQUANTIZERS, QTYPES, dequantize, prepare
+
+    dt = jnp.dtype(dtype)
+    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    unpacked: dict[GGMLQuantizationType, list[str]] = {}  # types that could not stay packed
+    # every quantized tensor is prepared as kept when quantized (those that are not re-made)
+    fetch = Prefetch(
+        load_order([(n, t.nbytes) for n, t in f.tensors.items()]),
+        lambda n: prepare(f.raw(n), f.tensors[n].qtype, f.tensors[n].shape, dt, quantized),
+    )
+    with fetch:  # its threads end with the load, or its error
+        bar = tqdm(
+            total=sum(t.nbytes for t in f.tensors.values()),
+            unit="B",
+            unit_scale=True,
+            desc=f"loading {Path(f.path).name}",
+            leave=False,
+        )
+
+        def tensor(name, transpose=False, optional=False, out_dtype=dt, keep=False):
+            """A file tensor on the device: a QuantWeight if `keep` and quantized allow it, else
+            dequantized (and transposed to [in, out] for a linear weight)."""
+            if name not in f.tensors:
+                if optional:
+                    return None
+                raise ValueError(f"{f.path}: missing tensor {name!r}")
+            t = f.tensors[name]
+            if t.qtype not in floats and (
+                (keep and quantized and t.qtype not in QTYPES) or t.qtype not in DEQUANTIZERS
+            ):
+                unpacked.setdefault(t.qtype, []).append(name)
+            try:
+                x = fetch.get(name)
+                if isinstance(x, QuantWeight) and not keep:  # prepared for a kept call site
+                    x = prepare(f.raw(name), t.qtype, t.shape, dt, False)
+                if not isinstance(x, QuantWeight):
+                    x = dequantize(None, t.qtype, t.shape, out_dtype, transpose, blocks=x)
+            except ValueError as e:
+                raise ValueError(f"{f.path}: tensor {name!r}: {e}") from e
+            bar.update(t.nbytes)
+            return x
+
+        def linear(*names):
+            """One projection from the named file tensors, outputs concatenated in order."""
+            return fuse([tensor(n, True, keep=True) for n in names])
+
+        f32 = jnp.float32
+
+        def ffn(p: str) -> dict:
+            """A layer's FFN: dense w_gu [d, 2F] (gate | up) and w_down [F, d], or a router [d, E]
+            with experts [E, d, 2F] and [E, F, d], and a sigmoid-gated shared expert if any."""
+            if not cfg.n_experts:
+                return {
+                    "w_gu": linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                    "w_down": linear(p + "ffn_down.weight"),
+                }
+            gate, up, down = (
+                tensor(p + f"ffn_{x}_exps.weight", True, keep=True) for x in ("gate", "up", "down")
+            )
+            out = {
+                "router": tensor(p + "ffn_gate_inp.weight", True, out_dtype=f32),
+                "w_gu_exps": fuse([gate, up], experts=True),
+                "w_down_exps": down,
+            }
+            if cfg.shared_expert_ffn_dim:
+                out["shexp_gate"] = tensor(p + "ffn_gate_inp_shexp.weight", out_dtype=f32)  # [d]
+                out["w_gu_shexp"] = linear(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")
+                out["w_down_shexp"] = linear(p + "ffn_down_shexp.weight")
+            return out
+
+        layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            if cfg.recurrent and cfg.recurrent[i]:  # Gated DeltaNet (qwen35)
+                layers.append(
+                    {
+                        "attn_norm": tensor(p + "attn_norm.weight", out_dtype=f32),
+                        # q, k, v (the convolution's channels) | z gate | beta | alpha
+                        "w_in": linear(*(p + x for x in _LINEAR_IN)),
+                        "conv": tensor(p + "ssm_conv1d.weight", out_dtype=f32),  # [C, Kc]
+                        "dt_bias": tensor(p + "ssm_dt.bias", out_dtype=f32),
+                        "ssm_a": tensor(p + "ssm_a", out_dtype=f32),  # -exp(A_log)
+                        "ssm_norm": tensor(p + "ssm_norm.weight", out_dtype=f32),
+                        "w_out": linear(p + "ssm_out.weight"),
+                        "ffn_norm": tensor(p + "post_attention_norm.weight", out_dtype=f32),
+                        **ffn(p),
+                    }
+                )
+                continue
+            ffn_norm = "post_attention_norm" if cfg.recurrent else "ffn_norm"
+            layer = {
+                "attn_norm": tensor(p + "attn_norm.weight", out_dtype=f32),
+                "wqkv": linear(*(p + f"attn_{x}.weight" for x in "qkv")),
+                "wo": linear(p + "attn_output.weight"),
+                "ffn_norm": tensor(p + f"{ffn_norm}.weight", out_dtype=f32),
+            }
+            layer.update(ffn(p))
+            if cfg.attn_bias:
+                layer["bqkv"] = jnp.concatenate(
+                    [tensor(p + f"attn_{x}.bias", out_dtype=f32) for x in "qkv"]
+                )
+            if cfg.qk_norm:
+                layer["q_norm"] = tensor(p + "attn_q_norm.weight", out_dtype=f32)
+                layer["k_norm"] = tensor(p + "attn_k_norm.weight", out_dtype=f32)
+            layers.append(layer)
+        params = {
+            "embed": tensor("token_embd.weight", keep=True),
+            "final_norm": tensor("output_norm.weight", out_dtype=f32),
+            "layers": layers,
+        }
+        lm_head = tensor("output.weight", True, optional=True, keep=True)
+        if lm_head is not None:
+            params["lm_head"] = lm_head
+        freqs = tensor("rope_freqs.weight", optional=True, out_dtype=f32)
+        if freqs is not None:
+            params["rope_freqs"] = freqs
+        bar.close()
+        for qtype, tensors in unpacked.items():
+            log.warning(
+                "%d %s tensor(s) (%s%s) %s: dequantized to %s at load%s",
+                len(tensors),
+                qtype.name,
+                ", ".join(tensors[:3]),
+                ", ..." if len(tensors) > 3 else "",
+                "cannot stay packed" if quantized else "have no device dequantizer",
+                dt.name,
+                "" if qtype in DEQUANTIZERS else " (unpacked on the host, slower)",
+            )
+        vocab = params["embed"].shape[0]
+        if vocab != cfg.vocab_size:
+            cfg = dataclasses.replace(cfg, vocab_size=vocab)
+        return dataclasses.replace(cfg, tied_embeddings=lm_head is None), params
+
+
+_LINEAR_IN = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")
+
+
+def fuse(parts: list, experts: bool = False):
+    """Projections that share an input as one weight: dense [in, out] parts concatenated along
+    their outputs, QuantWeights of one type along their rows; otherwise a tuple (models/linear.py
+    concatenates the outputs). Stacked experts must fuse: a tuple of QuantWeights of different
+    types is dequantized, with a warning."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.ggml_blocks import QuantWeight, concat_rows, dequantize_weight
+
+    if len(parts) == 1:
+        return parts[0]
+    quant = [p for p in parts if isinstance(p, QuantWeight)]
+    if not quant:
+        return jnp.concatenate(parts, axis=-1)
+    if len(quant) == len(parts) and len({p.qtype for p in quant}) == 1:
+        return concat_rows(quant)
+    if not experts:
+        return tuple(parts)
+    log.warning(
+        "expert tensors of types %s cannot share one grouped matmul; dequantized",
+        [p.qtype if isinstance(p, QuantWeight) else str(p.dtype) for p in parts],
+    )
+    dt = quant[0].dtype
+    dense = [
+        jnp.swapaxes(dequantize_weight(p, dt), -1, -2) if isinstance(p, QuantWeight) else p
+        for p in parts
+    ]
+    return jnp.concatenate(dense, axis=-1)
+
+
+def weight_bytes(params) -> int:
+    """Device bytes of a params pytree (quantized blocks counted as stored)."""
+    import jax
+
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
