@@ -42,7 +42,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     from .device.runner import Runner
     from .host.engine import DenseEngine
     from .host.grammar import Grammars
-    from .loading.gguf import GGUFFile, model_config
+    from .loading.gguf import model_config, open_gguf
     from .loading.params import load_params, weight_bytes
     from .loading.tokenizer import GGUFTokenizer, GGUFVocab
     from .speculation.draft import DraftProposer
@@ -52,7 +52,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     from .speculation.speculator import Speculator
 
     with clock.phase("model file, device and tokenizer"):
-        f = GGUFFile(config.model or DEFAULT_MODEL)
+        f = open_gguf(config.model or DEFAULT_MODEL)
         quantized = keep_quantized(config.dtype, f, jax.devices()[0])
         config = config.resolved(jax.default_backend())
         enable_compile_cache(config.compile_cache_dir)

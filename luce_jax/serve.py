@@ -163,10 +163,10 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
 def check_model_file(path: str) -> None:
     """Raise ValueError unless `path` is a complete GGUF of a supported architecture and
     tokenizer."""
-    from .loading.gguf import GGUFFile, model_config
+    from .loading.gguf import model_config, open_gguf
     from .loading.tokenizer import GGUFVocab, check_supported
 
-    md = GGUFFile(path).metadata
+    md = open_gguf(path).metadata
     check_supported(GGUFVocab.from_metadata(md))
     model_config(md)
 
