@@ -116,12 +116,14 @@ step_startup() {  # $1 weight type: our server (ours_cmd's flags) cold, then war
   rm -rf /tmp/xc  # ours_cmd's compile cache: the later ours:$1 step starts warm from it
   cmd=$(ours_cmd "$model" $CTX | sed -e 's/{port}/8399/' -e 's/--log-level warning/--log-level info/')
   for how in cold warm; do
-    local log="$RES/startup_${how}_$SHAPE-$t.log" t0=$SECONDS
+    local log="$RES/startup_${how}_$SHAPE-$t.log" t0=$SECONDS ns0
+    ns0=$(date +%s%N)
     $cmd > "$log" 2>&1 &
     pid=$!
     until grep -q "ready:" "$log" || ! kill -0 $pid 2>/dev/null || [ $((SECONDS - t0)) -gt 900 ]; do
-      sleep 1; done
-    echo "$how start: $((SECONDS - t0)) s"; grep -E "ready in" "$log" | tail -1
+      sleep 0.1; done
+    echo "$how start: $(( ($(date +%s%N) - ns0) / 1000000 )) ms to the ready line"
+    grep -E "ready in" "$log" | tail -1
     kill $pid; wait $pid 2>/dev/null
   done
 }
