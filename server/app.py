@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -63,6 +63,8 @@ def _engine_endpoint(handler):
             return await handler(request, state, state.engine, body)
         except P.APIError as e:
             return error_response(e)
+        except ClientDisconnect:  # gone while its body arrived: nothing was submitted
+            return Response(status_code=499)  # nginx's "client closed request"; never sent
 
     return endpoint
 

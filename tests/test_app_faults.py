@@ -420,3 +420,27 @@ def test_the_embedded_model_caps_chats_and_a_bad_default_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(["--default-max-tokens", "0"])
     assert e.value.code == 2 and "--default-max-tokens" in capsys.readouterr().err
+
+
+def test_a_client_gone_while_its_body_arrives_is_not_an_application_error():
+    """The 10k soak's only server-side errors: a client that left while the server read its
+    body raised ClientDisconnect out of the endpoint, a traceback in the log per client.
+    Now the request ends quietly, before anything is submitted."""
+    h = Handle(FakeEngine(), start=False)
+    state = ServerState(model_name="fake")
+    state.engine = h
+    app = create_app(state)
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "raw_path": b"/v1/completions", "headers": [(b"content-type", b"application/json")],
+             "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1),
+             "root_path": "", "app": app}  # fmt: skip
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before the fix
+    assert sent[0]["status"] == 499 and h.sched.idle and not h.loop.waiting()
