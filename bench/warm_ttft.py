@@ -1,0 +1,91 @@
+"""Where a prefix-cached request's time to first token goes, in process (no HTTP).
+
+Cold requests (8k-token prompts never seen), then one shared prefix and warm requests that
+extend it by a 200-token tail, each with max_tokens 1: tokenization and generate time, the
+cached tokens, and for one warm and one cold request the device's busy time by model part and
+its top kernels (bench/profile_step.py's attribution).
+
+    python bench/warm_ttft.py --model qwen3-8b-bf16.gguf --slots 32 --ctx 8656
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import logging
+import os
+import tempfile
+import time
+
+from prefix import system_prefix, text_of
+
+from profile_step import device_time, hlo_categories
+
+log = logging.getLogger("warm_ttft")
+
+
+def main():
+    import jax
+
+    from luce_jax import LLM, SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=8656)
+    ap.add_argument("--prefix-tokens", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk and token budget")
+    ap.add_argument("--compile-cache-dir", default=None)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    llm = LLM(a.model, max_ctx=a.ctx, max_concurrency=a.slots, prefill_chunk=a.chunk,
+              prefill_token_budget=a.chunk, max_concurrent_prefills=a.slots,
+              compile_cache_dir=a.compile_cache_dir)  # fmt: skip
+    tok = llm.tokenizer
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def count(s):
+        return len(tok.encode(s, add_special=False))
+
+    def one(prompt: str, label: str, trace: bool = False) -> None:
+        t0 = time.perf_counter()
+        ids = tok.encode(prompt)
+        t1 = time.perf_counter()
+        d = tempfile.mkdtemp()
+        if trace:
+            opts = jax.profiler.ProfileOptions()
+            opts.python_tracer_level = 0
+            with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=opts):
+                out = llm.generate([ids], sp)[0]
+        else:
+            out = llm.generate([ids], sp)[0]
+        t2 = time.perf_counter()
+        log.info("%s: %d tokens, %d cached; encode %.1f ms, generate %.1f ms", label, len(ids),
+                 out.cached_tokens, 1e3 * (t1 - t0), 1e3 * (t2 - t1))  # fmt: skip
+        if trace:
+            (path,) = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+            with gzip.open(path) as f:
+                tr = json.load(f)
+            hlo = "\n".join(e.as_text() for e in llm.engine.runner.programs._exec.values())
+            by_cat, by_kernel, busy = device_time(tr, hlo_categories(hlo))
+            parts = {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+            top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
+            log.info("  device busy %.2f ms: %s", busy, parts)
+            log.info("  top kernels (ms): %s", [(n[:40], c, round(v, 2)) for (n, c), v in top])
+
+    prefix = system_prefix(a.prefix_tokens, 1, count)
+    for i in range(2):
+        one(system_prefix(a.prefix_tokens, 100 + i, count) + text_of(200, 50 + i, count), "cold")
+    one(prefix, "prefix")
+    for i in range(3):
+        one(prefix + text_of(200, 10 + i, count), "warm")
+    one(prefix + text_of(200, 99, count), "warm, traced", trace=True)
+    one(system_prefix(a.prefix_tokens, 200, count) + text_of(200, 98, count), "cold, traced",
+        trace=True)  # fmt: skip
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
