@@ -106,6 +106,7 @@ def test_startup_logs_where_its_time_went_and_a_restart_hits_the_compile_cache(
             n = len(again.engine.bucket_pairs())
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in"))
     assert "compile " in line and f"({n} buckets)" in line and "weights " in line
+    assert "beside the compile" in line  # the weights load while the step compiles
     hits, misses = (int(line.split(" hits, ")[0].split()[-1]),
                     int(line.split(" hits, ")[1].split()[0]))  # fmt: skip
     assert misses == 0 and hits >= n

@@ -94,10 +94,18 @@ class Runner:
         self.max_slots = max_slots
         self.max_blocks = max_blocks_per_seq
         model = hybrid if cfg.recurrent else dense
-        self.kv = model.init_kv(cfg, num_blocks, block_size, *kv_types)
-        self.state = sampling.init_state(max_slots, cfg.vocab_size)
-        if cfg.recurrent:  # the linear layers' per-slot state rides with the sampler's
-            self.state["model"] = hybrid.init_state(cfg, max_slots)
+
+        def allocate():
+            kv = model.init_kv(cfg, num_blocks, block_size, *kv_types)
+            state = sampling.init_state(max_slots, cfg.vocab_size)
+            if cfg.recurrent:  # the linear layers' per-slot state rides with the sampler's
+                state["model"] = hybrid.init_state(cfg, max_slots)
+            return kv, state
+
+        self._allocate = allocate
+        # Abstract params (loading.params.abstract_params): compile now, `materialize` later.
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        self.kv, self.state = jax.eval_shape(allocate) if abstract else allocate()
         self.step_time: dict[tuple[int, int], float] = {}  # seconds per bucket, time_steps
         # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
         # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
@@ -110,6 +118,15 @@ class Runner:
         # keyed by (R, S): the sampling program reads no [T] array
         self.sample_programs = BucketPrograms(self.sample_function, donate=(2,), name="sampling")
         self._open: dict[int, jax.Array] = {}  # S -> all-allowed masks [S, words]
+
+    def materialize(self, params: dict) -> None:
+        """Take the loaded params of a runner built (and warmed up) with their abstract_params,
+        and allocate the KV pool and slot state: after the weights, so the pool never shares
+        the device with the loader's transient buffers."""
+        shape = functools.partial(jax.tree.map, lambda x: (x.shape, jnp.dtype(x.dtype)))
+        assert shape(params) == shape(self.params), "params differ from those compiled for"
+        self.params = params
+        self.kv, self.state = self._allocate()
 
     @property
     def compiles(self) -> int:

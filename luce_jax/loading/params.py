@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 from gguf import GGMLQuantizationType
@@ -16,8 +17,30 @@ from .gguf import GGUFFile
 log = logging.getLogger(__name__)
 
 
-def load_params(
+def abstract_params(
     f: GGUFFile, cfg: ModelConfig, dtype: str = "bfloat16", quantized: bool = False
+) -> tuple[ModelConfig, dict]:
+    """load_params' (cfg, params) with jax.ShapeDtypeStruct leaves, from the header alone (no
+    tensor byte is read or copied): enough to size the KV pool and compile every step while
+    the weights load. A tensor load_params would refuse is refused here the same way."""
+    import jax
+
+    out = {}
+
+    def shapes():
+        out["cfg"], params = load_params(f, cfg, dtype, quantized, abstract=True)
+        return params
+
+    params = jax.eval_shape(shapes)
+    return out["cfg"], params
+
+
+def load_params(
+    f: GGUFFile,
+    cfg: ModelConfig,
+    dtype: str = "bfloat16",
+    quantized: bool = False,
+    abstract: bool = False,
 ) -> tuple[ModelConfig, dict]:
     """Copy the model's tensors to the device, dequantized to `dtype` or kept in their blocks.
 
@@ -25,6 +48,8 @@ def load_params(
       dtype: the float dtype of dequantized weights, and the dtype every projection runs in.
       quantized: keep quantized tensors (ggml_blocks.FORMATS types) in their GGUF blocks, as
         QuantWeight [out, in]; float tensors are cast to dtype.
+      abstract: zeros stand for the file's bytes (traced under abstract_params' eval_shape:
+        nothing is read, and nothing runs on worker threads, whose traces would be their own).
     Returns:
       (cfg with tied_embeddings set, params). Dense linear weights are stored [in, out] and the
       q/k/v and gate/up projections are fused: wqkv [d, (H+2K)*D], w_gu [d, 2F] (QuantWeights
@@ -45,11 +70,15 @@ def load_params(
     dt = jnp.dtype(dtype)
     floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
     unpacked: dict[GGMLQuantizationType, list[str]] = {}  # types that could not stay packed
+
     # every quantized tensor is prepared as kept when quantized (those that are not re-made)
-    fetch = Prefetch(
-        load_order([(n, t.nbytes) for n, t in f.tensors.items()]),
-        lambda n: prepare(f.raw(n), f.tensors[n].qtype, f.tensors[n].shape, dt, quantized),
-    )
+    def made(n):
+        t = f.tensors[n]
+        raw = jnp.zeros((t.nbytes,), jnp.uint8) if abstract else f.raw(n)
+        return prepare(raw, t.qtype, t.shape, dt, quantized)
+
+    order = load_order([(n, t.nbytes) for n, t in f.tensors.items()])
+    fetch = Prefetch(order, made, workers=0 if abstract else 4)
     with fetch:  # its threads end with the load, or its error
         bar = tqdm(
             total=sum(t.nbytes for t in f.tensors.values()),
@@ -57,6 +86,7 @@ def load_params(
             unit_scale=True,
             desc=f"loading {Path(f.path).name}",
             leave=False,
+            disable=abstract or None,
         )
 
         def tensor(name, transpose=False, optional=False, out_dtype=dt, keep=False):
@@ -157,7 +187,7 @@ def load_params(
         if freqs is not None:
             params["rope_freqs"] = freqs
         bar.close()
-        for qtype, tensors in unpacked.items():
+        for qtype, tensors in () if abstract else unpacked.items():
             log.warning(
                 "%d %s tensor(s) (%s%s) %s: dequantized to %s at load%s",
                 len(tensors),
@@ -210,5 +240,8 @@ def fuse(parts: list, experts: bool = False):
 def weight_bytes(params) -> int:
     """Device bytes of a params pytree (quantized blocks counted as stored)."""
     import jax
+    import jax.numpy as jnp
 
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    return sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params)
+    )  # from shapes: abstract_params' leaves count too

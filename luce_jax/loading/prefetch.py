@@ -34,7 +34,8 @@ class Prefetch:
     Args:
       order: (name, bytes) in the order `get` will ask (load_order).
       prepare: name -> prepared value; run at most once per name; must be thread-safe.
-      workers: threads; ahead: the byte window (a single larger tensor is still let through).
+      workers: threads (0: every `get` prepares on the caller's thread); ahead: the byte window
+        (a single larger tensor is still let through).
     """
 
     def __init__(
@@ -50,9 +51,10 @@ class Prefetch:
         self._pending = 0  # bytes submitted and not yet taken
         self._closed = False
         self._cond = threading.Condition()
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="prefetch")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="prefetch") if workers else None
         self._feeder = threading.Thread(target=self._feed, args=(order,), daemon=True)
-        self._feeder.start()
+        if workers:
+            self._feeder.start()
 
     def _feed(self, order) -> None:
         for name, nbytes in order:
@@ -85,8 +87,9 @@ class Prefetch:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._feeder.join()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._pool is not None:
+            self._feeder.join()
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Prefetch:
         return self

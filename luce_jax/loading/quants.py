@@ -47,6 +47,8 @@ def _blocks(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
     n = int(np.prod(shape))
     if n % block or raw.size != n // block * size:
         raise ValueError(f"{qtype.name} tensor of shape {shape} cannot hold {raw.size} bytes")
+    if not isinstance(raw, np.ndarray):  # traced bytes (params.abstract_params)
+        return raw.reshape(-1, size)
     return np.ascontiguousarray(raw).reshape(-1, size)
 
 
@@ -54,6 +56,8 @@ def to_device(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ..
     """The tensor's bytes on the device, uint8 [n_blocks, type_size] (float32 values for a
     type gguf-py unpacks on the host, HOST_TYPES), for dequantize's `blocks`."""
     if qtype not in DEQUANTIZERS and qtype in HOST_TYPES:
+        if not isinstance(raw, np.ndarray):  # traced: only its shape matters
+            return jnp.zeros(shape, jnp.float32)
         return jnp.asarray(host_dequantize(raw, qtype, shape))
     return jnp.asarray(_blocks(raw, qtype, shape))
 
@@ -137,6 +141,6 @@ def keep_quantized(
     code bytes on the host), or None for a type the kernels do not take (float types)."""
     if qtype not in QTYPES:
         return None
-    blocks = np.asarray(_blocks(raw, qtype, shape))
+    blocks = _blocks(raw, qtype, shape)
     *lead, n, _ = shape
     return QuantWeight.from_rows(blocks.reshape(*lead, n, -1), QTYPES[qtype], dtype)

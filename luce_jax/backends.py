@@ -1,0 +1,55 @@
+"""The implementation each op runs with, by EngineConfig's resolved backend names: the Pallas
+kernels, or their XLA / jnp counterparts."""
+
+from __future__ import annotations
+
+
+def attention_fn(backend: str):
+    """The paged attention implementation of a resolved attention_backend."""
+    if backend == "pallas":
+        from pallas_kernels.paged_attention import paged_attention
+
+        return paged_attention
+    from .models.attention import paged_attention_xla
+
+    return paged_attention_xla
+
+
+def gated_delta_fn(backend: str):
+    """A hybrid model's gated delta rule for a resolved attention_backend (the sequence mixers
+    go together: pallas on GPU, the jnp reference on CPU)."""
+    if backend == "pallas":
+        import functools
+
+        from pallas_kernels.gated_delta import gated_delta
+
+        # Whole chunks of 16 kept tokens in the chunked (WY) form, the rest token by token
+        # (decode rows). Not yet timed on a GPU against chunk=0 (all token by token).
+        return functools.partial(gated_delta, chunk=16)
+    from pallas_kernels.gated_delta import gated_delta_reference
+
+    return gated_delta_reference
+
+
+def grouped_matmul_fn(backend: str):
+    """The grouped expert matmul of a resolved moe_backend."""
+    if backend == "pallas":
+        from pallas_kernels.moe_grouping import grouped_matmul
+
+        return grouped_matmul
+    from .models.moe import grouped_matmul_xla
+
+    return grouped_matmul_xla
+
+
+def quant_matmul_fn(backend: str):
+    """How projections with quantized weights run, for a resolved quant_backend."""
+    from .models.linear import QuantMatmul
+
+    if backend == "pallas":
+        from pallas_kernels.quant_matmul import quant_matmul
+
+        from .host.batch import SMALLEST_TOKEN_BUCKET
+
+        return QuantMatmul(quant_matmul, live_rows_max=SMALLEST_TOKEN_BUCKET)
+    return QuantMatmul()
