@@ -15,6 +15,8 @@ H / K / D of the attention layers, V vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -124,6 +126,35 @@ def gated_attention(lp, h, kc, vc, cos, sin, batch, cfg: ModelConfig, attn, qmm,
     return linear(o, lp["wo"], qmm, live), kc, vc
 
 
+# Jitted as dense.layer is, and for the same reason: a step traces and lowers each distinct
+# layer once (two kinds here, times the weight-type mixes), and XLA inlines the calls.
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "recurrent"))
+def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, kernels, recurrent):
+    """One hybrid layer: its sequence mixer, then the FFN, both residual.
+
+    Args:
+      mix: a Gated DeltaNet layer's (conv history [S, Kc-1, C], state [S, Hv, Dk, Dv]) for its
+        rows, or a gated attention layer's (k, v) caches; kernels: (attention_fn,
+        quant_matmul, delta_fn, grouped_matmul), static.
+    Returns:
+      (x, the mixer's new (history, state) or (k, v) caches).
+    """
+    attn, qmm, delta, grouped_matmul = kernels
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    if recurrent:
+        y, hist, hs = linear_attention(lp, h, *mix, batch, cfg, qmm, live, delta)
+        mix = (hist, hs)
+    else:
+        y, kc, vc = gated_attention(lp, h, *mix, cos, sin, batch, cfg, attn, qmm, live)
+        mix = (kc, vc)
+    x = x + y.astype(x.dtype)
+    h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+    if "router" in lp:  # qwen35moe: routed experts and the gated shared expert
+        real = jnp.arange(x.shape[0]) < live
+        return x + moe.ffn(lp, h, cfg, grouped_matmul, real, qmm)[0], mix
+    return x + swiglu(lp, h, qmm, live), mix
+
+
 def forward(
     params: dict,
     kv: list,
@@ -149,7 +180,6 @@ def forward(
     attn = attention_fn or paged_attention_xla
     delta = delta_fn or gated_delta_reference
     live = batch["cu_q_lens"][-1]
-    real = jnp.arange(batch["tokens"].shape[0]) < live
     slots = batch["slots"]
     oob = state["ssm"].shape[1]  # padding rows read slot 0 (masked) and write nowhere
     read = jnp.maximum(slots, 0)
@@ -162,27 +192,20 @@ def forward(
     conv, ssm = state["conv"], state["ssm"]
     new_kv = []
     li = ai = 0
+    kernels = (attn, quant_matmul, delta, grouped_matmul)
     for lp, recurrent in zip(params["layers"], cfg.recurrent, strict=True):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
             h0 = jnp.where(keep[:, None, None, None], ssm[li, read], 0.0)
-            y, hist, hs = linear_attention(lp, h, hist, h0, batch, cfg, quant_matmul, live, delta)
+            x, (hist, hs) = layer(lp, x, (hist, h0), cos, sin, batch, live, cfg=cfg,
+                                  kernels=kernels, recurrent=True)  # fmt: skip
             conv = conv.at[li, write].set(hist, mode="drop")
             ssm = ssm.at[li, write].set(hs, mode="drop")
             li += 1
         else:
-            kc, vc = kv[ai]
-            y, kc, vc = gated_attention(
-                lp, h, kc, vc, cos, sin, batch, cfg, attn, quant_matmul, live
-            )
-            new_kv.append((kc, vc))
+            x, kv_l = layer(lp, x, kv[ai], cos, sin, batch, live, cfg=cfg, kernels=kernels,
+                            recurrent=False)  # fmt: skip
+            new_kv.append(kv_l)
             ai += 1
-        x = x + y.astype(x.dtype)
-        h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-        if "router" in lp:  # qwen35moe: routed experts and the gated shared expert
-            x = x + moe.ffn(lp, h, cfg, grouped_matmul, real, quant_matmul)[0]
-        else:
-            x = x + swiglu(lp, h, quant_matmul, live)
     logits = head(params, x, batch, cfg, quant_matmul)
     return logits, new_kv, {"conv": conv, "ssm": ssm}
