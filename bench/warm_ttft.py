@@ -1,9 +1,10 @@
 """Where a prefix-cached request's time to first token goes, in process (no HTTP).
 
 Cold requests (8k-token prompts never seen), then one shared prefix and warm requests that
-extend it by a 200-token tail, each with max_tokens 1: tokenization and generate time, the
-cached tokens, and for one warm and one cold request the device's busy time by model part and
-its top kernels (bench/profile_step.py's attribution).
+extend it by a 200-token tail, with max_tokens 1 (and 64 for three warm ones): tokenization
+time, time from submit to the first token's event, the cached tokens, and for one warm and
+one cold request the device's busy time by model part and its top kernels
+(bench/profile_step.py's attribution).
 
     python bench/warm_ttft.py --model qwen3-8b-bf16.gguf --slots 32 --ctx 8656
 """
@@ -27,6 +28,8 @@ log = logging.getLogger("warm_ttft")
 
 
 def main():
+    import threading
+
     import jax
 
     from luce_jax import LLM, SamplingParams
@@ -44,12 +47,28 @@ def main():
               prefill_token_budget=a.chunk, max_concurrent_prefills=a.slots,
               compile_cache_dir=a.compile_cache_dir)  # fmt: skip
     tok = llm.tokenizer
-    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def count(s):
         return len(tok.encode(s, add_special=False))
 
-    def one(prompt: str, label: str, trace: bool = False) -> None:
+    def first_token(ids: list[int], max_tokens: int) -> tuple[float, int]:
+        """Seconds from submit to the first token's event, and the cached prompt tokens."""
+        first, seen = threading.Event(), {}
+
+        def on_event(ev):
+            seen.setdefault("t", time.perf_counter())
+            first.set()
+
+        t = time.perf_counter()
+        req = llm.loop.submit(ids, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                  ignore_eos=True), on_event)  # fmt: skip
+        first.wait()
+        seconds = seen["t"] - t
+        while not req.done:  # let it finish: the next request starts on an idle engine
+            time.sleep(0.002)
+        return seconds, req.cached_tokens
+
+    def one(prompt: str, label: str, trace: bool = False, max_tokens: int = 1) -> None:
         t0 = time.perf_counter()
         ids = tok.encode(prompt)
         t1 = time.perf_counter()
@@ -58,12 +77,11 @@ def main():
             opts = jax.profiler.ProfileOptions()
             opts.python_tracer_level = 0
             with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=opts):
-                out = llm.generate([ids], sp)[0]
+                ttft, cached = first_token(ids, max_tokens)
         else:
-            out = llm.generate([ids], sp)[0]
-        t2 = time.perf_counter()
-        log.info("%s: %d tokens, %d cached; encode %.1f ms, generate %.1f ms", label, len(ids),
-                 out.cached_tokens, 1e3 * (t1 - t0), 1e3 * (t2 - t1))  # fmt: skip
+            ttft, cached = first_token(ids, max_tokens)
+        log.info("%s, max_tokens %d: %d tokens, %d cached; encode %.1f ms, first token %.1f ms",
+                 label, max_tokens, len(ids), cached, 1e3 * (t1 - t0), 1e3 * ttft)  # fmt: skip
         if trace:
             (path,) = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
             with gzip.open(path) as f:
@@ -81,6 +99,10 @@ def main():
     one(prefix, "prefix")
     for i in range(3):
         one(prefix + text_of(200, 10 + i, count), "warm")
+    # the first token of a request that goes on decoding (the server's case) against one that
+    # ends at it: the first is collected after the next step is dispatched
+    for i in range(3):
+        one(prefix + text_of(200, 20 + i, count), "warm", max_tokens=64)
     one(prefix + text_of(200, 99, count), "warm, traced", trace=True)
     one(system_prefix(a.prefix_tokens, 200, count) + text_of(200, 98, count), "cold, traced",
         trace=True)  # fmt: skip
