@@ -69,7 +69,6 @@ def _load(config: EngineConfig, clock: StartupClock):
     # warm start of the 8B-shaped bf16 file spent 3.1 s loading, then 3.3 s compiling.
     with clock.phase("weight shapes"):
         mc, shapes = abstract_params(f, model_config(f.metadata), config.dtype, quantized)
-    loading = _in_background(load_params, f, model_config(f.metadata), config.dtype, quantized)
     config = fit_to_model(config, mc)
     if mc.recurrent:
         config = hybrid_limits(config)
@@ -83,6 +82,8 @@ def _load(config: EngineConfig, clock: StartupClock):
     num_blocks = kv_pool_blocks(
         config, jax.devices()[0], per_token, state_bytes(mc, config), weights
     )
+    # started after the pool is sized: a load in progress would move the allocator's figures
+    loading = _in_background(load_params, f, model_config(f.metadata), config.dtype, quantized)
     log.info(
         "KV pool: %d blocks of %d tokens (%.2f GiB)",
         num_blocks - 1,

@@ -71,11 +71,13 @@ def load_params(
     floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
     unpacked: dict[GGMLQuantizationType, list[str]] = {}  # types that could not stay packed
 
+    def raw(n):  # the tensor's bytes, or traced zeros standing for them
+        return jnp.zeros((f.tensors[n].nbytes,), jnp.uint8) if abstract else f.raw(n)
+
     # every quantized tensor is prepared as kept when quantized (those that are not re-made)
     def made(n):
         t = f.tensors[n]
-        raw = jnp.zeros((t.nbytes,), jnp.uint8) if abstract else f.raw(n)
-        return prepare(raw, t.qtype, t.shape, dt, quantized)
+        return prepare(raw(n), t.qtype, t.shape, dt, quantized)
 
     order = load_order([(n, t.nbytes) for n, t in f.tensors.items()])
     fetch = Prefetch(order, made, workers=0 if abstract else 4)
@@ -104,7 +106,7 @@ def load_params(
             try:
                 x = fetch.get(name)
                 if isinstance(x, QuantWeight) and not keep:  # prepared for a kept call site
-                    x = prepare(f.raw(name), t.qtype, t.shape, dt, False)
+                    x = prepare(raw(name), t.qtype, t.shape, dt, False)
                 if not isinstance(x, QuantWeight):
                     x = dequantize(None, t.qtype, t.shape, out_dtype, transpose, blocks=x)
             except ValueError as e:
