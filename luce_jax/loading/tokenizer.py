@@ -172,20 +172,6 @@ def token_bytes(v: GGUFVocab) -> list[bytes]:
     return out
 
 
-def input_bytes(v: GGUFVocab) -> np.ndarray:
-    """int64 [vocab]: the UTF-8 bytes of input text each token of a byte-level vocabulary
-    stands for (an added token: its own text, control tokens included)."""
-    inv = set(_byte_chars())
-    return np.asarray(
-        [
-            len(t) if ty not in (CONTROL, USER_DEFINED) and all(c in inv for c in t)
-            else len(t.encode("utf-8"))
-            for t, ty in zip(v.tokens, v.token_types, strict=True)
-        ],
-        np.int64,
-    )  # fmt: skip
-
-
 def _byte_chars() -> list[str]:
     """GPT-2's printable stand-in character for each byte value, in byte order."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
@@ -269,7 +255,10 @@ class GGUFTokenizer:
         # long prompts that start like a recent one reuse its ids (prefix_tokens.py)
         self._prefix = None
         if vocab.model == "gpt2" and NAMES[vocab.pre][0] in CUT_SAFE:
-            self._prefix = PrefixTokens(self._encode, input_bytes(vocab))
+            # input bytes per token: its output bytes, or a control token's own text
+            triples = zip(vocab.tokens, vocab.token_types, self.token_bytes, strict=True)
+            sizes = [len(t.encode("utf-8")) if ty == CONTROL else len(b) for t, ty, b in triples]
+            self._prefix = PrefixTokens(self._encode, np.asarray(sizes, np.int64))
 
     def _encode(self, text: str) -> list[int]:
         """The ids of text, no BOS / EOS added."""
