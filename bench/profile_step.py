@@ -52,8 +52,10 @@ def _variants(name: str) -> list[str]:
     return v
 
 
-def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float]:
-    """(ms per category, ms per (kernel, category), busy ms) over the trace's device events.
+def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, float]:
+    """(ms per category, ms per (kernel, category), busy ms, span ms) over the trace's device
+    events; the span runs from the first one's start to the last one's end, so span - busy is
+    the time the device waited (for launches, transfers or the host).
 
     GPU: events on the device process's stream threads (other lines of that process repeat
     them per module or op). CPU: events whose name is an HLO instruction of the step.
@@ -95,7 +97,8 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float]:
         if b > end:
             busy += b - max(a, end)
             end = b
-    return dict(by_cat), dict(by_kernel), busy
+    span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+    return dict(by_cat), dict(by_kernel), busy, span
 
 
 def _spy(key, exe, used: set):
@@ -182,7 +185,7 @@ def _device_only(trace: dict) -> dict:
 
 def analyze(raw: dict) -> dict:
     """The report of one profiled concurrency from its raw trace and HLO text."""
-    by_cat, by_kernel, busy = device_time(raw["trace"], hlo_categories(raw["hlo"]))
+    by_cat, by_kernel, busy, _ = device_time(raw["trace"], hlo_categories(raw["hlo"]))
     steps = raw["steps"]
     step_ms = raw["wall_ms"] / steps
     parts = {k: v / steps for k, v in by_cat.items()}

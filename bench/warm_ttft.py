@@ -4,7 +4,8 @@ Cold requests (8k-token prompts never seen), then one shared prefix and warm req
 extend it by a 200-token tail, with max_tokens 1 (and 64 for three warm ones): tokenization
 time, time from submit to the first token's event, the cached tokens, and for one warm and
 one cold request the device's busy time by model part and its top kernels
-(bench/profile_step.py's attribution).
+(bench/profile_step.py's attribution), the device's span from its first kernel to its last, and
+the host's timeline (admit, plan, dispatch, launches, fetch, collect) from submit.
 
     python bench/warm_ttft.py --model qwen3-8b-bf16.gguf --slots 32 --ctx 8656
 """
@@ -51,6 +52,28 @@ def main():
     def count(s):
         return len(tok.encode(s, add_special=False))
 
+    timeline: list[tuple[str, float, float]] = []  # (phase, start, end) while timing
+
+    def timed(obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                if timing.is_set():
+                    timeline.append((name, t, time.perf_counter()))
+
+        setattr(obj, name, wrapper)
+
+    timing = threading.Event()
+    sched, engine = llm.loop.scheduler, llm.engine
+    for obj, names in ((sched, ("plan",)), (engine, ("admit", "dispatch", "collect")),
+                       (engine.runner, ("launch_forward", "launch_sample", "fetch"))):  # fmt: skip
+        for name in names:
+            timed(obj, name)
+
     def first_token(ids: list[int], max_tokens: int) -> tuple[float, int]:
         """Seconds from submit to the first token's event, and the cached prompt tokens."""
         first, seen = threading.Event(), {}
@@ -59,20 +82,28 @@ def main():
             seen.setdefault("t", time.perf_counter())
             first.set()
 
-        t = time.perf_counter()
+        timeline.clear()
+        t = seen["submit"] = time.perf_counter()
         req = llm.loop.submit(ids, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                   ignore_eos=True), on_event)  # fmt: skip
         first.wait()
         seconds = seen["t"] - t
+        if timing.is_set():
+            log.info("  host timeline from submit (ms): %s", " ".join(
+                f"{n} {1e3 * (a - t):.1f}-{1e3 * (b - t):.1f}" for n, a, b in timeline
+                if a < seen["t"]))  # fmt: skip
         while not req.done:  # let it finish: the next request starts on an idle engine
             time.sleep(0.002)
         return seconds, req.cached_tokens
 
-    def one(prompt: str, label: str, trace: bool = False, max_tokens: int = 1) -> None:
+    def one(prompt: str, label: str, trace: bool = False, max_tokens: int = 1,
+            phases: bool = False) -> None:  # fmt: skip
         t0 = time.perf_counter()
         ids = tok.encode(prompt)
         t1 = time.perf_counter()
         d = tempfile.mkdtemp()
+        if phases:
+            timing.set()
         if trace:
             opts = jax.profiler.ProfileOptions()
             opts.python_tracer_level = 0
@@ -80,6 +111,7 @@ def main():
                 ttft, cached = first_token(ids, max_tokens)
         else:
             ttft, cached = first_token(ids, max_tokens)
+        timing.clear()
         log.info("%s, max_tokens %d: %d tokens, %d cached; encode %.1f ms, first token %.1f ms",
                  label, max_tokens, len(ids), cached, 1e3 * (t1 - t0), 1e3 * ttft)  # fmt: skip
         if trace:
@@ -87,10 +119,10 @@ def main():
             with gzip.open(path) as f:
                 tr = json.load(f)
             hlo = "\n".join(e.as_text() for e in llm.engine.runner.programs._exec.values())
-            by_cat, by_kernel, busy = device_time(tr, hlo_categories(hlo))
+            by_cat, by_kernel, busy, span = device_time(tr, hlo_categories(hlo))
             parts = {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
             top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
-            log.info("  device busy %.2f ms: %s", busy, parts)
+            log.info("  device busy %.2f ms of a %.2f ms span: %s", busy, span, parts)
             log.info("  top kernels (ms): %s", [(n[:40], c, round(v, 2)) for (n, c), v in top])
 
     prefix = system_prefix(a.prefix_tokens, 1, count)
@@ -102,7 +134,7 @@ def main():
     # the first token of a request that goes on decoding (the server's case) against one that
     # ends at it: the first is collected after the next step is dispatched
     for i in range(3):
-        one(prefix + text_of(200, 20 + i, count), "warm", max_tokens=64)
+        one(prefix + text_of(200, 20 + i, count), "warm", max_tokens=64, phases=True)
     one(prefix + text_of(200, 99, count), "warm, traced", trace=True)
     one(system_prefix(a.prefix_tokens, 200, count) + text_of(200, 98, count), "cold, traced",
         trace=True)  # fmt: skip
