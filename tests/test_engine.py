@@ -85,6 +85,27 @@ def test_no_compiles_after_warmup_across_a_random_run(loaded, engine_config):
     assert engine.runner.compiles == before
 
 
+def test_no_sampling_program_branches_on_the_device(loaded):
+    """XLA:GPU reads a lax.cond's (or a while loop's) predicate on the host, so dispatching a
+    program that holds one waits for the work queued before it: on the H200 a prefix-cached
+    request's sampling launch waited 14 ms for its forward pass, and the host could never run
+    a step ahead of the device. Every sampling variant, lowered for CUDA, holds none; the host
+    picks the variant, and each one the steps use was compiled at warmup."""
+    import re
+
+    import jax
+
+    _, engine = loaded
+    runner = engine.runner
+    keys = list(runner.sample_programs._exec)
+    assert {(f, lp) for _, _, f, lp in keys} == {(f, lp) for f in (0, 1) for lp in (0, 1)}
+    for key in keys:
+        fn, args = runner.sample_function(*key)
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert not re.findall(r"stablehlo\.(?:case|if|while)\b", text), key
+        assert ("stablehlo.sort" in text) == key[2]  # the filters' sort only where asked
+
+
 def test_seeded_sampling_is_reproducible_under_batching(loaded, engine_config):
     tok, engine = loaded
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=1234)

@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from luce_jax.device.sampling import apply_penalties, named, sample
+from luce_jax.device.sampling import apply_penalties, named, needs_filter, sample
 from luce_jax.host.slots import sampling_arrays
 from luce_jax.sampling_params import SamplingParams
 
 V = 50
-_sample = jax.jit(sample)
+_sample = jax.jit(sample, static_argnames="filtered")
 
 
 def run(params, logits, counts=None, pmask=None, seeds=None, steps=None):
@@ -19,8 +19,11 @@ def run(params, logits, counts=None, pmask=None, seeds=None, steps=None):
     pmask = jnp.zeros((R, V), bool) if pmask is None else pmask
     seeds = np.zeros(R, np.uint32) if seeds is None else np.asarray(seeds, np.uint32)
     steps = np.zeros(R, np.int32) if steps is None else np.asarray(steps, np.int32)
-    sp = {k: jnp.asarray(v) for k, v in named(*sampling_arrays(params)).items()}
-    tokens, _ = _sample(jnp.asarray(logits), counts, pmask, sp, seeds, steps)
+    floats, top_k = sampling_arrays(params)
+    sp = {k: jnp.asarray(v) for k, v in named(floats, top_k).items()}
+    # the variant the runner picks on the host
+    tokens, _ = _sample(jnp.asarray(logits), counts, pmask, sp, seeds, steps,
+                        filtered=needs_filter(floats, top_k))  # fmt: skip
     return np.asarray(tokens)
 
 
@@ -77,6 +80,25 @@ def test_filters_keep_only_allowed_tokens(logits):
     allowed = set(np.nonzero(probs >= 0.2 * probs.max())[0].tolist())
     picks = picks_of(SamplingParams(min_p=0.2))
     assert picks <= allowed
+
+
+def test_a_step_without_filters_or_penalties_samples_as_the_filtered_variant_does(logits):
+    """The host skips the filters' sort when no row asks (needs_filter), and neutral penalties
+    always run: neither may change a draw."""
+    rows = [SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0, 1.3)] * 2
+    floats, top_k = sampling_arrays(rows)
+    assert not needs_filter(floats, top_k)
+    assert needs_filter(*sampling_arrays(rows + [SamplingParams(temperature=1.0, top_k=5)]))
+    assert not needs_filter(*sampling_arrays([SamplingParams(temperature=0, top_p=0.5)]))
+    sp = {k: jnp.asarray(v) for k, v in named(floats, top_k).items()}
+    args = (jnp.asarray(logits), jnp.zeros((8, V), jnp.int32), jnp.zeros((8, V), bool), sp,
+            np.arange(8, dtype=np.uint32), np.zeros(8, np.int32))  # fmt: skip
+    plain, lp_plain = _sample(*args, filtered=False)
+    full, lp_full = _sample(*args, filtered=True)
+    assert np.array_equal(plain, full)
+    np.testing.assert_array_equal(lp_plain, lp_full)
+    kept = penalized(logits, jnp.ones((8, V), jnp.int32), jnp.ones((8, V), bool))
+    np.testing.assert_array_equal(kept, logits)  # neutral penalties: the logits, bit for bit
 
 
 def penalized(logits, counts, pmask, **kw):

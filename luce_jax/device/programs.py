@@ -1,4 +1,4 @@
-"""Compiled programs per (T, S) bucket: compile ahead, count compiles, warm up in parallel.
+"""Compiled programs per bucket key: compile ahead, count compiles, warm up in parallel.
 
 The target's step (runner.py) and the draft's propose program (speculation/draft_runner.py)
 each own one BucketPrograms. A compile after warmup is a bug: `compiles` must not move while
@@ -30,10 +30,11 @@ def enable_compile_cache(path: str | None) -> None:
 
 
 class BucketPrograms:
-    """One executable per (T, S) bucket of a function.
+    """One executable per bucket key of a function: (T, S) for a step, more static arguments
+    where a program has variants (the sampling's, runner.py).
 
     Args:
-      traced: (T, S) -> (function with T and S bound, abstract arguments to lower it with).
+      traced: (*key) -> (function with the key bound, abstract arguments to lower it with).
       donate: argument positions donated to the program (only KV and per-slot device state).
       name: what the progress bar and the log call these programs.
     """
@@ -41,41 +42,41 @@ class BucketPrograms:
     def __init__(self, traced: Callable[[int, int], tuple], donate: tuple[int, ...], name: str):
         self.traced, self.donate, self.name = traced, donate, name
         self.compiles = 0  # executables built; after warmup this must not move
-        self._exec: dict[tuple[int, int], object] = {}
+        self._exec: dict[tuple, object] = {}
         self._lock = threading.Lock()
 
-    def compile(self, T: int, S: int):
-        """Build (or fetch from the persistent cache) the executable of one bucket pair."""
-        fn, args = self.traced(T, S)
+    def compile(self, *key):
+        """Build (or fetch from the persistent cache) the executable of one bucket key."""
+        fn, args = self.traced(*key)
         exe = jax.jit(fn, donate_argnums=self.donate).lower(*args).compile()
         with self._lock:
             self.compiles += 1
-            self._exec[(T, S)] = exe
+            self._exec[key] = exe
         return exe
 
-    def __getitem__(self, bucket: tuple[int, int]):
-        exe = self._exec.get(bucket)
+    def __getitem__(self, key: tuple):
+        exe = self._exec.get(key)
         if exe is None:
-            log.warning("compiling %s for bucket T=%d S=%d while serving", self.name, *bucket)
-            exe = self.compile(*bucket)
+            log.warning("compiling %s for bucket %s while serving", self.name, key)
+            exe = self.compile(*key)
         return exe
 
-    def __contains__(self, bucket) -> bool:
-        return bucket in self._exec
+    def __contains__(self, key) -> bool:
+        return key in self._exec
 
-    def warmup(self, pairs: list[tuple[int, int]], workers: int | None = None) -> None:
-        """Compile every bucket pair ahead of serving, several at once: XLA compiles in C++
+    def warmup(self, keys: list[tuple], workers: int | None = None) -> None:
+        """Compile every bucket key ahead of serving, several at once: XLA compiles in C++
         without the GIL, so a thread pool uses the host's cores."""
-        todo = [p for p in pairs if p not in self._exec]
+        todo = [k for k in keys if k not in self._exec]
         workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
         with ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(self.compile, t, s) for t, s in todo]
+            futures = [pool.submit(self.compile, *k) for k in todo]
             for f in tqdm(
                 as_completed(futures), total=len(futures), desc=f"compiling {self.name}",
                 leave=False,
             ):  # fmt: skip
                 f.result()
-        log.info("compiled %d %s buckets", len(pairs), self.name)
+        log.info("compiled %d %s buckets", len(keys), self.name)
 
 
 def best_of_3(fn) -> float:

@@ -115,7 +115,8 @@ class Runner:
         self._quant_matmul = quant_matmul
         self._delta = delta_fn
         self.programs = BucketPrograms(self.step_function, donate=(1, 2, 3), name="step")
-        # keyed by (R, S): the sampling program reads no [T] array
+        # keyed by (R, S, filtered, logprobs): the sampling program reads no [T] array, and the
+        # host picks its variant (sampling.py says why it is no lax.cond)
         self.sample_programs = BucketPrograms(self.sample_function, donate=(2,), name="sampling")
         self._open: dict[int, jax.Array] = {}  # S -> all-allowed masks [S, words]
 
@@ -166,8 +167,11 @@ class Runner:
             prompt_mask, row_tokens = sampling.mark_fed(prompt_mask, batch, self.k)
         return logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, stats
 
-    def _sample_fn(self, logits, row_tokens, state, prompt_mask, sints, floats, allow, *, R, S):
-        """Sampling and verification of one step's logits (device/sampling.py); R, S static.
+    def _sample_fn(self, logits, row_tokens, state, prompt_mask, sints, floats, allow, *, R, S,
+                   filtered, logprobs):  # fmt: skip
+        """Sampling and verification of one step's logits (device/sampling.py); R, S, filtered
+        (some row samples under top-k/p or min-p) and logprobs (some row wants top logprobs)
+        static.
 
         Args: logits float32 [R, V]; row_tokens int32 [R, K + 1]; state (donated): the
           sampler's counts and last; prompt_mask (read); sints: int32 packed per
@@ -179,8 +183,9 @@ class Runner:
         batch = unpack(sints, sample_layout(S, R))
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             return sampling.sample_rows(
-                logits, row_tokens, state, prompt_mask, batch, floats, self.k, allow
-            )
+                logits, row_tokens, state, prompt_mask, batch, floats, self.k, allow, filtered,
+                logprobs,
+            )  # fmt: skip
 
     def _sampler_state(self) -> dict:
         return {"counts": self.state["counts"], "last": self.state["last"]}
@@ -192,8 +197,9 @@ class Runner:
         args = (self.params, self.kv, st.get("model"), st["prompt_mask"], st["last"], ints)
         return functools.partial(self._step_fn, T=T, S=S), args
 
-    def sample_function(self, R: int, S: int):
-        """The sampling program for R logits rows and S rows, and abstract arguments for it."""
+    def sample_function(self, R: int, S: int, filtered: bool, logprobs: bool):
+        """The sampling program for R logits rows and S rows (and the variant: filtered,
+        logprobs), and abstract arguments for it."""
         sints = jax.ShapeDtypeStruct((layout_size(sample_layout(S, R)),), jnp.int32)
         logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32)
         row_tokens = jax.ShapeDtypeStruct((R, self.k + 1), jnp.int32)
@@ -201,11 +207,14 @@ class Runner:
         allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
         args = (logits, row_tokens, self._sampler_state(), self.state["prompt_mask"], sints,
                 floats, allow)  # fmt: skip
-        return functools.partial(self._sample_fn, R=R, S=S), args
+        fn = functools.partial(self._sample_fn, R=R, S=S, filtered=filtered, logprobs=logprobs)
+        return fn, args
 
-    def sample_buckets(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The (R, S) sampling programs that the (T, S) bucket pairs need."""
-        return sorted({(self.logit_width(t, s), s) for t, s in pairs})
+    def sample_buckets(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int, bool, bool]]:
+        """The (R, S, filtered, logprobs) sampling programs that the (T, S) bucket pairs need:
+        each (R, S) in its four variants."""
+        rs = sorted({(self.logit_width(t, s), s) for t, s in pairs})
+        return [(r, s, f, lp) for r, s in rs for f in (False, True) for lp in (False, True)]
 
     def executable(self, T: int, S: int):
         """The compiled forward pass of a warmed bucket (for cost analysis and HLO text)."""
@@ -241,21 +250,26 @@ class Runner:
         the next forward pass reads the tokens this one samples."""
         allow = b.get("allow")
         if allow is None:  # no row under a grammar: a mask kept on the device, never sent
-            allow = self._open.get(fwd.S)
-            if allow is None:
-                allow = self._open[fwd.S] = jnp.full(
-                    (fwd.S, mask_words(self.cfg.vocab_size)), -1, jnp.int32
-                )
+            allow = self._open_mask(fwd.S)
         sints = pack(b, sample_layout(fwd.S, fwd.R))
-        packed, top_ids, top_lp, state = self.sample_programs[(fwd.R, fwd.S)](
+        want_top = bool(b["want_logprobs"][0])
+        variant = (fwd.R, fwd.S, sampling.needs_filter(b["floats"], b["top_k"]), want_top)
+        packed, top_ids, top_lp, state = self.sample_programs[variant](
             fwd.logits, fwd.row_tokens, self._sampler_state(), self.state["prompt_mask"],
             sints, b["floats"], allow,
         )  # fmt: skip
         self.state.update(state)
-        top = (top_ids, top_lp) if b["want_logprobs"][0] else None
+        top = (top_ids, top_lp) if want_top else None
         for x in (packed, *(top or ())):
             x.copy_to_host_async()
         return Launched(packed, top, fwd.R)
+
+    def _open_mask(self, S: int) -> jax.Array:
+        """The all-allowed masks [S, words] of S rows, made once (at warmup: making one is a
+        small compile)."""
+        if S not in self._open:
+            self._open[S] = jnp.full((S, mask_words(self.cfg.vocab_size)), -1, jnp.int32)
+        return self._open[S]
 
     def fetch(self, launched: Launched) -> dict[str, np.ndarray]:
         """Wait for a launched step's outputs.
@@ -286,6 +300,8 @@ class Runner:
         """Compile every (T, S) bucket pair's forward pass and sampling."""
         self.programs.warmup(pairs)
         self.sample_programs.warmup(self.sample_buckets(pairs))
+        for S in sorted({s for _, s in pairs}):
+            self._open_mask(S)
 
     def time_steps(self, pairs: list[tuple[int, int]]) -> None:
         """Time each bucket on an all-padding step (which reads every weight, as a real step

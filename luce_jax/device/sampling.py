@@ -6,6 +6,12 @@ each slot emitted ([S_max]). Decode rows read their input token from the last on
 so the host never sends a sampled token back down. Every row samples with its own parameters
 and noise from (seed, step), so a seeded request reproduces whatever it is batched with.
 
+The sampling program holds no data-dependent control flow (lax.cond, while_loop): XLA:GPU reads
+such a predicate on the host, so dispatching the program waited for the forward pass queued
+before it, 14 ms of a prefix-cached request's 21 (bench/results/2026-12-01_warm_ttft_h200.md).
+What a step needs (the top-k/p filters, top logprobs) is known on the host and chosen by static
+arguments; the cheap parts (penalties, grammar masks) always run, an identity when unused.
+
 Shapes: T tokens, S segment rows, R logits rows, K proposals per verify row, V vocabulary,
 S_max slots.
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..host.slots import FLOAT_FIELDS
 
@@ -76,26 +83,34 @@ def _filter(logits, sp):
     return jnp.where(logits >= cut, logits, -jnp.inf)
 
 
-def sample(logits, counts, prompt_mask, sp, seeds, steps):
+def sample(logits, counts, prompt_mask, sp, seeds, steps, filtered: bool | None = None):
     """Pick one token per row.
 
     Args:
       logits: [R, V] float32.
-      counts, prompt_mask: penalty state for each row's sequence ([R, V]).
+      counts, prompt_mask: penalty state for each row's sequence ([R, V]); neutral penalties
+        leave the logits exactly as they are.
       sp: dict of [R] parameter arrays (`named`).
       seeds: [R] uint32 per-request seed; steps: [R] int32 tokens generated so far. The noise
         depends only on (seed, step), so a seeded request reproduces whatever it is batched with.
+      filtered: static; True if some row samples under top-k, top-p or min-p (`needs_filter`),
+        False if none does (the sort is skipped), None to decide on the device (a lax.cond,
+        for a program whose output the host waits for anyway).
     Returns:
       (tokens [R] int32, logprobs [R, V] float32 of the distribution sampled from).
     """
-    penalize = jnp.any((sp["repetition"] != 1) | (sp["frequency"] != 0) | (sp["presence"] != 0))
-    logits = jax.lax.cond(
-        penalize, lambda x: apply_penalties(x, counts, prompt_mask, sp), lambda x: x, logits
-    )
+    logits = apply_penalties(logits, counts, prompt_mask, sp)
     greedy = sp["temperature"] == 0
     scaled = logits / jnp.where(greedy, 1.0, sp["temperature"])[:, None]
-    needs = (sp["top_k"] > 0) | (sp["top_p"] < 1) | (sp["min_p"] > 0)
-    scaled = jax.lax.cond(jnp.any(needs & ~greedy), lambda x: _filter(x, sp), lambda x: x, scaled)
+    needs = ((sp["top_k"] > 0) | (sp["top_p"] < 1) | (sp["min_p"] > 0)) & ~greedy
+
+    def filter_rows(x):  # only the rows that ask: a row's draw never depends on its batch
+        return jnp.where(needs[:, None], _filter(x, sp), x)
+
+    if filtered is None:
+        scaled = jax.lax.cond(jnp.any(needs), filter_rows, lambda x: x, scaled)
+    elif filtered:
+        scaled = filter_rows(scaled)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seeds, steps)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],)))(keys)
     drawn = jnp.argmax(scaled + gumbel, axis=-1)
@@ -139,8 +154,16 @@ def mark_fed(prompt_mask, batch: dict, k: int):
     return pmask, tokens_in[jnp.clip(at, 0, T - 1)]
 
 
+def needs_filter(floats: np.ndarray, top_k: np.ndarray) -> bool:
+    """Whether a step's rows (host arrays: floats [6, S] FLOAT_FIELDS, top_k [S]) include one
+    that samples under top-k, top-p or min-p: `sample`'s static `filtered`."""
+    f = dict(zip(FLOAT_FIELDS, floats, strict=True))
+    needs = (top_k > 0) | (f["top_p"] < 1) | (f["min_p"] > 0)
+    return bool((needs & (f["temperature"] != 0)).any())
+
+
 def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, floats, k: int,
-                allow=None):  # fmt: skip
+                allow=None, filtered: bool = True, logprobs: bool = True):  # fmt: skip
     """Sample every logits row, verify speculative proposals, and update the slot state.
 
     Every logits row samples with its segment's parameters and noise (seed, step + offset),
@@ -156,14 +179,16 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
       logits: [R, V] float32; row_tokens: [R, K + 1] (mark_fed's); state: counts and last
         (consumed); prompt_mask: mark_fed's, read only.
       batch: the step's row arrays (host.batch.sample_layout's: slots, sample_mask, n_draft,
-        logit_start, top_k, seeds, steps, fresh [S], logit_seg, logit_off [R],
-        want_logprobs [1]); floats: [6, S] FLOAT_FIELDS per row; k: K;
-      allow: int32 [S, ceil(V / 32)] token bitmasks per row (structured output), or None; a
-        step where every bit is set skips them.
+        logit_start, top_k, seeds, steps, fresh [S], logit_seg, logit_off [R]); floats: [6, S]
+        FLOAT_FIELDS per row; k: K;
+      allow: int32 [S, ceil(V / 32)] token bitmasks per row (structured output; all bits
+        set: any token), or None.
+      filtered: static, `sample`'s (`needs_filter` of the step's rows).
+      logprobs: static; whether some row asked for top logprobs.
     Returns:
       (packed int32 [2R + S]: sampled token per logits row, its logprob's float32 bits, and
-      proposals accepted per row; top ids int32 [R, 20] and top logprobs [R, 20], zeros when
-      no row asked for logprobs; the new state, counts and last).
+      proposals accepted per row; top ids int32 [R, 20] and top logprobs [R, 20], zeros
+      without `logprobs`; the new state, counts and last).
     """
     S, R = batch["slots"].shape[0], logits.shape[0]
     oob = state["counts"].shape[0]  # padding rows (slot -1) index past the end: dropped
@@ -173,9 +198,7 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
     pmask = prompt_mask
     seg, off = batch["logit_seg"], batch["logit_off"]  # [R]
     if allow is not None:
-        logits = jax.lax.cond(
-            jnp.any(allow != -1), lambda x: constrain(x, allow[seg]), lambda x: x, logits
-        )
+        logits = constrain(logits, allow[seg])
     row_slots = jnp.minimum(slots, oob - 1)[seg]
     row_counts = counts[row_slots]
     for m in range(k):  # proposals 1..off precede the logits row at offset off
@@ -184,7 +207,7 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
     sp = {name: v[seg] for name, v in named(floats, batch["top_k"]).items()}
     seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)[seg]
     steps = batch["steps"][seg] + jnp.maximum(off, 0)
-    tokens, logp = sample(logits, row_counts, pmask[row_slots], sp, seeds, steps)
+    tokens, logp = sample(logits, row_counts, pmask[row_slots], sp, seeds, steps, filtered)
     # Verification: the first proposal unequal to the token sampled before it.
     n_draft = batch["n_draft"][seg]
     nxt = row_tokens[:, k]
@@ -198,15 +221,11 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
     last_tok = tokens[jnp.minimum(batch["logit_start"] + accepted, R - 1)]
     last = state["last"].at[jnp.where(sampled, slots, oob)].set(last_tok, mode="drop")
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.cond(
-        batch["want_logprobs"][0] > 0,
-        lambda x: tuple(jax.lax.top_k(x, TOP_LOGPROBS)),
-        lambda x: (
-            jnp.zeros((x.shape[0], TOP_LOGPROBS), x.dtype),
-            jnp.zeros((x.shape[0], TOP_LOGPROBS), jnp.int32),
-        ),
-        logp,
-    )
+    if logprobs:
+        top_lp, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+    else:
+        top_lp = jnp.zeros((R, TOP_LOGPROBS), logp.dtype)
+        top_ids = jnp.zeros((R, TOP_LOGPROBS), jnp.int32)
     packed = jnp.concatenate(
         [tokens, jax.lax.bitcast_convert_type(chosen, jnp.int32), accepted.astype(jnp.int32)]
     )

@@ -186,7 +186,8 @@ def step_layout(T: int, S: int, R: int, MB: int) -> Layout:
 
 def sample_layout(S: int, R: int) -> Layout:
     """The row arrays the sampling program reads (device/sampling.sample_rows): no [T] array, so
-    buckets of one row width share one sampling program."""
+    buckets of one row width share one sampling program. (want_logprobs is the host's: it
+    picks the program.)"""
     return [
         ("slots", (S,)),
         ("sample_mask", (S,)),
@@ -198,7 +199,6 @@ def sample_layout(S: int, R: int) -> Layout:
         ("fresh", (S,)),
         ("logit_seg", (R,)),
         ("logit_off", (R,)),
-        ("want_logprobs", (1,)),
     ]
 
 
