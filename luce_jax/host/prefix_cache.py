@@ -1,11 +1,11 @@
 """Prefix cache: full KV blocks found by their content, and an LRU of the ones no slot holds.
 
-Pure Python. A cached block is keyed by (the entry id of the block before it, its P token ids),
-so a key names the whole prefix up to and including the block: a chained key, resolved by
-dict equality rather than by a hash alone, so two different prefixes never share an entry.
-Entry ids are never reused; an entry whose parent was evicted can no longer be reached from the
-root and ages out of the LRU. The root (id 0) stands for the pool's model, cache types and block
-size, which one pool never changes.
+Pure Python (NumPy arrays of ids accepted). A cached block is keyed by (the entry id of the
+block before it, its P token ids), so a key names the whole prefix up to and including the
+block: a chained key, resolved by dict equality rather than by a hash alone, so two different
+prefixes never share an entry. Entry ids are never reused; an entry whose parent was evicted
+can no longer be reached from the root and ages out of the LRU. The root (id 0) stands for the
+pool's model, cache types and block size, which one pool never changes.
 """
 
 from __future__ import annotations
@@ -14,9 +14,17 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+
 ROOT = 0  # entry id "before" a sequence's first block
 
 Key = tuple[int, tuple[int, ...]]
+
+
+def _ints(tokens: Sequence[int]) -> list[int]:
+    """Token ids as a list of Python ints, converted once: a per-id int() made matching an
+    8k-token prompt 1.2 ms of the engine thread."""
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
 
 
 class PrefixCache:
@@ -43,14 +51,14 @@ class PrefixCache:
         return len(self._lru)
 
     def key(self, parent: int, tokens: Sequence[int]) -> Key:
-        return parent, tuple(int(t) for t in tokens)
+        return parent, tuple(_ints(tokens))
 
     def match(self, prompt: Sequence[int]) -> list[int]:
         """Blocks holding the longest run of `prompt`'s leading full blocks, never its last
         token: that token's logits start generation, so it is always computed."""
-        P, parent, out = self.block_size, ROOT, []
-        for i in range((len(prompt) - 1) // P):
-            b = self._index.get(self.key(parent, prompt[i * P : (i + 1) * P]))
+        P, parent, out, ids = self.block_size, ROOT, [], _ints(prompt)
+        for i in range((len(ids) - 1) // P):
+            b = self._index.get((parent, tuple(ids[i * P : (i + 1) * P])))
             if b is None:
                 break
             out.append(b)
