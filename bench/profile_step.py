@@ -52,10 +52,11 @@ def _variants(name: str) -> list[str]:
     return v
 
 
-def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, float]:
-    """(ms per category, ms per (kernel, category), busy ms, span ms) over the trace's device
-    events; the span runs from the first one's start to the last one's end, so span - busy is
-    the time the device waited (for launches, transfers or the host).
+def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, float, list]:
+    """(ms per category, ms per (kernel, category), busy ms, span ms, gaps) over the trace's
+    device events; the span runs from the first one's start to the last one's end, so span -
+    busy is the time the device waited (for launches, transfers or the host), and gaps lists
+    the 8 longest waits as (ms, kernel before, kernel after).
 
     GPU: events on the device process's stream threads (other lines of that process repeat
     them per module or op). CPU: events whose name is an HLO instruction of the step.
@@ -91,14 +92,16 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, f
                 continue
         by_cat[cat] += dur
         by_kernel[(name, cat)] += dur
-        spans.append((float(e["ts"]) / 1e3, float(e["ts"]) / 1e3 + dur))
-    busy, end = 0.0, -1e30
-    for a, b in sorted(spans):  # union of intervals: overlapping kernels count once
+        spans.append((float(e["ts"]) / 1e3, float(e["ts"]) / 1e3 + dur, name))
+    busy, end, last, gaps = 0.0, -1e30, "", []
+    for a, b, name in sorted(spans):  # union of intervals: overlapping kernels count once
         if b > end:
+            if a > end > -1e30:
+                gaps.append((a - end, last, name))
             busy += b - max(a, end)
-            end = b
-    span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
-    return dict(by_cat), dict(by_kernel), busy, span
+            end, last = b, name
+    span = max(b for _, b, _ in spans) - min(a for a, _, _ in spans) if spans else 0.0
+    return dict(by_cat), dict(by_kernel), busy, span, sorted(gaps, reverse=True)[:8]
 
 
 def _spy(key, exe, used: set):
@@ -185,7 +188,7 @@ def _device_only(trace: dict) -> dict:
 
 def analyze(raw: dict) -> dict:
     """The report of one profiled concurrency from its raw trace and HLO text."""
-    by_cat, by_kernel, busy, _ = device_time(raw["trace"], hlo_categories(raw["hlo"]))
+    by_cat, by_kernel, busy, _, _ = device_time(raw["trace"], hlo_categories(raw["hlo"]))
     steps = raw["steps"]
     step_ms = raw["wall_ms"] / steps
     parts = {k: v / steps for k, v in by_cat.items()}

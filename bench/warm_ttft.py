@@ -5,7 +5,8 @@ extend it by a 200-token tail, with max_tokens 1 (and 64 for three warm ones): t
 time, time from submit to the first token's event, the cached tokens, and for one warm and
 one cold request the device's busy time by model part and its top kernels
 (bench/profile_step.py's attribution), the device's span from its first kernel to its last, and
-the host's timeline (admit, plan, dispatch, launches, fetch, collect) from submit.
+its longest waits, and the host's timeline (admit, plan, dispatch, launches, fetch, collect)
+from submit.
 
     python bench/warm_ttft.py --model qwen3-8b-bf16.gguf --slots 32 --ctx 8656
 """
@@ -119,11 +120,13 @@ def main():
             with gzip.open(path) as f:
                 tr = json.load(f)
             hlo = "\n".join(e.as_text() for e in llm.engine.runner.programs._exec.values())
-            by_cat, by_kernel, busy, span = device_time(tr, hlo_categories(hlo))
+            by_cat, by_kernel, busy, span, gaps = device_time(tr, hlo_categories(hlo))
             parts = {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
             top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
             log.info("  device busy %.2f ms of a %.2f ms span: %s", busy, span, parts)
             log.info("  top kernels (ms): %s", [(n[:40], c, round(v, 2)) for (n, c), v in top])
+            log.info("  longest device waits (ms, before, after): %s",
+                     [(round(g, 3), a[:32], b[:32]) for g, a, b in gaps])  # fmt: skip
 
     prefix = system_prefix(a.prefix_tokens, 1, count)
     for i in range(2):
