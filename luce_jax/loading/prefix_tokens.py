@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,16 +32,26 @@ MIN_SHARED = 2048  # characters in common before reuse is worth a lookup
 MARGIN = 256  # the cut stays this far inside the shared text (longer than any added token)
 
 
-def common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix of a and b (by halving: string compares run in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def codes(text: str) -> np.ndarray:
+    """text's code points, uint32 [len(text)] (lone surrogates kept)."""
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+
+
+def common_prefix(a: str | np.ndarray, b: str | np.ndarray) -> int:
+    """Length of the longest common prefix of a and b (strings or their `codes`): one
+    vectorized compare; halving with string slices copied 1.3 MB per 40k-character pair."""
+    a, b = (codes(x) if isinstance(x, str) else x for x in (a, b))
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass
+class _Recent:
+    text: str
+    ids: list[int]
+    codes: np.ndarray
+    ends: np.ndarray | None = None  # input bytes up to each id's end, made on first reuse
 
 
 class PrefixTokens:
@@ -54,7 +65,7 @@ class PrefixTokens:
 
     def __init__(self, encode: Callable[[str], list[int]], input_bytes: np.ndarray, size: int = 8):
         self._encode, self._bytes = encode, input_bytes
-        self._recent: deque[tuple[str, list[int]]] = deque(maxlen=size)
+        self._recent: deque[_Recent] = deque(maxlen=size)
         self._lock = threading.Lock()
         self.reused_tokens = 0  # ids taken from a recent prompt rather than tokenized
 
@@ -63,9 +74,10 @@ class PrefixTokens:
             return self._encode(text)
         with self._lock:
             recent = list(self._recent)
+        mine = codes(text)
         best, shared = None, 0
         for entry in recent:
-            n = common_prefix(entry[0], text)
+            n = common_prefix(entry.codes, mine)
             if n > shared:
                 best, shared = entry, n
         ids = None
@@ -74,16 +86,18 @@ class PrefixTokens:
         if ids is None:
             ids = self._encode(text)
         with self._lock:
-            self._recent.append((text, ids))
+            self._recent.append(_Recent(text, ids, mine))
         return list(ids)  # the caller's copy: the remembered list must not change
 
-    def _reuse(self, entry: tuple[str, list[int]], text: str, shared: int) -> list[int] | None:
+    def _reuse(self, entry: _Recent, text: str, shared: int) -> list[int] | None:
         """entry's ids up to a safe cut before `shared`, then the rest of text tokenized."""
-        old, old_ids = entry
+        old, old_ids = entry.text, entry.ids
         p = _cut(old, shared - MARGIN)
         if p is None:
             return None
-        ends = np.cumsum(self._bytes[np.asarray(old_ids, np.int64)])
+        if entry.ends is None:
+            entry.ends = np.cumsum(self._bytes[np.asarray(old_ids, np.int64)])
+        ends = entry.ends
         at = len(old[:p].encode("utf-8", "surrogatepass"))
         k = int(np.searchsorted(ends, at, side="right"))
         if k == 0 or ends[k - 1] != at:  # no token of the old prompt ends at the cut
