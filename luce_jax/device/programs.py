@@ -39,7 +39,7 @@ class BucketPrograms:
       name: what the progress bar and the log call these programs.
     """
 
-    def __init__(self, traced: Callable[[int, int], tuple], donate: tuple[int, ...], name: str):
+    def __init__(self, traced: Callable[..., tuple], donate: tuple[int, ...], name: str):
         self.traced, self.donate, self.name = traced, donate, name
         self.compiles = 0  # executables built; after warmup this must not move
         self._exec: dict[tuple, object] = {}
