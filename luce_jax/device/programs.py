@@ -65,18 +65,27 @@ class BucketPrograms:
         return key in self._exec
 
     def warmup(self, keys: list[tuple], workers: int | None = None) -> None:
-        """Compile every bucket key ahead of serving, several at once: XLA compiles in C++
-        without the GIL, so a thread pool uses the host's cores."""
-        todo = [k for k in keys if k not in self._exec]
-        workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
-        with ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(self.compile, *k) for k in todo]
-            for f in tqdm(
-                as_completed(futures), total=len(futures), desc=f"compiling {self.name}",
-                leave=False,
-            ):  # fmt: skip
-                f.result()
-        log.info("compiled %d %s buckets", len(keys), self.name)
+        """Compile every bucket key ahead of serving (`compile_all`)."""
+        compile_all([(self, keys)], workers)
+
+
+def compile_all(
+    groups: list[tuple[BucketPrograms, list[tuple]]], workers: int | None = None
+) -> None:
+    """Compile every key of every group ahead of serving, all in one thread pool: XLA compiles
+    in C++ without the GIL, so the pool uses the host's cores, and one group's slow programs
+    (the sampling's sort) compile beside another's rather than after them."""
+    todo = [(p, k) for p, keys in groups for k in keys if k not in p._exec]
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
+    names = " and ".join(p.name for p, _ in groups)
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(p.compile, *k) for p, k in todo]
+        for f in tqdm(
+            as_completed(futures), total=len(futures), desc=f"compiling {names}", leave=False
+        ):
+            f.result()
+    for p, keys in groups:
+        log.info("compiled %d %s buckets", len(keys), p.name)
 
 
 def best_of_3(fn) -> float:

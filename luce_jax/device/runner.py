@@ -32,7 +32,7 @@ from ..host.grammar import words as mask_words
 from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense, hybrid
 from . import sampling
-from .programs import BucketPrograms, best_of_3
+from .programs import BucketPrograms, best_of_3, compile_all
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +298,7 @@ class Runner:
 
     def warmup(self, pairs: list[tuple[int, int]]) -> None:
         """Compile every (T, S) bucket pair's forward pass and sampling."""
-        self.programs.warmup(pairs)
-        self.sample_programs.warmup(self.sample_buckets(pairs))
+        compile_all([(self.programs, pairs), (self.sample_programs, self.sample_buckets(pairs))])
         for S in sorted({s for _, s in pairs}):
             self._open_mask(S)
 
