@@ -68,7 +68,8 @@ def _load(config: EngineConfig, clock: StartupClock):
     # The weights load on a thread while the step compiles from their shapes: on the H200 a
     # warm start of the 8B-shaped bf16 file spent 3.1 s loading, then 3.3 s compiling.
     with clock.phase("weight shapes"):
-        mc, shapes = abstract_params(f, model_config(f.metadata), config.dtype, quantized)
+        file_cfg = model_config(f.metadata)
+        mc, shapes = abstract_params(f, file_cfg, config.dtype, quantized)
     config = fit_to_model(config, mc)
     if mc.recurrent:
         config = hybrid_limits(config)
@@ -83,7 +84,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         config, jax.devices()[0], per_token, state_bytes(mc, config), weights
     )
     # started after the pool is sized: a load in progress would move the allocator's figures
-    loading = _in_background(load_params, f, model_config(f.metadata), config.dtype, quantized)
+    loading = _in_background(load_params, f, file_cfg, config.dtype, quantized)
     log.info(
         "KV pool: %d blocks of %d tokens (%.2f GiB)",
         num_blocks - 1,
