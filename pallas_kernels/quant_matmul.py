@@ -167,7 +167,7 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
 
         return jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
 
-    def vectors():
+    def vectors(R):
         """Rows 0 .. R-1 on the vector units: per row, codes times activations summed. A loop
         step decodes its U blocks together ([BN, U, n] codes per piece) and the partial sums
         stay [BN, U] until the loop ends, so each step has few wide loads and no reduction
@@ -194,7 +194,7 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
         zero = jnp.zeros((BN, U), jnp.float32)
         return rows_out(jax.lax.fori_loop(0, steps, body, (zero,) * R))
 
-    def vectors_words():
+    def vectors_words(R):
         """The vector path a 32-bit word of codes at a time (ggml_words.py): each code becomes
         f in [1, 2) with a shift and a mask-and-or, and row m accumulates, elementwise over
         [BN, U, nw], A * f * x + B * x per group; one reduction after the loop."""
@@ -230,30 +230,29 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
                         xs = plgpu.load(xg_ref.at[m, blk * fmt.groups + g], mask=ok, other=0)
                         return acc + A[..., None] * fx + (B * (xs / nw)[None, :])[..., None]
 
-                    # a row past the live ones is skipped (one token in a bucket of 8)
-                    accs[m] = (
-                        row(accs[m])
-                        if m == 0
-                        else jax.lax.cond(live_ref[0] > m, row, lambda acc: acc, accs[m])
-                    )
+                    accs[m] = row(accs[m])
             return tuple(accs)
 
         zero = jnp.zeros((BN, U, nw), jnp.float32)
         accs = jax.lax.fori_loop(0, steps, body, (zero,) * R)
         return rows_out(tuple(jnp.sum(a, axis=2) for a in accs))
 
-    def rows_out(accs):  # R accumulators [BN, U] -> rows 0 .. R-1 of the [BM, BN] tile
+    def rows_out(accs):  # r accumulators [BN, U] -> rows 0 .. r-1 of the [BM, BN] tile
         r = jnp.arange(BM)[:, None]
         out = jnp.zeros((BM, BN), jnp.float32)
-        for m in range(R):
+        for m in range(len(accs)):
             out = jnp.where(r == m, jnp.sum(accs[m], axis=1)[None, :], out)
         return out
 
-    if R == 0:
-        out = dots()
-    else:
-        few = (live_ref[0] <= R) & (i == 0)
-        out = jax.lax.cond(few, vectors_words if words else vectors, dots)
+    # A step of r <= R live rows decodes for r rows, not R: the vector path is bound by
+    # instruction issue (ncu on the H200: Q4_K gate/up at 0.77 instructions a clock per
+    # scheduler, 18% of DRAM bandwidth), and one token in a bucket of 8 (decode at C1) had
+    # paid for two rows. The branch is uniform over a program, so only its code is shared.
+    out = dots
+    for r in range(1, R + 1)[::-1]:
+        path = functools.partial(vectors_words if words else vectors, r)
+        out = functools.partial(jax.lax.cond, (live_ref[0] <= r) & (i == 0), path, out)
+    out = out()
     # The partials hold M rows, not NI * BM: a tile's rows past M are not stored (at M 8 the
     # padded tile doubled the partials' traffic, which a decode call writes and reads again).
     rows = i * BM + jnp.arange(BM)
@@ -321,7 +320,7 @@ def quant_matmul(
       words: the vector path decodes 32-bit words of codes into floats in [1, 2)
         (ggml_words.py) for the types that have such a decoder (all but IQ4_XS), rather than
         a code at a time through integers; x goes in float32 with its spans reordered and
-        its group sums taken by XLA first, and a second row is skipped when only one is live.
+        its group sums taken by XLA first.
         Off until timed on a GPU. Compiled for sm_90a on the CPU (bench/kernel_ptx.py
         --vector), SASS instructions per weight value per program step, both rows: Q4_K 8.7
         (block_n 32, 1024 values per step) against 15.3 for the default; Q6_K 12.3 against

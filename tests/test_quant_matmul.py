@@ -67,11 +67,12 @@ def test_kernel_matches_reference(qtype, K, N, vps, M):
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("live, vector_rows", [(2, 2), (3, 2)])
+@pytest.mark.parametrize("live, vector_rows", [(1, 2), (2, 2), (3, 2)])
 @pytest.mark.parametrize("qtype, K, N, vps", list(kernel_cases())[1::2], ids=lambda v: str(v))
 def test_live_rows_match_the_reference_on_either_path(qtype, K, N, vps, live, vector_rows):
     """A step's real rows lead x; with at most vector_rows of them the vector-unit path runs
-    (the dot path otherwise), and the real rows equal the reference either way."""
+    for just that many rows (the dot path otherwise), and the real rows equal the reference
+    every way."""
     w = weight(qtype, N, K, seed=live)
     x = jax.random.normal(jax.random.key(live + K), (8, K), jnp.float32)
     got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=vps,
