@@ -106,27 +106,6 @@ def test_no_sampling_program_branches_on_the_device(loaded):
         assert ("stablehlo.sort" in text) == key[2]  # the filters' sort only where asked
 
 
-def test_large_steps_compile_without_command_buffers(loaded):
-    """XLA updates a step's command buffer on the host before it runs, which a warm
-    prefix-cached request waited 1.7 ms for on the H200 with the engine idle: steps above
-    GRAPH_MAX_TOKENS tokens compile without them, decode-sized steps keep them, and the option
-    reaches the compiler (one it does not know is refused)."""
-    import jax.numpy as jnp
-
-    from luce_jax.device.programs import BucketPrograms
-    from luce_jax.device.runner import GRAPH_MAX_TOKENS
-
-    programs = loaded[1].runner.programs
-    off = {(T, S): programs.options(T, S) == {"xla_gpu_enable_command_buffer": ""}
-           for T, S in programs._exec}  # fmt: skip
-    assert set(off.values()) == {True, False}  # the warmed buckets hold both kinds
-    assert all(o == (T > GRAPH_MAX_TOKENS) for (T, _), o in off.items())
-    bad = BucketPrograms(lambda: (lambda x: x + 1, (jnp.ones(2),)), (), "probe",
-                         options=lambda: {"no_such_compile_option": ""})  # fmt: skip
-    with pytest.raises(Exception, match="no_such_compile_option"):
-        bad.compile()
-
-
 def test_seeded_sampling_is_reproducible_under_batching(loaded, engine_config):
     tok, engine = loaded
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=1234)

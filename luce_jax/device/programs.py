@@ -37,19 +37,10 @@ class BucketPrograms:
       traced: (*key) -> (function with the key bound, abstract arguments to lower it with).
       donate: argument positions donated to the program (only KV and per-slot device state).
       name: what the progress bar and the log call these programs.
-      options: (*key) -> XLA compile options for that key's program (jax's
-        `Compiled.compile(compiler_options=...)`), or None for none.
     """
 
-    def __init__(
-        self,
-        traced: Callable[..., tuple],
-        donate: tuple[int, ...],
-        name: str,
-        options: Callable[..., dict] | None = None,
-    ):
+    def __init__(self, traced: Callable[..., tuple], donate: tuple[int, ...], name: str):
         self.traced, self.donate, self.name = traced, donate, name
-        self.options = options or (lambda *key: {})
         self.compiles = 0  # executables built; after warmup this must not move
         self._exec: dict[tuple, object] = {}
         self._lock = threading.Lock()
@@ -57,8 +48,7 @@ class BucketPrograms:
     def compile(self, *key):
         """Build (or fetch from the persistent cache) the executable of one bucket key."""
         fn, args = self.traced(*key)
-        lowered = jax.jit(fn, donate_argnums=self.donate).lower(*args)
-        exe = lowered.compile(compiler_options=self.options(*key) or None)
+        exe = jax.jit(fn, donate_argnums=self.donate).lower(*args).compile()
         with self._lock:
             self.compiles += 1
             self._exec[key] = exe

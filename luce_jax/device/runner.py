@@ -37,21 +37,6 @@ from .programs import BucketPrograms, best_of_3, compile_all
 log = logging.getLogger(__name__)
 
 
-# Token buckets above this size run without XLA's command buffers (CUDA graphs). A graph
-# saves the launches of a step's few hundred kernels, which is what a decode step of a few
-# rows waits on (H200, 8B bf16: C1 168 -> 205 tok/s, C32 3966 -> 5336 with them), but before
-# it runs XLA updates it on the host for the step's new buffers: 1.7 ms between the input copy
-# and the first kernel of a warm prefix-cached request's 256-token step, when the engine is
-# idle and nothing hides it (0.6 ms without). A step this large keeps the GPU busy for
-# milliseconds, so its launches stay ahead of the device without a graph.
-GRAPH_MAX_TOKENS = 64
-
-
-def step_compile_options(T: int, S: int) -> dict:
-    """XLA compile options of the (T, S) step: command buffers off above GRAPH_MAX_TOKENS."""
-    return {"xla_gpu_enable_command_buffer": ""} if T > GRAPH_MAX_TOKENS else {}
-
-
 @dataclass(frozen=True)
 class Forward:
     """A dispatched forward pass whose sampling is not launched yet."""
@@ -129,9 +114,7 @@ class Runner:
         self._grouped_matmul = grouped_matmul_fn
         self._quant_matmul = quant_matmul
         self._delta = delta_fn
-        self.programs = BucketPrograms(
-            self.step_function, donate=(1, 2, 3), name="step", options=step_compile_options
-        )
+        self.programs = BucketPrograms(self.step_function, donate=(1, 2, 3), name="step")
         # keyed by (R, S, filtered, logprobs): the sampling program reads no [T] array, and the
         # host picks its variant (sampling.py says why it is no lax.cond)
         self.sample_programs = BucketPrograms(self.sample_function, donate=(2,), name="sampling")
