@@ -101,6 +101,9 @@ def compiled(ttir: str, num_warps: int, num_stages: int) -> dict:
     }
 
 
+VECTOR_PATHS = ("vectors", "vectors_words")  # quant_matmul's, bound to a row count
+
+
 def quant_cases(a):
     for q in a.types:
         f = FORMATS[q]
@@ -108,7 +111,8 @@ def quant_cases(a):
         x = jnp.zeros((a.rows, a.k), jnp.bfloat16)
         live = None if a.live is None else jnp.int32(a.live)
         kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages, words=a.words,
-                  values_per_step=a.values_per_step, block_n=a.block_n)  # fmt: skip
+                  values_per_step=a.values_per_step, block_n=a.block_n,
+                  vector_rows=a.vector_rows)  # fmt: skip
         yield q, (lambda x, w=w, n=live, kw=kw: quant_matmul(x, w, n, **kw)), (x,)
 
 
@@ -142,19 +146,28 @@ def main():
     ap.add_argument("--values-per-step", type=int, default=256, help="quant_matmul's")
     ap.add_argument("--block-n", type=int, default=64, help="quant_matmul's")
     ap.add_argument("--words", action="store_true", help="quant_matmul's word-decoding path")
+    ap.add_argument(
+        "--vector-rows",
+        type=int,
+        default=2,
+        help="quant_matmul's: the vector path is compiled for 1 .. this many rows",
+    )
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     path = ap.add_mutually_exclusive_group()
     path.add_argument("--vector", action="store_true", help="quant_matmul's vector path only")
     path.add_argument("--dots", action="store_true", help="quant_matmul's dots path only")
     a = ap.parse_args()
-    if a.vector or a.dots:  # the kernel's lax.cond(few, vectors, dots) traces one branch
-        keep, cond = 1 if a.vector else 2, jax.lax.cond
+    # the kernel's chain of lax.conds (1 row, ..., vector_rows rows, dots): --dots keeps the
+    # dots, --vector the widest vector path (--vector-rows 1: the one-row path)
+    if a.vector or a.dots:
+        cond = jax.lax.cond
 
-        def one_branch(pred, true, false, *ops):  # other conds (a skipped row) stay
-            if getattr(false, "__name__", "") != "dots":
+        def one_branch(pred, true, false, *ops):  # other conds stay
+            if getattr(getattr(true, "func", None), "__name__", "") not in VECTOR_PATHS:
                 return cond(pred, true, false, *ops)
-            return (true, false)[keep - 1](*ops)
+            widest = getattr(false, "__name__", "") == "dots"
+            return (true if a.vector and widest else false)(*ops)
 
         jax.lax.cond = one_branch
     cases = quant_cases(a) if a.kernel == "quant_matmul" else attention_cases(a)

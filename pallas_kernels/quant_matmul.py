@@ -23,13 +23,18 @@ until there are about `min_programs` programs (`vector_programs` for the vector 
 the GPU; the splits' float32 partials are summed afterwards.
 
 Speed (H200, Qwen3-8B shapes, bench/quant_matmul.py, M 8 with 1 or 2 live rows, time per call
-against XLA's bf16 dot of the same shape; 2026-12-01_quant_matmul_vector_h200.md). The vector
-path, decoding U blocks per load: gate/up Q8_0 51 us (live 1) / 54 (live 2), Q4_K 59 / 74, Q6_K
-81 / 94, the bf16 dot 54 to 66; down (K 12288) Q8_0 35 / 35, Q4_K 40, the bf16 dot 32 to 36. It
-replaced a group-at-a-time vector path (gate/up Q8_0 74, down 160) and beats the dots at M 8
-(Q8_0 88 / 66, Q4_K 90 / 58, Q6_K 114 / 73: 2026-12-01_quant_matmul_live_h200.md). The split
-layout took the dots from 141 to 94 us for Q8_0 (2026-12-01_quant_gemv_h200.md). At M 512 the
-kernel is 6x to 15x slower than the bf16 dot and XLA's dequantize-then-dot 1.3x to 1.7x
+against XLA's bf16 dot of the same shape). The vector path decodes for exactly the live rows
+(2026-12-01_quant_matmul_live_rows_h200_*.md, same call): one live row, gate/up Q8_0 51 -> 47
+us, Q4_K 80 -> 65; down Q8_0 33 -> 31, Q4_K 45 -> 44; the bf16 dot 55 (gate/up) and 32 to 44
+(down). Nsight Compute on the two-row code (2026-12-01_ncu_quant_matmul_h200_7b13d7b.txt)
+found Q4_K bound by instruction issue, not memory: 16 thread instructions per weight value,
+0.77 warp instructions a clock per scheduler, 18% of DRAM bandwidth, 4 programs of 4 warps per
+SM (registers); Q8_0 9 per value at 50%. The word decoding (ggml_words.py) moved its
+reassembled words through shared memory (26x the wavefronts) and ran slower. The vector path
+replaced a group-at-a-time one (gate/up Q8_0 74, down 160) and beats the dots at M 8 (Q8_0 88
+/ 66, Q4_K 90 / 58, Q6_K 114 / 73: 2026-12-01_quant_matmul_live_h200.md). The split layout
+took the dots from 141 to 94 us for Q8_0 (2026-12-01_quant_gemv_h200.md). At M 512 the kernel
+is 6x to 15x slower than the bf16 dot and XLA's dequantize-then-dot 1.3x to 1.7x
 (2026-11-30_quant_matmul_types_h200.md), which is why models/linear.py sends steps of more
 than 64 rows to XLA.
 
@@ -313,8 +318,8 @@ def quant_matmul(
         per SM of an H200), never below one step per split. At M 8, 2112 rather than 264
         programs took the dots from 94 to 70 us (Q8_0 gate/up) and 66 to 47 (Q8_0 down), 58
         to 48 (Q4_K down), Q4_K gate/up unchanged (2026-12-01_quant_matmul_vector_h200.md).
-      vector_rows, vector_programs: with `live`, rows up to vector_rows take the vector path
-        when live <= vector_rows, and the grid is split to about vector_programs programs.
+      vector_rows, vector_programs: with `live`, a call of r <= vector_rows live rows takes
+        the vector path for r rows, and the grid is split to about vector_programs programs.
         At 1 and 2 live rows the vector path beat the dots in every case measured; at 4 it
         lost to them (Q8_0 gate/up 91 vs 70 us, Q4_K 121 vs 89; same file).
       words: the vector path decodes 32-bit words of codes into floats in [1, 2)
