@@ -47,11 +47,13 @@ def parse_variant(v: str) -> dict:
 
 
 def parse_vector(v: str) -> dict:
-    """block_n:values_per_step:warps:stages:vector_programs[:words] of the vector path (words
-    1: codes decoded a 32-bit word at a time, ggml_words.py; 0, the default: a code at a time)."""
-    bn, vps, warps, stages, vp, *words = (int(t) for t in v.split(":"))
+    """block_n:values_per_step:warps:stages:vector_programs[:words[:unit]] of the vector path
+    (words 1: codes decoded a 32-bit word at a time, ggml_words.py; unit 1: codes as the floats
+    1 + q / 128 four bytes at a time, ggml_asm.py; 0, the default: a code at a time)."""
+    bn, vps, warps, stages, vp, *flags = (int(t) for t in v.split(":"))
+    flags += [0] * (2 - len(flags))
     return dict(block_n=bn, values_per_step=vps, num_warps=warps, num_stages=stages,
-                vector_programs=vp, words=bool(words and words[0]))  # fmt: skip
+                vector_programs=vp, words=bool(flags[0]), unit_codes=bool(flags[1]))  # fmt: skip
 
 
 def xla_reduce(x, w):

@@ -50,11 +50,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend.backend
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
+from .ggml_asm import DECODERS as FLOAT_DECODERS
 from .ggml_blocks import (
     QTYPES,
     BlockFormat,
@@ -137,8 +139,9 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
 
 
 def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps,
-            n_blocks, R, words):  # fmt: skip
+            n_blocks, R, words, unit, ptx):  # fmt: skip
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    float_decode = FLOAT_DECODERS.get(QTYPES[fmt.qtype]) if unit else None
     M, K = x_ref.shape
     N = b_ref.shape[0]
     cols = j * BN + jnp.arange(BN)
@@ -182,15 +185,20 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
             accs = list(accs)
             blk, ok, (load, load1) = block(c, jnp.arange(U))
             for g in range(fmt.groups):
-                a, b, pieces = fmt.decode(load, load1, g)
+                if float_decode is None:  # integer codes (IQ4_XS: through its table)
+                    a, b, pieces = fmt.decode(load, load1, g)
+                    pieces = [(first, exact_f32(q)) for first, q in pieces]
+                else:  # unit floats, four code bytes at a time (ggml_asm.py)
+                    a, b, pieces = float_decode(load, load1, g, ptx)
                 for m in range(R):
                     part = xsum = 0.0
                     for first, codes in pieces:
                         ks = blk[:, None] * fmt.block + g * fmt.group + first
                         ks = ks + jnp.arange(codes.shape[-1])[None, :]  # [U, n]
-                        xm = plgpu.load(x_ref.at[m, ks], mask=ks < K, other=0)
-                        xm = xm.astype(jnp.float32)
-                        part += jnp.sum(exact_f32(codes) * xm[None], axis=-1)
+                        # xw: x in float32 (the wrapper converts it once, not per weight row)
+                        xm = plgpu.load(xw_ref.at[m, ks], mask=ks < K, other=0)
+                        xm = xm.astype(jnp.float32)  # with unit codes xw is float32 already
+                        part += jnp.sum(codes * xm[None], axis=-1)
                         if b is not None:
                             xsum += jnp.sum(xm, axis=-1)[None, :]
                     accs[m] = accs[m] + a * part + (0.0 if b is None else xsum * b)
@@ -265,6 +273,14 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
     plgpu.store(o_ref.at[s, rows[:, None], cols[None, :]], out, mask=ok)
 
 
+def uses_ptx(interpret: bool | None) -> bool:
+    """Whether a Triton kernel may hold PTX: not in interpret mode and not on a ROCm backend.
+    Lowering for cuda from the CPU (tests, bench/kernel_ptx.py) takes the PTX."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    return not interpret and "rocm" not in jax.extend.backend.get_backend().platform_version
+
+
 def _pow2(n: int, lo: int, hi: int) -> int:
     """The power of two nearest above n, within [lo, hi]."""
     return max(lo, min(hi, 1 << max(n - 1, 0).bit_length()))
@@ -297,6 +313,8 @@ def quant_matmul(
     vector_rows: int = 2,
     vector_programs: int = 2112,
     words: bool = False,
+    unit_codes: bool = False,
+    ptx: bool | None = None,
     interpret: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -330,6 +348,15 @@ def quant_matmul(
         --vector), SASS instructions per weight value per program step, both rows: Q4_K 8.7
         (block_n 32, 1024 values per step) against 15.3 for the default; Q6_K 12.3 against
         16.5; Q8_0 no gain.
+      unit_codes: the vector path decodes Q4_0, Q4_K, Q5_K and Q6_K codes q into the floats
+        1 + q / 128 four bytes at a time (ggml_asm.py: one byte permute per value, no
+        conversion or subtraction; the group's scale and offset fold into two numbers), with
+        x in float32. Compiled for sm_90a on the CPU (bench/kernel_ptx.py --vector
+        --vector-rows 1), SASS instructions of the one-row path: Q4_K 1376 -> 936, Q5_K 1672
+        -> 1040, Q6_K 1608 -> 1144, Q4_0 968 -> 680; registers of the whole Q4_K kernel 119
+        -> 142. Off until timed on a GPU. Q8_0 stays on integers: its codes need 8 bits, and
+        its registers rose 168 -> 237 with the PTX.
+      ptx: unit codes through PTX (else the same arithmetic in jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
@@ -346,9 +373,19 @@ def quant_matmul(
     NI, NJ = -(-M // BM), -(-N // BN)
     words = words and QTYPES[fmt.qtype] in WORDS
     kernel = functools.partial(
-        _kernel, fmt=fmt, BM=BM, BN=BN, U=U, steps=steps, n_blocks=n_blocks, R=R, words=words
+        _kernel,
+        fmt=fmt,
+        BM=BM,
+        BN=BN,
+        U=U,
+        steps=steps,
+        n_blocks=n_blocks,
+        R=R,
+        words=words,
+        unit=unit_codes,
+        ptx=uses_ptx(interpret) if ptx is None else ptx,
     )
-    xw, xg = x, x  # unread placeholders without words
+    xw, xg = (x.astype(jnp.float32) if unit_codes else x), x  # xg: unread without words
     if words:
         nw = WORDS[QTYPES[fmt.qtype]][1]
         # x in float32, its spans of 4 nw values byte-major (a piece's nw values contiguous),

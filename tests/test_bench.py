@@ -262,14 +262,24 @@ def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
     assert stats["registers"] > 0 and stats["spill_bytes"] == 0
     assert any(k.startswith("ld.global") for k in stats["global_loads"])
     assert stats["sass"] > 0 and stats["I2F"] == 0, stats["sass_ops"]
+    # ptxas takes the unit codes' inline PTX (ggml_asm.py), which no CPU test can run
+    w = QuantWeight.from_rows(jnp.zeros((64, 512 // 256 * 144), jnp.uint8), "q4_k")
+    (ttir,) = kernel_ptx.triton_modules(
+        lambda x: quant_matmul(x, w, jnp.int32(1), unit_codes=True, interpret=False),
+        jnp.zeros((8, 512), jnp.bfloat16),
+    )
+    stats = kernel_ptx.compiled(ttir, num_warps=4, num_stages=2)
+    assert stats["sass_ops"].get("PRMT", 0) > 0 and stats["spill_bytes"] == 0
 
 
-def test_kernel_bench_vector_variants_select_the_word_path():
-    """bench/quant_matmul.py's --vector-variants: an optional sixth field turns on the word
-    decoding, so one device call can time both vector paths."""
+def test_kernel_bench_vector_variants_select_the_decoding():
+    """bench/quant_matmul.py's --vector-variants: optional sixth and seventh fields turn on the
+    word decoding and the unit codes, so one device call can time every vector path."""
     import quant_matmul as qmm_bench
 
     words = qmm_bench.parse_vector("32:1024:4:2:2112:1")
     assert words == dict(block_n=32, values_per_step=1024, num_warps=4, num_stages=2,
-                         vector_programs=2112, words=True)  # fmt: skip
-    assert qmm_bench.parse_vector("64:256:4:2:2112")["words"] is False
+                         vector_programs=2112, words=True, unit_codes=False)  # fmt: skip
+    plain = qmm_bench.parse_vector("64:256:4:2:2112")
+    assert plain["words"] is False and plain["unit_codes"] is False
+    assert qmm_bench.parse_vector("64:256:4:2:2112:0:1")["unit_codes"] is True

@@ -10,6 +10,7 @@ from gguf.quants import dequantize
 from test_quants import random_blocks
 
 from luce_jax.loading.quants import keep_quantized
+from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight, dequantize_weight
 from pallas_kernels.ggml_words import WORDS
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, tiling
@@ -77,6 +78,23 @@ def test_live_rows_match_the_reference_on_either_path(qtype, K, N, vps, live, ve
     x = jax.random.normal(jax.random.key(live + K), (8, K), jnp.float32)
     got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=vps,
                        vector_rows=vector_rows, vector_programs=4, interpret=True)  # fmt: skip
+    ref = np.asarray(quant_matmul_reference(x, w))[:live]
+    np.testing.assert_allclose(np.asarray(got)[:live], ref, rtol=1e-4,
+                               atol=1e-5 * np.abs(ref).max())  # fmt: skip
+
+
+@pytest.mark.parametrize("live", [1, 2])
+@pytest.mark.parametrize("qtype", sorted(FLOAT_DECODERS))
+def test_unit_codes_match_the_reference(qtype, live):
+    """The vector path with codes as the floats 1 + q / 128 (ggml_asm.py: the group's scale,
+    offset and bias folded into two numbers) over a K that ends inside a step and an N that
+    ends inside a tile. Interpret mode runs the jnp twin of the PTX (test_ggml_asm.py holds the
+    two equal)."""
+    B = FORMATS[qtype].block
+    w = weight(qtype, 40, 3 * B, seed=live)
+    x = jax.random.normal(jax.random.key(live), (8, 3 * B), jnp.float32)
+    got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=2 * max(B, 256),
+                       vector_programs=4, unit_codes=True, interpret=True)  # fmt: skip
     ref = np.asarray(quant_matmul_reference(x, w))[:live]
     np.testing.assert_allclose(np.asarray(got)[:live], ref, rtol=1e-4,
                                atol=1e-5 * np.abs(ref).max())  # fmt: skip

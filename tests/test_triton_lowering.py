@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kv_cache
+from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight
 from pallas_kernels.ggml_words import WORDS
 from pallas_kernels.moe_grouping import grouped_matmul
@@ -81,6 +82,16 @@ def test_the_word_decoding_vector_path_lowers(verified, qtype):
     f = lambda x, n: quant_matmul(x, w, n, words=True, values_per_step=512, interpret=False)  # noqa: E731
     lower_for_cuda(f, x, jnp.int32(1))
     assert len(verified) == 1
+
+
+@pytest.mark.parametrize("qtype", sorted(FLOAT_DECODERS))
+def test_the_unit_code_vector_path_lowers_with_its_ptx(verified, qtype):
+    w = zero_weight(qtype, 4096, 4096)
+    x = jnp.zeros((8, 4096), jnp.bfloat16)
+    f = lambda x, n: quant_matmul(x, w, n, unit_codes=True, interpret=False)  # noqa: E731
+    lower_for_cuda(f, x, jnp.int32(1))
+    assert len(verified) == 1
+    assert "prmt.b32" in str(verified[0].module)  # the codes go through ggml_asm's PTX
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])

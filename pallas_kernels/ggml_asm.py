@@ -1,0 +1,122 @@
+"""GGML code bytes to the floats 1 + q / 128, four at a time: one PTX byte permute per value.
+
+quant_matmul's vector path (a decode step's one or two live rows) is bound by instruction
+issue, not memory. On the H200, Nsight Compute counted 16 thread instructions per Q4_K weight
+value, 0.77 warp instructions issued a clock per scheduler, and 18% of DRAM's bandwidth
+(bench/results/2026-12-01_quant_matmul_live_rows_h200.md). About 5 of those instructions turned
+a code into a float: extract the byte from its register, widen it, shift, mask, add the bits
+of 1.5 * 2**23, and subtract that float (`ggml_blocks.exact_f32`).
+
+Here a Triton inline-asm instance takes four code bytes in one 32-bit register (pack 4). It
+shifts and masks all four at once, ORs in 0x80, and builds each float with one `prmt`: the byte
+0x80 | q under 0x3F, above two zero bytes, is the float 1 + q / 128, exact for q < 128 (every
+type here but Q8_0). A group whose values are a * (q - bias) + b then adds
+A * sum(f * x) + B * sum(x), with A = 128 a and B = b - (128 + bias) a: no conversion and no
+subtraction per value. f stays in [1, 2), so f * x rounds no worse than q * x.
+
+`codes(lo, ...)` is the one entry point: lo (and hi) are uint8 tensors of one shape, and the
+result is float32 of that shape. With asm=False (interpret mode on the CPU, and ROCm) the same
+bits come from jnp integer ops and a bitcast. tests/test_ggml_asm.py runs the PTX through a small
+emulator of its instructions and compares against that path. `DECODERS` give quant_matmul's
+vector path each type's group in this form (`unit_codes=True`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from .ggml_blocks import _byte_f16, _k_affine, _q6_k_scale
+
+UNIT = 0x3F000000  # over a byte 0x80 | q in bits 16-23: the float 1 + q / 128
+
+
+def _rep(byte: int) -> str:
+    """A byte repeated into each byte of a 32-bit immediate."""
+    return f"0x{byte * 0x01010101:08X}"
+
+
+def ptx(shift=0, mask=0xFF, hi=False, hi_shift=0, hi_mask=0, hi_to=0) -> str:
+    """The asm of one instance: $4 (and $5 with hi) hold four code bytes; of each,
+    q = (lo >> shift) & mask | ((hi >> hi_shift) & hi_mask) << hi_to (q < 128), and $0 .. $3
+    get the floats 1 + q / 128."""
+    lines = [".reg .b32 t, u, m;", "mov.b32 t, $4;"]
+    if shift:
+        lines.append(f"shr.b32 t, t, {shift};")
+    if mask != 0xFF:
+        lines.append(f"and.b32 t, t, {_rep(mask)};")
+    if hi:
+        lines.append(f"shr.b32 u, $5, {hi_shift};" if hi_shift else "mov.b32 u, $5;")
+        lines.append(f"and.b32 u, u, {_rep(hi_mask)};")
+        if hi_to:
+            lines.append(f"shl.b32 u, u, {hi_to};")
+        lines.append("or.b32 t, t, u;")
+    # prmt d, a, b, sel: byte i of d is byte (sel >> 4 i) & 7 of b:a (a's bytes 0-3, b's
+    # 4-7); d = 0x3F, 0x80 | q, 0x00, 0x00 (bytes 7, k, 4, 4 of m:t)
+    lines += ["or.b32 t, t, 0x80808080;", f"mov.b32 m, 0x{UNIT:08X};"]
+    lines += [f"prmt.b32 ${k}, t, m, 0x7{k}44;" for k in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def codes(lo, *, asm: bool, shift=0, mask=0xFF, hi=None, hi_shift=0, hi_mask=0, hi_to=0):
+    """Of each element of the uint8 tensors lo (and hi, same shape), the code
+    q = (lo >> shift) & mask | ((hi >> hi_shift) & hi_mask) << hi_to (q < 128) as the float32
+    1 + q / 128: exact, one permute per value, and f * x rounds no worse than q * x would."""
+    kw = dict(shift=shift, mask=mask, hi_shift=hi_shift, hi_mask=hi_mask, hi_to=hi_to)
+    if asm:
+        args = [lo] if hi is None else [lo, hi]
+        out = plgpu.elementwise_inline_asm(
+            ptx(hi=hi is not None, **kw),
+            args=args,
+            constraints="=r,=r,=r,=r," + ",".join("r" * len(args)),
+            pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape, jnp.float32)],
+        )
+        return out[0]
+    q = (lo.astype(jnp.int32) >> shift) & mask
+    if hi is not None:
+        q = q | (((hi.astype(jnp.int32) >> hi_shift) & hi_mask) << hi_to)
+    return jax.lax.bitcast_convert_type((q << 16) | 0x3F800000, jnp.float32)
+
+
+def _unit(a, b, bias: int):
+    """(A, B) of a group whose values are a * (q - bias) + b, given its codes as f = 1 + q / 128:
+    the group adds A * sum(f * x) + B * sum(x)."""
+    return 128.0 * a, (0.0 if b is None else b) - (128.0 + bias) * a
+
+
+# Per type: (load, load1, g, asm) -> (A, B, pieces [(first value, float32 f [..., n])]): the
+# group adds A * sum(f * x) + B * sum(x) over its pieces (ggml_words.py's contract). The byte
+# layouts are ggml_blocks' decoders'. Q8_0 (8-bit codes) and IQ4_XS (a table) have none.
+
+
+def _q4_0(load, load1, g, asm):
+    q = load(2, 16)
+    pieces = [(16 * h, codes(q, asm=asm, shift=4 * h, mask=15)) for h in (0, 1)]
+    return (*_unit(_byte_f16(load1, 0), None, 8), pieces)
+
+
+def _q4_k(load, load1, g, asm):
+    # run g // 2 of 32 bytes: low nibbles are group 2r, high nibbles 2r + 1
+    q = codes(load(16 + 32 * (g // 2), 32), asm=asm, shift=4 * (g % 2), mask=15)
+    return (*_unit(*_k_affine(load1, g), 0), [(0, q)])
+
+
+def _q5_k(load, load1, g, asm):
+    # Q4_K's low nibble and bit g of the 32 high-bit bytes on top
+    lo, hi = load(48 + 32 * (g // 2), 32), load(16, 32)
+    q = codes(lo, asm=asm, shift=4 * (g % 2), mask=15, hi=hi, hi_shift=g, hi_mask=1,
+              hi_to=4)  # fmt: skip
+    return (*_unit(*_k_affine(load1, g), 0), [(0, q)])
+
+
+def _q6_k(load, load1, g, asm):
+    h, v = divmod(g * 16, 128)  # ggml_blocks._q6_k's layout
+    lo, hi = load(64 * h + v % 64, 16), load(128 + 32 * h + v % 32, 16)
+    q = codes(lo, asm=asm, shift=4 * (v // 64), mask=15, hi=hi,
+              hi_shift=2 * (v // 32), hi_mask=3, hi_to=4)  # fmt: skip
+    return (*_unit(_q6_k_scale(load1, g), None, 32), [(0, q)])
+
+
+DECODERS = {"q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}

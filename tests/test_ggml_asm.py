@@ -1,0 +1,78 @@
+"""The PTX that turns GGML code bytes into floats, four at a time, gives the very floats of the
+portable path: its instructions are run here by a small emulator of the six it uses, on
+random bytes, for every decoding the quantized matmul's vector path asks of it."""
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ggml_asm import codes, ptx
+
+# codes() keyword sets as ggml_asm's decoders use them (Q4_0 / Q4_K nibbles, Q5_K's bit g,
+# Q6_K's two high bits)
+NIBBLES = [dict(shift=s, mask=15) for s in (0, 4)]
+CASES = (
+    NIBBLES
+    + [dict(n, hi_shift=g, hi_mask=1, hi_to=4) for n in NIBBLES for g in range(8)]
+    + [dict(n, hi_shift=h, hi_mask=3, hi_to=4) for n in NIBBLES for h in (0, 2, 4, 6)]
+)
+
+
+def emulate(asm: str, ins: list[int]) -> list[int]:
+    """Runs the asm's instructions on 32-bit words: $4 (and $5) in, $0 .. $3 out."""
+    regs = {f"${4 + i}": int(v) for i, v in enumerate(ins)}
+
+    def val(tok: str) -> int:
+        return int(tok, 16) if tok.startswith("0x") else (int(tok) if tok.isdigit() else regs[tok])
+
+    for line in asm.splitlines():
+        m = re.match(r"(\w+)\.(\w+) (.*);", line.strip())
+        if not m or m.group(1) == "reg" or line.strip().startswith("."):
+            continue
+        op, args = m.group(1), [a.strip() for a in m.group(3).split(",")]
+        d, src = args[0], [val(a) for a in args[1:]]
+        if op == "mov":
+            r = src[0]
+        elif op in ("and", "or"):
+            r = src[0] & src[1] if op == "and" else src[0] | src[1]
+        elif op == "shr":
+            r = src[0] >> src[1]
+        elif op == "shl":
+            r = src[0] << src[1]
+        elif op == "prmt":
+            pool = src[0].to_bytes(4, "little") + src[1].to_bytes(4, "little")
+            r = int.from_bytes(bytes(pool[(src[2] >> 4 * i) & 7] for i in range(4)), "little")
+        else:
+            raise AssertionError(f"an instruction the emulator does not know: {line}")
+        regs[d] = r & 0xFFFFFFFF
+    return [regs[f"${k}"] for k in range(4)]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_the_ptx_gives_the_portable_path_s_floats(kw):
+    rng = np.random.default_rng(len(str(kw)))
+    lo, hi = (rng.integers(0, 256, 64, dtype=np.uint8) for _ in range(2))
+    two = "hi_mask" in kw
+    want = np.asarray(codes(jnp.asarray(lo), asm=False, hi=jnp.asarray(hi) if two else None, **kw))
+    words = lambda b: b.view("<u4")  # noqa: E731  four bytes a word, byte k is element 4 i + k
+    asm = ptx(hi=two, **kw)
+    got = [emulate(asm, [a, b] if two else [a]) for a, b in zip(words(lo), words(hi), strict=True)]
+    got = np.asarray(got, np.uint32).reshape(-1).view(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # and the floats are what they stand for: 1 + q / 128
+    q = (lo.astype(np.int64) >> kw["shift"]) & kw["mask"]
+    if two:
+        q |= ((hi.astype(np.int64) >> kw["hi_shift"]) & kw["hi_mask"]) << kw["hi_to"]
+    np.testing.assert_array_equal(want, (1 + q / 128).astype(np.float32))
+
+
+def test_the_emulator_catches_a_wrong_byte_selector():
+    """Negative control: a permute that picks the wrong byte gives other floats."""
+    lo = np.arange(64, dtype=np.uint8)
+    asm = ptx(mask=15).replace("0x7144", "0x7044")
+    got = [emulate(asm, [w]) for w in lo.view("<u4")]
+    got = np.asarray(got, np.uint32).reshape(-1).view(np.float32)
+    want = np.asarray(codes(jnp.asarray(lo), asm=False, mask=15))
+    assert not np.array_equal(got, want)
