@@ -112,7 +112,7 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     many = jnp.ndim(blk) == 1
     rows = cols[:, None, None] if many else cols[:, None]
     blk_b = blk[None, :, None] if many else blk
-    okb = ok[:, :, None] if many else ok[:, None]
+    okb = None if ok is None else (ok[:, :, None] if many else ok[:, None])
     rows1, blk1 = (cols[:, None], blk[None, :]) if many else (cols, blk)
 
     # A block's groups share bytes (Q4_K's groups 2r and 2r + 1 are the two nibbles of one
@@ -126,31 +126,40 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
             assert 0 <= b and b + n <= fmt.body_size, (fmt.qtype, off, n)
             idx = blk_b * fmt.body_size + b + jnp.arange(n)  # [1, U, n] or [n]
             idx = idx if many else idx[None, :]
-            loaded["body", off, n] = plgpu.load(body_at(rows, idx), mask=okb, other=0)
+            loaded["body", off, n] = plgpu.load(
+                body_at(rows, idx), mask=okb, other=None if okb is None else 0
+            )
         return loaded["body", off, n]
 
     def load1(off: int):
         if ("head", off) not in loaded:
             assert h0 <= off < h0 + hs, (fmt.qtype, off)
-            loaded["head", off] = plgpu.load(head_at(blk1 * hs + off - h0, rows1), mask=ok, other=0)
+            loaded["head", off] = plgpu.load(
+                head_at(blk1 * hs + off - h0, rows1), mask=ok, other=None if ok is None else 0
+            )
         return loaded["head", off]
 
     return load, load1
 
 
-def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, steps,
+def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, S, steps,
             n_blocks, R, words, unit, ptx):  # fmt: skip
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     float_decode = FLOAT_DECODERS.get(QTYPES[fmt.qtype]) if unit else None
     M, K = x_ref.shape
     N = b_ref.shape[0]
+    # N a whole number of tiles and K of splits (every projection and the head of Qwen3-8B's
+    # shape): the vector path's loads are all in bounds, and predicating them took
+    # instructions and registers (not timed on a GPU)
+    exact = N % BN == 0 and S * steps * U == n_blocks
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
 
-    def block(c, u):
+    def block(c, u, exact=False):
         blk = (s * steps + c) * U + u
         ok = blk < n_blocks  # the last split's tail is past K: it adds zeros
         w_ok = (col_ok[:, None] & ok[None, :]) if jnp.ndim(blk) else col_ok & ok
+        w_ok = None if exact else w_ok  # every load in bounds: no masks to set up
         loaders = block_loaders(
             fmt, lambda r, b: b_ref.at[r, b], lambda h, r: h_ref.at[h, r], cols, w_ok, blk
         )
@@ -183,7 +192,7 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
 
         def body(c, accs):
             accs = list(accs)
-            blk, ok, (load, load1) = block(c, jnp.arange(U))
+            blk, ok, (load, load1) = block(c, jnp.arange(U), exact)
             for g in range(fmt.groups):
                 if float_decode is None:  # integer codes (IQ4_XS: through its table)
                     a, b, pieces = fmt.decode(load, load1, g)
@@ -196,7 +205,8 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
                         ks = blk[:, None] * fmt.block + g * fmt.group + first
                         ks = ks + jnp.arange(codes.shape[-1])[None, :]  # [U, n]
                         # xw: x in float32 (the wrapper converts it once, not per weight row)
-                        xm = plgpu.load(xw_ref.at[m, ks], mask=ks < K, other=0)
+                        xm = plgpu.load(xw_ref.at[m, ks], mask=None if exact else ks < K,
+                                        other=None if exact else 0)  # fmt: skip
                         xm = xm.astype(jnp.float32)  # with unit codes xw is float32 already
                         part += jnp.sum(codes * xm[None], axis=-1)
                         if b is not None:
@@ -351,11 +361,13 @@ def quant_matmul(
       unit_codes: the vector path decodes Q4_0, Q4_K, Q5_K and Q6_K codes q into the floats
         1 + q / 128 four bytes at a time (ggml_asm.py: one byte permute per value, no
         conversion or subtraction; the group's scale and offset fold into two numbers), with
-        x in float32. Compiled for sm_90a on the CPU (bench/kernel_ptx.py --vector
-        --vector-rows 1), SASS instructions of the one-row path: Q4_K 1376 -> 936, Q5_K 1672
-        -> 1040, Q6_K 1608 -> 1144, Q4_0 968 -> 680; registers of the whole Q4_K kernel 119
-        -> 142. Off until timed on a GPU. Q8_0 stays on integers: its codes need 8 bits, and
-        its registers rose 168 -> 237 with the PTX.
+        x in float32. Off until timed on a GPU. Q8_0 stays on integers: its codes need 8 bits,
+        and its registers rose 168 -> 237 with the PTX. SASS instructions of the one-row path
+        compiled for sm_90a on the CPU (K 4096, N 24576; bench/kernel_ptx.py --vector
+        --vector-rows 1 [--unit-codes]), at 1f9c55c / with the masks of whole tiles dropped
+        (below) / with unit codes too: Q4_K 1376 / 1288 / 824, Q5_K 1672 / 1568 / 920, Q6_K
+        1608 / 1488 / 1024, Q4_0 968 / 952 / 664; registers of the whole Q4_K kernel (its dots
+        set them) 119 / 125 / 150.
       ptx: unit codes through PTX (else the same arithmetic in jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
@@ -372,19 +384,10 @@ def quant_matmul(
     BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
     NI, NJ = -(-M // BM), -(-N // BN)
     words = words and QTYPES[fmt.qtype] in WORDS
-    kernel = functools.partial(
-        _kernel,
-        fmt=fmt,
-        BM=BM,
-        BN=BN,
-        U=U,
-        steps=steps,
-        n_blocks=n_blocks,
-        R=R,
-        words=words,
-        unit=unit_codes,
-        ptx=uses_ptx(interpret) if ptx is None else ptx,
-    )
+    ptx = uses_ptx(interpret) if ptx is None else ptx
+    kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
+                               n_blocks=n_blocks, R=R, words=words, unit=unit_codes,
+                               ptx=ptx)  # fmt: skip
     xw, xg = (x.astype(jnp.float32) if unit_codes else x), x  # xg: unread without words
     if words:
         nw = WORDS[QTYPES[fmt.qtype]][1]

@@ -83,18 +83,26 @@ def test_live_rows_match_the_reference_on_either_path(qtype, K, N, vps, live, ve
                                atol=1e-5 * np.abs(ref).max())  # fmt: skip
 
 
-@pytest.mark.parametrize("live", [1, 2])
-@pytest.mark.parametrize("qtype", sorted(FLOAT_DECODERS))
-def test_unit_codes_match_the_reference(qtype, live):
-    """The vector path with codes as the floats 1 + q / 128 (ggml_asm.py: the group's scale,
-    offset and bias folded into two numbers) over a K that ends inside a step and an N that
-    ends inside a tile. Interpret mode runs the jnp twin of the PTX (test_ggml_asm.py holds the
-    two equal)."""
+# Integer codes with masked loads are test_live_rows_match_the_reference_on_either_path's;
+# here they run over whole tiles and splits (no masks), and unit codes run both ways.
+VECTOR_CASES = [(q, False, 1, 64) for q in TYPES] + [
+    (q, True, live, N) for q in sorted(FLOAT_DECODERS) for live, N in [(1, 40), (2, 40), (1, 64)]
+]
+
+
+@pytest.mark.parametrize("qtype, unit, live, N", VECTOR_CASES, ids=str)
+def test_vector_path_codes_match_the_reference(qtype, unit, live, N):
+    """The vector path with integer codes, and with codes as the floats 1 + q / 128
+    (ggml_asm.py: the group's scale, offset and bias folded into two numbers), over a K that
+    ends inside a step and an N that ends inside a tile (masked loads), and over whole tiles
+    and splits (no masks). Interpret mode runs the jnp twin of the PTX (test_ggml_asm.py holds
+    the two equal)."""
     B = FORMATS[qtype].block
-    w = weight(qtype, 40, 3 * B, seed=live)
-    x = jax.random.normal(jax.random.key(live), (8, 3 * B), jnp.float32)
+    K = 3 * B if N == 40 else 2 * max(B, 256)
+    w = weight(qtype, N, K, seed=live)
+    x = jax.random.normal(jax.random.key(live), (8, K), jnp.float32)
     got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=2 * max(B, 256),
-                       vector_programs=4, unit_codes=True, interpret=True)  # fmt: skip
+                       vector_programs=4, unit_codes=unit, interpret=True)  # fmt: skip
     ref = np.asarray(quant_matmul_reference(x, w))[:live]
     np.testing.assert_allclose(np.asarray(got)[:live], ref, rtol=1e-4,
                                atol=1e-5 * np.abs(ref).max())  # fmt: skip
