@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import jax
 
 
-def per_call(fn, x, ws: list, layers: int, n: int = 5) -> float:
-    """Seconds per call of fn(x, w) in one executable of `layers` dependent calls cycling over
-    `ws`, so each call reads other weights than the last few (len(ws) distinct buffers,
-    together far over the 60 MB L2, as the layers of a step do; one buffer reused would be
-    served from L2). Each call's input depends on the last one's output, so calls never
-    overlap."""
+def per_call(fn, x, ws: list, layers: int, rounds: int = 7, round_s: float = 0.005,
+             warmup_s: float = 0.05) -> float:  # fmt: skip
+    """Median seconds per call of fn(x, w) in one executable of `layers` dependent calls
+    cycling over `ws`, so each call reads other weights than the last few (len(ws) distinct
+    buffers, together far over the 60 MB L2, as the layers of a step do; one buffer reused
+    would be served from L2). Each call's input depends on the last one's output, so calls
+    never overlap.
+
+    The executable first runs for `warmup_s` (the GPU's clocks rise from idle; five runs of a
+    0.4 ms chain had timed one kernel and grid 7 to 25% apart on the H200,
+    bench/results/2026-12-01_quant_matmul_vector_splits_h200.md), then `rounds` rounds of
+    about `round_s` each are timed and the median round is returned."""
 
     def chain(x, ws):
         for i in range(layers):
@@ -22,8 +29,16 @@ def per_call(fn, x, ws: list, layers: int, n: int = 5) -> float:
 
     f = jax.jit(chain)
     jax.block_until_ready(f(x, ws))
-    t = time.perf_counter()
-    for _ in range(n):
-        out = f(x, ws)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / n / layers
+    t0, runs = time.perf_counter(), 0
+    while runs == 0 or time.perf_counter() - t0 < warmup_s:
+        jax.block_until_ready(f(x, ws))
+        runs += 1
+    reps = max(1, round(round_s / ((time.perf_counter() - t0) / runs)))
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = f(x, ws)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / reps / layers)
+    return statistics.median(times)

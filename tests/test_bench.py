@@ -283,3 +283,19 @@ def test_kernel_bench_vector_variants_select_the_decoding():
     plain = qmm_bench.parse_vector("64:256:4:2:2112")
     assert plain["words"] is False and plain["unit_codes"] is False
     assert qmm_bench.parse_vector("64:256:4:2:2112:0:1")["unit_codes"] is True
+
+
+def test_kernel_timing_takes_the_median_of_its_rounds(monkeypatch):
+    """bench/timing.per_call: after its warm-up, `rounds` rounds are timed and the median
+    round's time per call is what a kernel bench reports (one short window had timed one
+    kernel and grid 7 to 25% apart on the H200)."""
+    import jax.numpy as jnp
+
+    import timing
+
+    seen, median = [], timing.statistics.median
+    monkeypatch.setattr(timing.statistics, "median", lambda xs: seen.append(list(xs)) or median(xs))
+    x, ws = jnp.ones((4, 8)), [jnp.ones((8, 8)) * i for i in range(2)]
+    t = timing.per_call(lambda x, w: x @ w, x, ws, 3, rounds=5, round_s=0.001, warmup_s=0.01)
+    assert len(seen) == 1 and len(seen[0]) == 5
+    assert t == median(seen[0]) and 0 < t < 0.1
