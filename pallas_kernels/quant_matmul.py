@@ -22,25 +22,19 @@ Decode-sized calls (few rows) with a narrow N have few tiles, so the contraction
 until there are about `min_programs` programs (`vector_programs` for the vector path) to fill
 the GPU; the splits' float32 partials are summed afterwards.
 
-Speed (H200, Qwen3-8B shapes, bench/quant_matmul.py, M 8 with 1 or 2 live rows, time per call
-against XLA's bf16 dot of the same shape). The vector path decodes for exactly the live rows
-(2026-12-01_quant_matmul_live_rows_h200_*.md, same call): one live row, gate/up Q8_0 51 -> 47
-us, Q4_K 80 -> 65; down Q8_0 33 -> 31, Q4_K 45 -> 44; the bf16 dot 55 (gate/up) and 32 to 44
-(down). Nsight Compute on the two-row code (2026-12-01_ncu_quant_matmul_h200_7b13d7b.txt)
-found Q4_K bound by instruction issue, not memory: 16 thread instructions per weight value,
-0.77 warp instructions a clock per scheduler, 18% of DRAM bandwidth, 4 programs of 4 warps per
-SM (registers); Q8_0 9 per value at 50%. The word decoding (ggml_words.py) moved its
-reassembled words through shared memory (26x the wavefronts) and ran slower. The vector path
-replaced a group-at-a-time one (gate/up Q8_0 74, down 160) and beats the dots at M 8 (Q8_0 88
-/ 66, Q4_K 90 / 58, Q6_K 114 / 73: 2026-12-01_quant_matmul_live_h200.md). The split layout
-took the dots from 141 to 94 us for Q8_0 (2026-12-01_quant_gemv_h200.md). At M 512 the kernel
-is 6x to 15x slower than the bf16 dot and XLA's dequantize-then-dot 1.3x to 1.7x
-(2026-11-30_quant_matmul_types_h200.md), which is why models/linear.py sends steps of more
+Speed (H200, Qwen3-8B shapes, M 8, bench/quant_matmul.py; results/2026-12-01_quant_matmul_*).
+One live row: gate/up Q8_0 47 us, Q4_K 65, the bf16 dot 55; down Q8_0 31, Q4_K 44, the bf16 dot
+32 to 44. Nsight Compute found Q4_K bound by instruction issue (16 thread instructions per
+weight value, 18% of DRAM bandwidth) when the path decoded two rows for one; it now decodes for
+the live rows only. The vector path beats the dots at M 8 (Q8_0 88 / 66, Q4_K 90 / 58 us). At
+M 512 the kernel is 6x to 15x slower than the bf16 dot and XLA's dequantize-then-dot 1.3x to
+1.7x (2026-11-30_quant_matmul_types_h200.md), which is why models/linear.py sends steps of more
 than 64 rows to XLA.
 
-Triton backend: all indices are arrays and loads are masked, so M and N need not be tile
-multiples (K is a whole number of blocks, as in every GGUF tensor). On CPU the kernel runs in
-interpret mode; tests/test_triton_lowering.py verifies its Triton module.
+Triton backend: all indices are arrays and loads are masked where a tile or split runs past
+N or K, so M and N need not be tile multiples (K is a whole number of blocks, as in every
+GGUF tensor). On CPU the kernel runs in interpret mode; tests/test_triton_lowering.py verifies
+its Triton module.
 
 Shapes: M rows, K contraction, N outputs, B values per block, U blocks per loop step.
 """
@@ -361,15 +355,8 @@ def quant_matmul(
         (block_n 32, 1024 values per step) against 15.3 for the default; Q6_K 12.3 against
         16.5; Q8_0 no gain.
       unit_codes: the vector path decodes Q4_0, Q4_K, Q5_K and Q6_K codes q into the floats
-        1 + q / 128 four bytes at a time (ggml_asm.py: one byte permute per value, no
-        conversion or subtraction; the group's scale and offset fold into two numbers), with
-        x in float32. Off until timed on a GPU. Q8_0 stays on integers: its codes need 8 bits,
-        and its registers rose 168 -> 237 with the PTX. SASS instructions of the one-row path
-        compiled for sm_90a on the CPU (K 4096, N 24576; bench/kernel_ptx.py --vector
-        --vector-rows 1 [--unit-codes]), at 1f9c55c / with the masks of whole tiles dropped
-        (below) / with unit codes too: Q4_K 1376 / 1288 / 824, Q5_K 1672 / 1568 / 920, Q6_K
-        1608 / 1488 / 1024, Q4_0 968 / 952 / 664; registers of the whole Q4_K kernel (its dots
-        set them) 119 / 125 / 150.
+        1 + q / 128 four bytes at a time (ggml_asm.py). Off until timed on a GPU; the one-row
+        path's SASS drops by a third (Q4_K 1288 -> 824; README "Quantized weights").
       ptx: unit codes through PTX (else the same arithmetic in jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
