@@ -349,11 +349,9 @@ def quant_matmul(
       words: the vector path decodes 32-bit words of codes into floats in [1, 2)
         (ggml_words.py) for the types that have such a decoder (all but IQ4_XS), rather than
         a code at a time through integers; x goes in float32 with its spans reordered and
-        its group sums taken by XLA first.
-        Off until timed on a GPU. Compiled for sm_90a on the CPU (bench/kernel_ptx.py
-        --vector), SASS instructions per weight value per program step, both rows: Q4_K 8.7
-        (block_n 32, 1024 values per step) against 15.3 for the default; Q6_K 12.3 against
-        16.5; Q8_0 no gain.
+        its group sums taken by XLA first. Off: on the H200 it ran 1.6x slower than the
+        default path, its reassembled words moving through shared memory (Nsight Compute,
+        2026-12-01_quant_matmul_live_rows_h200.md).
       unit_codes: the vector path decodes Q4_0, Q4_K, Q5_K and Q6_K codes q into the floats
         1 + q / 128 four bytes at a time (ggml_asm.py). Off until timed on a GPU; the one-row
         path's SASS drops by a third (Q4_K 1288 -> 824; README "Quantized weights").
