@@ -225,6 +225,9 @@ def test_compare_ratio_table():
     roof = {1: {"file": 440, "held": 220}, 8: {"file": 3300, "held": 1650}}
     md = compare.markdown(rows, "llama-server", "t", roof)
     assert "| 440 / 220 | 100% / 25% |" in md
+    # weights kept quantized (--dtype quantized): ours is held to the file's roofline too
+    md = compare.markdown(rows, "llama-server", "t", roof, ours_holds="file")
+    assert "| 440 / 220 | 50% / 25% |" in md and "ours on file" in md
 
 
 def test_profile_attributes_step_time_to_model_parts(engine_config):

@@ -39,14 +39,17 @@ def _fmt(d: dict, scale: float = 1.0) -> str:
     return f"{d['median'] * scale:.0f} [{d['min'] * scale:.0f}-{d['max'] * scale:.0f}]"
 
 
-def markdown(rows: list[dict], peer_name: str, title: str, roof: dict | None) -> str:
+def markdown(rows: list[dict], peer_name: str, title: str, roof: dict | None,
+             ours_holds: str = "bf16") -> str:  # fmt: skip
+    """The table; `ours_holds` ("bf16" or "file"): the weights our server held, which its
+    roofline column counts (the peer always holds the file's)."""
     head = (
         f"| C | ours total tok/s | {peer_name} total tok/s | ratio | ours window tok/s | "
         f"{peer_name} window tok/s | ratio | ours TTFT ms | {peer_name} TTFT ms |"
     )
     sep = "| --- " * 9 + "|"
-    if roof:  # output-window tok/s against the roofline: ours holds bf16, the peer the file
-        head += " roofline tok/s (file / bf16) | of roofline (ours / peer) |"
+    if roof:  # output-window tok/s against the roofline of the weights each server held
+        head += f" roofline tok/s (file / bf16) | of roofline (ours on {ours_holds} / peer) |"
         sep += " --- | --- |"
     lines = [title, "", head, sep]
     for r in rows:
@@ -59,7 +62,8 @@ def markdown(rows: list[dict], peer_name: str, title: str, roof: dict | None) ->
         if roof:
             rf = roof[r["C"]]
             line += (
-                f" {rf['file']:.0f} / {rf['held']:.0f} | {w['ours']['median'] / rf['held']:.0%} / "
+                f" {rf['file']:.0f} / {rf['held']:.0f} | "
+                f"{w['ours']['median'] / rf['held' if ours_holds == 'bf16' else 'file']:.0%} / "
                 f"{w['peer']['median'] / rf['file']:.0%} |"
             )
         lines.append(line)
@@ -109,6 +113,9 @@ def main():
     ap.add_argument("--bandwidth-gbs", type=float, help="copy bandwidth measured in the call")
     ap.add_argument("--ctx", type=int, default=512, help="mean context for the roofline")
     ap.add_argument("--out", help="JSON path; .md and .png beside it")
+    ap.add_argument("--ours-holds", choices=["bf16", "file"], default=None,
+                    help="the weights our server held (file: kept quantized, --dtype "
+                    "quantized); default bf16, or an earlier JSON's with --render")  # fmt: skip
     a = ap.parse_args()
     if a.render:
         with open(a.render) as f:
@@ -116,8 +123,11 @@ def main():
         roof = {int(c): v for c, v in (old["roofline"] or {}).items()} or None
         title = f"{old['title']}\n\n{old['meta']}" if old["meta"] else old["title"]
         stem = a.render.rsplit(".", 1)[0]
+        old["ours_holds"] = a.ours_holds or old.get("ours_holds", "bf16")
+        with open(a.render, "w") as f:
+            json.dump(old, f, indent=1)
         with open(stem + ".md", "w") as f:
-            f.write(markdown(old["rows"], a.peer_name, title, roof))
+            f.write(markdown(old["rows"], a.peer_name, title, roof, old["ours_holds"]))
         plot(old["rows"], a.peer_name, old["title"], stem + ".png")
         return
     if not (a.ours and a.peer and a.out):
@@ -138,7 +148,8 @@ def main():
             for r in rows
         }
     title = f"{a.title}\n\n{a.meta}" if a.meta else a.title
-    md = markdown(rows, a.peer_name, title, roof)
+    holds = a.ours_holds or "bf16"
+    md = markdown(rows, a.peer_name, title, roof, holds)
     sys.stdout.write(md)
     stem = a.out.rsplit(".", 1)[0]
     with open(a.out, "w") as f:
@@ -152,6 +163,7 @@ def main():
                 "peer": peer,
                 "rows": rows,
                 "roofline": roof,
+                "ours_holds": holds,
                 "bandwidth_GB_s": a.bandwidth_gbs,
             },
             f,

