@@ -15,7 +15,7 @@ A * sum(f * x) + B * sum(x), with A = 128 a and B = b - (128 + bias) a: no conve
 subtraction per value. f stays in [1, 2), so f * x rounds no worse than q * x.
 
 `codes(lo, ...)` is the one entry point: lo (and hi) are uint8 tensors of one shape, and the
-result is float32 of that shape. With asm=False (interpret mode on the CPU, and ROCm) the same
+result is float32 of that shape. With ptx=False (interpret mode on the CPU, and ROCm) the same
 bits come from jnp integer ops and a bitcast. tests/test_ggml_asm.py runs the PTX through a small
 emulator of its instructions and compares against that path. `DECODERS` give quant_matmul's
 vector path each type's group in this form (`unit_codes=True`).
@@ -37,7 +37,7 @@ def _rep(byte: int) -> str:
     return f"0x{byte * 0x01010101:08X}"
 
 
-def ptx(shift=0, mask=0xFF, hi=False, hi_shift=0, hi_mask=0, hi_to=0) -> str:
+def asm_text(shift=0, mask=0xFF, hi=False, hi_shift=0, hi_mask=0, hi_to=0) -> str:
     """The asm of one instance: $4 (and $5 with hi) hold four code bytes; of each,
     q = (lo >> shift) & mask | ((hi >> hi_shift) & hi_mask) << hi_to (q < 128), and $0 .. $3
     get the floats 1 + q / 128."""
@@ -59,15 +59,15 @@ def ptx(shift=0, mask=0xFF, hi=False, hi_shift=0, hi_mask=0, hi_to=0) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-def codes(lo, *, asm: bool, shift=0, mask=0xFF, hi=None, hi_shift=0, hi_mask=0, hi_to=0):
+def codes(lo, *, ptx: bool, shift=0, mask=0xFF, hi=None, hi_shift=0, hi_mask=0, hi_to=0):
     """Of each element of the uint8 tensors lo (and hi, same shape), the code
     q = (lo >> shift) & mask | ((hi >> hi_shift) & hi_mask) << hi_to (q < 128) as the float32
     1 + q / 128: exact, one permute per value, and f * x rounds no worse than q * x would."""
     kw = dict(shift=shift, mask=mask, hi_shift=hi_shift, hi_mask=hi_mask, hi_to=hi_to)
-    if asm:
+    if ptx:
         args = [lo] if hi is None else [lo, hi]
         out = plgpu.elementwise_inline_asm(
-            ptx(hi=hi is not None, **kw),
+            asm_text(hi=hi is not None, **kw),
             args=args,
             constraints="=r,=r,=r,=r," + ",".join("r" * len(args)),
             pack=4,
@@ -86,35 +86,35 @@ def _unit(a, b, bias: int):
     return 128.0 * a, (0.0 if b is None else b) - (128.0 + bias) * a
 
 
-# Per type: (load, load1, g, asm) -> (A, B, pieces [(first value, float32 f [..., n])]): the
+# Per type: (load, load1, g, ptx) -> (A, B, pieces [(first value, float32 f [..., n])]): the
 # group adds A * sum(f * x) + B * sum(x) over its pieces (ggml_words.py's contract). The byte
 # layouts are ggml_blocks' decoders'. Q8_0 (8-bit codes) and IQ4_XS (a table) have none.
 
 
-def _q4_0(load, load1, g, asm):
+def _q4_0(load, load1, g, ptx):
     q = load(2, 16)
-    pieces = [(16 * h, codes(q, asm=asm, shift=4 * h, mask=15)) for h in (0, 1)]
+    pieces = [(16 * h, codes(q, ptx=ptx, shift=4 * h, mask=15)) for h in (0, 1)]
     return (*_unit(_byte_f16(load1, 0), None, 8), pieces)
 
 
-def _q4_k(load, load1, g, asm):
+def _q4_k(load, load1, g, ptx):
     # run g // 2 of 32 bytes: low nibbles are group 2r, high nibbles 2r + 1
-    q = codes(load(16 + 32 * (g // 2), 32), asm=asm, shift=4 * (g % 2), mask=15)
+    q = codes(load(16 + 32 * (g // 2), 32), ptx=ptx, shift=4 * (g % 2), mask=15)
     return (*_unit(*_k_affine(load1, g), 0), [(0, q)])
 
 
-def _q5_k(load, load1, g, asm):
+def _q5_k(load, load1, g, ptx):
     # Q4_K's low nibble and bit g of the 32 high-bit bytes on top
     lo, hi = load(48 + 32 * (g // 2), 32), load(16, 32)
-    q = codes(lo, asm=asm, shift=4 * (g % 2), mask=15, hi=hi, hi_shift=g, hi_mask=1,
+    q = codes(lo, ptx=ptx, shift=4 * (g % 2), mask=15, hi=hi, hi_shift=g, hi_mask=1,
               hi_to=4)  # fmt: skip
     return (*_unit(*_k_affine(load1, g), 0), [(0, q)])
 
 
-def _q6_k(load, load1, g, asm):
+def _q6_k(load, load1, g, ptx):
     h, v = divmod(g * 16, 128)  # ggml_blocks._q6_k's layout
     lo, hi = load(64 * h + v % 64, 16), load(128 + 32 * h + v % 32, 16)
-    q = codes(lo, asm=asm, shift=4 * (v // 64), mask=15, hi=hi,
+    q = codes(lo, ptx=ptx, shift=4 * (v // 64), mask=15, hi=hi,
               hi_shift=2 * (v // 32), hi_mask=3, hi_to=4)  # fmt: skip
     return (*_unit(_q6_k_scale(load1, g), None, 32), [(0, q)])
 

@@ -149,11 +149,11 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
 
-    def block(c, u, exact=False):
+    def block(c, u, unmasked=False):
         blk = (s * steps + c) * U + u
         ok = blk < n_blocks  # the last split's tail is past K: it adds zeros
         w_ok = (col_ok[:, None] & ok[None, :]) if jnp.ndim(blk) else col_ok & ok
-        w_ok = None if exact else w_ok  # every load in bounds: no masks to set up
+        w_ok = None if unmasked else w_ok  # every load in bounds: no masks to set up
         loaders = block_loaders(
             fmt, lambda r, b: b_ref.at[r, b], lambda h, r: h_ref.at[h, r], cols, w_ok, blk
         )

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ggml_asm import codes, ptx
+from pallas_kernels.ggml_asm import asm_text, codes
 
 # codes() keyword sets as ggml_asm's decoders use them (Q4_0 / Q4_K nibbles, Q5_K's bit g,
 # Q6_K's two high bits)
@@ -55,9 +55,9 @@ def test_the_ptx_gives_the_portable_path_s_floats(kw):
     rng = np.random.default_rng(len(str(kw)))
     lo, hi = (rng.integers(0, 256, 64, dtype=np.uint8) for _ in range(2))
     two = "hi_mask" in kw
-    want = np.asarray(codes(jnp.asarray(lo), asm=False, hi=jnp.asarray(hi) if two else None, **kw))
+    want = np.asarray(codes(jnp.asarray(lo), ptx=False, hi=jnp.asarray(hi) if two else None, **kw))
     words = lambda b: b.view("<u4")  # noqa: E731  four bytes a word, byte k is element 4 i + k
-    asm = ptx(hi=two, **kw)
+    asm = asm_text(hi=two, **kw)
     got = [emulate(asm, [a, b] if two else [a]) for a, b in zip(words(lo), words(hi), strict=True)]
     got = np.asarray(got, np.uint32).reshape(-1).view(np.float32)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -71,8 +71,8 @@ def test_the_ptx_gives_the_portable_path_s_floats(kw):
 def test_the_emulator_catches_a_wrong_byte_selector():
     """Negative control: a permute that picks the wrong byte gives other floats."""
     lo = np.arange(64, dtype=np.uint8)
-    asm = ptx(mask=15).replace("0x7144", "0x7044")
+    asm = asm_text(mask=15).replace("0x7144", "0x7044")
     got = [emulate(asm, [w]) for w in lo.view("<u4")]
     got = np.asarray(got, np.uint32).reshape(-1).view(np.float32)
-    want = np.asarray(codes(jnp.asarray(lo), asm=False, mask=15))
+    want = np.asarray(codes(jnp.asarray(lo), ptx=False, mask=15))
     assert not np.array_equal(got, want)
