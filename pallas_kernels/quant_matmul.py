@@ -60,7 +60,6 @@ from .ggml_blocks import (
     dequantize_weight,
     exact_f32,
 )
-from .ggml_words import WORDS
 
 
 def quant_matmul_reference(x, w: QuantWeight):
@@ -136,12 +135,17 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     return load, load1
 
 
-def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, S, steps,
-            n_blocks, R, words, unit, ptx):  # fmt: skip
+def _kernel(live_ref, ex_ref, x_ref, xw_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, S, steps,
+            n_blocks, R, E, unit, ptx):  # fmt: skip
+    """Program (i, j, s); with E (a stack of E experts' weights), row i alone times the weights
+    of expert ex_ref[i] on the vector path (BM 1), zeros where that is not in [0, E)."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     float_decode = FLOAT_DECODERS.get(QTYPES[fmt.qtype]) if unit else None
     M, K = x_ref.shape
-    N = b_ref.shape[0]
+    N = b_ref.shape[-2]
+    e = jnp.minimum(ex_ref[i], E - 1) if E else None  # clamped: loads stay in bounds
+    body_at = (lambda r, b: b_ref.at[r, b]) if e is None else (lambda r, b: b_ref.at[e, r, b])
+    head_at = (lambda h, r: h_ref.at[h, r]) if e is None else (lambda h, r: h_ref.at[e, h, r])
     # N a whole number of tiles and K of splits (every projection and the head of Qwen3-8B's
     # shape): the vector path's loads are all in bounds, and predicating them took
     # instructions and registers (not timed on a GPU)
@@ -154,9 +158,7 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
         ok = blk < n_blocks  # the last split's tail is past K: it adds zeros
         w_ok = (col_ok[:, None] & ok[None, :]) if jnp.ndim(blk) else col_ok & ok
         w_ok = None if unmasked else w_ok  # every load in bounds: no masks to set up
-        loaders = block_loaders(
-            fmt, lambda r, b: b_ref.at[r, b], lambda h, r: h_ref.at[h, r], cols, w_ok, blk
-        )
+        loaders = block_loaders(fmt, body_at, head_at, cols, w_ok, blk)
         return blk, ok, loaders
 
     def dots():
@@ -178,8 +180,8 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
 
         return jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
 
-    def vectors(R):
-        """Rows 0 .. R-1 on the vector units: per row, codes times activations summed. A loop
+    def vectors(R, row0=0):
+        """Rows row0 .. row0 + R - 1 on the vector units: per row, codes times activations summed. A loop
         step decodes its U blocks together ([BN, U, n] codes per piece) and the partial sums
         stay [BN, U] until the loop ends, so each step has few wide loads and no reduction
         across U."""
@@ -201,7 +203,7 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
                         # xw: with unit codes, x in float32, converted once by the wrapper
                         # (in the kernel each thread converts its own x values: Q4_K's one-row
                         # path 824 -> 1016 SASS, the whole kernel's registers 150 -> 122)
-                        xm = plgpu.load(xw_ref.at[m, ks], mask=None if exact else ks < K,
+                        xm = plgpu.load(xw_ref.at[row0 + m, ks], mask=None if exact else ks < K,
                                         other=None if exact else 0)  # fmt: skip
                         xm = xm.astype(jnp.float32)  # with unit codes xw is float32 already
                         part += jnp.sum(codes * xm[None], axis=-1)
@@ -212,49 +214,6 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
 
         zero = jnp.zeros((BN, U), jnp.float32)
         return rows_out(jax.lax.fori_loop(0, steps, body, (zero,) * R))
-
-    def vectors_words(R):
-        """The vector path a 32-bit word of codes at a time (ggml_words.py): each code becomes
-        f in [1, 2) with a shift and a mask-and-or, and row m accumulates, elementwise over
-        [BN, U, nw], A * f * x + B * x per group; one reduction after the loop."""
-        decode, nw = WORDS[QTYPES[fmt.qtype]]
-
-        def body(c, accs):
-            accs = list(accs)
-            blk, ok, (load, load1) = block(c, jnp.arange(U))
-            shift = 8 * jnp.arange(4, dtype=jnp.uint32)
-
-            def loadw(off: int, nw: int):  # [BN, U, nw] uint32, off a file-block byte offset
-                # the block's bytes, each 4 reassembled into a little-endian word (the weight
-                # stays uint8: a uint32 view made by XLA would copy it)
-                byt = load(off, 4 * nw).reshape(BN, U, nw, 4).astype(jnp.uint32)
-                return jnp.sum(byt << shift, axis=-1, dtype=jnp.uint32)
-
-            for g in range(fmt.groups):
-                A, B, pieces = decode(loadw, load1, g)
-                for m in range(R):
-
-                    def row(acc, m=m, g=g, A=A, B=B, pieces=pieces):
-                        fx = 0.0
-                        for first, f in pieces:
-                            # xw holds each span of 4 nw values byte-major: value 4 i + p of
-                            # a span at p nw + i, so a piece's nw values are contiguous
-                            p = first % 4
-                            ks = blk[:, None] * fmt.block + g * fmt.group + first - p + p * nw
-                            ks = ks + jnp.arange(nw)[None, :]  # [U, nw]
-                            xm = plgpu.load(xw_ref.at[m, ks], mask=ks < K, other=0)
-                            fx = fx + f * xm[None]
-                        # B times the group's sum of x, spread over the nw slots (exact: nw
-                        # is a power of two) that the loop's end sums again
-                        xs = plgpu.load(xg_ref.at[m, blk * fmt.groups + g], mask=ok, other=0)
-                        return acc + A[..., None] * fx + (B * (xs / nw)[None, :])[..., None]
-
-                    accs[m] = row(accs[m])
-            return tuple(accs)
-
-        zero = jnp.zeros((BN, U, nw), jnp.float32)
-        accs = jax.lax.fori_loop(0, steps, body, (zero,) * R)
-        return rows_out(tuple(jnp.sum(a, axis=2) for a in accs))
 
     def rows_out(accs):  # r accumulators [BN, U] -> rows 0 .. r-1 of the [BM, BN] tile
         r = jnp.arange(BM)[:, None]
@@ -269,8 +228,12 @@ def _kernel(live_ref, x_ref, xw_ref, xg_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
     # paid for two rows. The branch is uniform over a program, so only its code is shared.
     out = dots
     for r in range(1, R + 1)[::-1]:
-        path = functools.partial(vectors_words if words else vectors, r)
+        path = functools.partial(vectors, r)
         out = functools.partial(jax.lax.cond, (live_ref[0] <= r) & (i == 0), path, out)
+    if E:
+        zero = functools.partial(jnp.zeros, (BM, BN), jnp.float32)
+        out = functools.partial(jax.lax.cond, (0 <= ex_ref[i]) & (ex_ref[i] < E),
+                                functools.partial(vectors, 1, i), zero)  # fmt: skip
     out = out()
     # The partials hold M rows, not NI * BM: a tile's rows past M are not stored (at M 8 the
     # padded tile doubled the partials' traffic, which a decode call writes and reads again).
@@ -311,6 +274,7 @@ def quant_matmul(
     w: QuantWeight,
     live=None,
     *,
+    experts=None,
     out_dtype=jnp.float32,
     block_m: int = 64,
     block_n: int = 64,
@@ -318,7 +282,6 @@ def quant_matmul(
     min_programs: int = 2112,
     vector_rows: int = 2,
     vector_programs: int = 2112,
-    words: bool = False,
     unit_codes: bool = False,
     ptx: bool | None = None,
     interpret: bool | None = None,
@@ -329,10 +292,15 @@ def quant_matmul(
 
     Args:
       x: [M, K] activations (bfloat16 on GPU; the dots run in x's dtype).
-      w: QuantWeight [N, K] of any ggml_blocks.FORMATS type.
+      w: QuantWeight [N, K] of any ggml_blocks.FORMATS type, or with `experts` a stack of E
+        experts' weights [E, N, K].
       live: int32 scalar, the rows that matter (the step's real tokens; rows at or past it are
         padding and their results unspecified), or None (all M). A call with at most
         `vector_rows` live rows takes the vector-unit path.
+      experts: [M] int32, with a stack w: row m times expert experts[m]'s weights, each row
+        alone on the vector path, every loop step its own program (a decode step's live rows
+        are a token's k experts of the bucket's M rows, so the grid is split for those);
+        rows whose expert is not in [0, E) (padding) give zeros.
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows). The defaults
         (64 weight rows, 256 values per step, 4 warps, 2 stages) were the fastest of six
@@ -346,51 +314,46 @@ def quant_matmul(
         the vector path for r rows, and the grid is split to about vector_programs programs.
         At 1 and 2 live rows the vector path beat the dots in every case measured; at 4 it
         lost to them (Q8_0 gate/up 91 vs 70 us, Q4_K 121 vs 89; same file).
-      words: the vector path decodes 32-bit words of codes into floats in [1, 2)
-        (ggml_words.py) for the types that have such a decoder (all but IQ4_XS), rather than
-        a code at a time through integers; x goes in float32 with its spans reordered and
-        its group sums taken by XLA first. Off: on the H200 it ran 1.6x slower than the
-        default path, its reassembled words moving through shared memory (Nsight Compute,
-        2026-12-01_quant_matmul_live_rows_h200.md).
       unit_codes: the vector path decodes Q4_0, Q4_K, Q5_K and Q6_K codes q into the floats
-        1 + q / 128 four bytes at a time (ggml_asm.py). Off until timed on a GPU; the one-row
-        path's SASS drops by a third (Q4_K 1288 -> 824; README "Quantized weights").
+        1 + q / 128 four bytes at a time (ggml_asm.py). Off: on the H200 one live row gained
+        2 to 7% for Q4_K and lost 3 to 17% for Q6_K, two live rows lost 20 to 60%
+        (2026-12-01_quant_matmul_unit_codes_h200.md).
       ptx: unit codes through PTX (else the same arithmetic in jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
     """
     M, K = x.shape
-    if len(w.shape) != 2 or w.shape[1] != K:
-        raise ValueError(f"x {x.shape} and {w.qtype} weight {w.shape} (N, K) do not fit")
-    N = w.shape[0]
+    E = 0 if experts is None else w.shape[0]
+    if len(w.shape) != 2 + bool(E) or w.shape[-1] != K:
+        want = "(E, N, K) with experts" if E else "(N, K)"
+        raise ValueError(f"x {x.shape} and {w.qtype} weight {w.shape} {want} do not fit")
+    if E and experts.shape != (M,):
+        raise ValueError(f"experts {experts.shape} must be one per row of x {x.shape}")
+    N = w.shape[-2]
     fmt = w.format
-    R = 0 if live is None else min(vector_rows, M)
+    R = 0 if live is None or E else min(vector_rows, M)
     n_blocks, U = K // fmt.block, max(1, values_per_step // fmt.block)
-    programs = vector_programs if R else min_programs
-    BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
+    if E:
+        BM, BN, S, steps = 1, _pow2(N, 16, block_n), -(-n_blocks // U), 1
+    else:
+        programs = vector_programs if R else min_programs
+        BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
     NI, NJ = -(-M // BM), -(-N // BN)
-    words = words and QTYPES[fmt.qtype] in WORDS
     ptx = uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
-                               n_blocks=n_blocks, R=R, words=words, unit=unit_codes,
+                               n_blocks=n_blocks, R=R, E=E, unit=unit_codes,
                                ptx=ptx)  # fmt: skip
-    xw, xg = (x.astype(jnp.float32) if unit_codes else x), x  # xg: unread without words
-    if words:
-        nw = WORDS[QTYPES[fmt.qtype]][1]
-        # x in float32, its spans of 4 nw values byte-major (a piece's nw values contiguous),
-        # and its sums per group [M, K / group], which the groups' offsets multiply
-        xw = x.astype(jnp.float32)
-        xg = xw.reshape(M, -1, fmt.group).sum(-1)
-        xw = xw.reshape(M, -1, nw, 4).swapaxes(-1, -2).reshape(M, K)
+    xw = x.astype(jnp.float32) if unit_codes else x
     live = jnp.full((1,), M if live is None else live, jnp.int32)
+    ex = jnp.zeros((1,), jnp.int32) if experts is None else experts.astype(jnp.int32)
     out = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
     parts = pl.pallas_call(
         kernel,
         grid=(NI, NJ, S),
-        in_specs=[whole(a) for a in (live, x, xw, xg, w.head, w.body)],
+        in_specs=[whole(a) for a in (live, ex, x, xw, w.head, w.body)],
         out_specs=whole(out),
         out_shape=out,
         **call_options(interpret, num_warps, num_stages),
-    )(live, x, xw, xg, w.head, w.body)
+    )(live, ex, x, xw, w.head, w.body)
     return parts.sum(0).astype(out_dtype)

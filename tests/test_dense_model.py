@@ -1,5 +1,6 @@
 """The dense forward against HF transformers, and packed/paged invariances."""
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,16 +20,17 @@ def load(path):
     return load_params(f, model_config(f.metadata), "float32")
 
 
-def run(cfg, params, kv, rows, tables, t_bucket=None, s_bucket=None, max_blocks=16):
-    """Run one step over `rows` (block tables: slot -> blocks); returns (logits at each
-    row's last token [n, V], kv)."""
+def run(cfg, params, kv, rows, tables, t_bucket=None, s_bucket=None, max_blocks=16, qmm=None):
+    """Run one step over `rows` (block tables: slot -> blocks; qmm: dense.forward's
+    quant_matmul); returns (logits at each row's last token [n, V], kv)."""
     arr = np.zeros((max(tables) + 1, max_blocks), np.int32)
     for slot, blocks in tables.items():
         arr[slot, : len(blocks)] = blocks
     n_tok = sum(len(r.tokens) for r in rows)
     batch = lower(rows, arr, P, t_bucket or n_tok, s_bucket or len(rows))
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    logits, kv, _ = jax.jit(dense.forward, static_argnums=(3,))(params, kv, batch, cfg)
+    fwd = functools.partial(dense.forward, quant_matmul=qmm)
+    logits, kv, _ = jax.jit(fwd, static_argnums=(3,))(params, kv, batch, cfg)
     return np.asarray(logits)[: len(rows)], kv
 
 

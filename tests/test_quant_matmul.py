@@ -12,7 +12,6 @@ from test_quants import random_blocks
 from luce_jax.loading.quants import keep_quantized
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight, dequantize_weight
-from pallas_kernels.ggml_words import WORDS
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, tiling
 
 T = GGMLQuantizationType
@@ -108,20 +107,28 @@ def test_vector_path_codes_match_the_reference(qtype, unit, live, N):
                                atol=1e-5 * np.abs(ref).max())  # fmt: skip
 
 
-@pytest.mark.parametrize("live", [1, 2])
-@pytest.mark.parametrize("qtype", sorted(WORDS))
-def test_codes_decoded_a_word_at_a_time_match_the_reference(qtype, live):
-    """The vector path's word decoding (codes moved into the mantissa of 1.0, the group's
-    affine map applied to the sums) over a K that ends inside a step and an N that ends inside
-    a tile; its float32 rounding stays within the byte path's tolerance."""
-    B = FORMATS[qtype].block
-    w = weight(qtype, 40, 3 * B, seed=live)
-    x = jax.random.normal(jax.random.key(live), (8, 3 * B), jnp.float32)
-    got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=2 * max(B, 256),
-                       vector_programs=4, words=True, interpret=True)  # fmt: skip
-    ref = np.asarray(quant_matmul_reference(x, w))[:live]
-    np.testing.assert_allclose(np.asarray(got)[:live], ref, rtol=1e-4,
-                               atol=1e-5 * np.abs(ref).max())  # fmt: skip
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_times_their_own_experts_match_the_reference(qtype):
+    """With a stack of expert weights, each row is multiplied by the weights of its expert
+    (repeated experts, any order, a K that ends inside a step and an N inside a tile), and rows
+    whose expert is out of range (padding) come back zero."""
+    B, E, N = FORMATS[qtype].block, 5, 40
+    K = 3 * B
+    w = weight(qtype, N, K, seed=9, lead=(E,))
+    x = jax.random.normal(jax.random.key(2), (7, K), jnp.float32)
+    experts = jnp.array([3, 0, 3, 4, E, -1, 1], jnp.int32)
+    got = np.asarray(quant_matmul(x, w, experts=experts, block_n=32, interpret=True))
+    dense = np.asarray(dequantize_weight(w))  # [E, N, K]
+    for m, e in enumerate(np.asarray(experts)):
+        if 0 <= e < E:
+            ref = np.asarray(x[m]) @ dense[e].T
+            np.testing.assert_allclose(got[m], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+        else:
+            assert not got[m].any()
+    with pytest.raises(ValueError, match="experts"):
+        quant_matmul(x, w, experts=experts[:3], interpret=True)
+    with pytest.raises(ValueError, match="with experts"):
+        quant_matmul(x, weight(qtype, N, K), experts=experts, interpret=True)
 
 
 @pytest.mark.parametrize("qtype", TYPES)

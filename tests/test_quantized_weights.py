@@ -84,20 +84,62 @@ def test_the_quantized_model_computes_what_the_dequantized_one_does(files, name)
     """Logits of a packed prefill step and a decode step from the paged cache, with weights
     kept quantized (XLA's dequantize-then-dot, expert stacks included) against weights
     dequantized at load."""
+    outs = [two_steps(files[name], q) for q in (True, False)]
+    scale = np.abs(outs[1]).max()
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5 * scale)
+
+
+def two_steps(path, quantized, qmm=None):
+    """Logits of a packed prefill step of two prompts (bucket 16) and a decode step (bucket 4:
+    two tokens and two padding rows), concatenated."""
     rng = np.random.default_rng(0)
     prompts = [tuple(rng.integers(0, 1000, n).tolist()) for n in (5, 9)]
     tables = {0: (1,), 1: (2,)}
-    outs = []
-    for quantized in (True, False):
-        _, cfg, params = load(files[name], quantized)
-        kv = dense.init_kv(cfg, 4, 16, jnp.float32)
-        rows = [Row(s, p, 0, True) for s, p in enumerate(prompts)]
-        a, kv = run(cfg, params, kv, rows, tables, t_bucket=16, s_bucket=2)
-        nxt = [Row(s, (7,), len(p), True) for s, p in enumerate(prompts)]
-        b, _ = run(cfg, params, kv, nxt, tables, t_bucket=2, s_bucket=2)
-        outs.append(np.concatenate([a, b]))
-    scale = np.abs(outs[1]).max()
-    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5 * scale)
+    _, cfg, params = load(path, quantized)
+    kv = dense.init_kv(cfg, 4, 16, jnp.float32)
+    rows = [Row(s, p, 0, True) for s, p in enumerate(prompts)]
+    a, kv = run(cfg, params, kv, rows, tables, t_bucket=16, s_bucket=2, qmm=qmm)
+    nxt = [Row(s, (7,), len(p), True) for s, p in enumerate(prompts)]
+    b, _ = run(cfg, params, kv, nxt, tables, t_bucket=4, s_bucket=2, qmm=qmm)
+    return np.concatenate([a, b])
+
+
+def test_the_moe_model_with_its_kernels_computes_what_the_dequantized_one_does(files):
+    """The Q4_K_M MoE with every quantized projection and expert on the Pallas kernel
+    (interpret mode; experts a (token, expert) pair at a time, 32 and 8 pairs) against the
+    model dequantized at load."""
+    import functools
+
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    qmm = QuantMatmul(functools.partial(quant_matmul, interpret=True), live_rows_max=4)
+    got, want = two_steps(files["moe"], True, qmm), two_steps(files["moe"], False)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_quantized_experts_a_pair_at_a_time_compute_what_grouped_ones_do(files):
+    """At decode sizes (at most max_rows (token, expert) pairs) the experts run a pair at a
+    time through quant_matmul's experts mode (interpret mode): the layer's output and its
+    expert counts equal the grouped path's over dequantized experts, padding tokens give zero
+    and count nowhere; above max_rows the grouped path runs."""
+    import functools
+
+    from luce_jax.models import moe
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    _, cfg, params = load(files["moe"], True)
+    lp = params["layers"][1]
+    qmm = QuantMatmul(functools.partial(quant_matmul, interpret=True), max_rows=16)
+    h = jax.random.normal(jax.random.key(4), (8, cfg.d_model), jnp.float32)
+    real = jnp.arange(8) < 5
+    got, sizes = moe.ffn(lp, h, cfg, None, real, qmm)
+    want, want_sizes = moe.ffn(lp, h, cfg, None, real, None)  # XLA's, experts dequantized
+    scale = np.abs(np.asarray(want)).max()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5 * scale)
+    assert not np.asarray(got)[5:].any() and int(sizes.sum()) == 5 * cfg.n_experts_used
+    np.testing.assert_array_equal(np.asarray(sizes), np.asarray(want_sizes))
+    assert moe.by_rows(lp["w_gu_exps"], 16, qmm) and not moe.by_rows(lp["w_gu_exps"], 17, qmm)
+    assert not moe.by_rows(lp["w_gu_exps"], 16, QuantMatmul())  # no kernel: XLA's grouped
 
 
 def test_a_type_no_kernel_keeps_is_dequantized_with_one_warning_naming_it(files, caplog):

@@ -14,7 +14,6 @@ import pytest
 from pallas_kernels import kv_cache
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight
-from pallas_kernels.ggml_words import WORDS
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
@@ -75,12 +74,13 @@ def test_quant_matmul_lowers_to_a_valid_triton_module(verified, qtype, M, K, N):
     assert len(verified) == 2  # with live rows: the vector path and the dots under one branch
 
 
-@pytest.mark.parametrize("qtype", sorted(WORDS))
-def test_the_word_decoding_vector_path_lowers(verified, qtype):
-    w = zero_weight(qtype, 4096, 4096)
-    x = jnp.zeros((8, 4096), jnp.bfloat16)
-    f = lambda x, n: quant_matmul(x, w, n, words=True, values_per_step=512, interpret=False)  # noqa: E731
-    lower_for_cuda(f, x, jnp.int32(1))
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+def test_rows_times_their_experts_lower(verified, qtype):
+    """The decode path of quantized experts (a row a program, 30B-A3B's gate/up shape)."""
+    w = zero_weight(qtype, 2 * 768, 2048, lead=(8,))
+    x = jnp.zeros((64, 2048), jnp.bfloat16)
+    f = lambda x, ex: quant_matmul(x, w, experts=ex, interpret=False)  # noqa: E731
+    lower_for_cuda(f, x, jnp.zeros((64,), jnp.int32))
     assert len(verified) == 1
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ggml_blocks import QuantWeight
 from pallas_kernels.moe_grouping import expert_weights
 
 from ..config import ModelConfig
@@ -47,12 +48,40 @@ def group(experts, n_experts: int, real=None):
       (order [T*k]: pair indices sorted stably by expert, padding last; sizes [E]: real rows
        per expert).
     """
+    flat = pair_experts(experts, n_experts, real)
+    return jnp.argsort(flat, stable=True), expert_sizes(flat, n_experts)
+
+
+def expert_sizes(flat, n_experts: int):
+    """[E] int32: pairs routed to each expert (flat [T*k]; n_experts, padding, counts nowhere)."""
+    return jnp.zeros((n_experts,), jnp.int32).at[flat].add(1, mode="drop")
+
+
+def pair_experts(experts, n_experts: int, real=None):
+    """[T*k] int32: the expert of each (token, expert) pair, n_experts (no expert) for padding."""
     flat = experts.reshape(-1)
-    if real is not None:
-        flat = jnp.where(jnp.repeat(real, experts.shape[1]), flat, n_experts)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1, mode="drop")
-    return order, sizes
+    if real is None:
+        return flat
+    return jnp.where(jnp.repeat(real, experts.shape[1]), flat, n_experts)
+
+
+def by_rows(w, pairs: int, qmm) -> bool:
+    """Whether a step's experts run a (token, expert) pair at a time: quantized expert weights,
+    a Pallas quant_matmul, and at most qmm.max_rows pairs (decode). The grouped kernel gave each
+    expert's row tile a program that walked all of K: 30B-A3B Q4_K_M decode spent 6.7 of its
+    16 ms step in the gate/up call (bench/results/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_h200.md)."""
+    kernel = getattr(qmm, "kernel", None)
+    return isinstance(w, QuantWeight) and kernel is not None and pairs <= qmm.max_rows
+
+
+def ffn_rows(lp: dict, h, experts, qmm):
+    """The experts' SwiGLU for each (token, expert) pair, a row at a time (quant_matmul's
+    experts mode): h [T, d], experts [T*k] (padding: E) -> [T*k, d] float32."""
+    wdt = lp["w_gu_exps"].dtype
+    x = jnp.repeat(h, experts.shape[0] // h.shape[0], axis=0).astype(wdt)  # pair p = token p // k
+    gate, up = jnp.split(qmm.kernel(x, lp["w_gu_exps"], experts=experts), 2, axis=-1)
+    act = (jax.nn.silu(gate) * up).astype(wdt)
+    return qmm.kernel(act, lp["w_down_exps"], experts=experts)
 
 
 def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float32):
@@ -81,7 +110,8 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None, qmm=None)
       h: [T, d] float32 normed hidden states.
       grouped_matmul: grouped_matmul_xla's signature (default: it).
       real: [T] bool, False for bucket padding, whose output is zero (default: all real).
-      qmm: how a shared expert's quantized projections run (models/linear.py).
+      qmm: how quantized projections run (models/linear.py): a shared expert's, and at decode
+        sizes the experts', a (token, expert) pair at a time (`by_rows`).
     Returns:
       ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
        plus sigmoid(h . shexp_gate) times the shared expert's output where there is one,
@@ -90,14 +120,20 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None, qmm=None)
     gmm = grouped_matmul or grouped_matmul_xla
     T, k = h.shape[0], cfg.n_experts_used
     w, experts = route(h, lp["router"], cfg)
-    order, sizes = group(experts, cfg.n_experts, real)
-    tok = order // k  # token of each grouped row
-    wdt = lp["w_gu_exps"].dtype
-    x = h[tok].astype(wdt)  # [T*k, d], grouped by expert
-    act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, out_dtype=wdt)  # [T*k, F]
-    y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
-    y = y * w.reshape(-1)[order][:, None]
-    out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)
+    if by_rows(lp["w_gu_exps"], T * k, qmm):
+        flat = pair_experts(experts, cfg.n_experts, real)
+        sizes = expert_sizes(flat, cfg.n_experts)
+        y = ffn_rows(lp, h, flat, qmm) * w.reshape(-1)[:, None]  # [T*k, d]
+        out = y.reshape(T, k, -1).sum(1)
+    else:
+        order, sizes = group(experts, cfg.n_experts, real)
+        tok = order // k  # token of each grouped row
+        wdt = lp["w_gu_exps"].dtype
+        x = h[tok].astype(wdt)  # [T*k, d], grouped by expert
+        act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, out_dtype=wdt)  # [T*k, F]
+        y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
+        y = y * w.reshape(-1)[order][:, None]
+        out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)
     if "w_gu_shexp" in lp:  # qwen35moe: every token also takes the shared expert, gated
         gate, up = jnp.split(linear(h, lp["w_gu_shexp"], qmm), 2, axis=-1)
         shared = linear(jax.nn.silu(gate) * up, lp["w_down_shexp"], qmm).astype(jnp.float32)
