@@ -10,8 +10,7 @@ variants by between GPU runs, never a speed claim. `--vector` or `--dots` keeps 
 quant_matmul's branch.
 
     python bench/kernel_ptx.py quant_matmul --types q8_0 q4_k --live 1
-    python bench/kernel_ptx.py quant_matmul --types q4_k --live 1 --vector --words \
-        --values-per-step 1024 --block-n 32
+    python bench/kernel_ptx.py quant_matmul --types q4_k --live 1 --vector --unit-codes
     python bench/kernel_ptx.py paged_attention --kv-types bf16 q8_0 q4_0
 
 Needs `triton` (xgrammar's dependency pulls it into the test extra).
@@ -101,7 +100,7 @@ def compiled(ttir: str, num_warps: int, num_stages: int) -> dict:
     }
 
 
-VECTOR_PATHS = ("vectors", "vectors_words")  # quant_matmul's, bound to a row count
+VECTOR_PATHS = ("vectors",)  # quant_matmul's, bound to a row count
 
 
 def quant_cases(a):
@@ -110,7 +109,7 @@ def quant_cases(a):
         w = QuantWeight.from_rows(jnp.zeros((a.n, a.k // f.block * f.type_size), jnp.uint8), q)
         x = jnp.zeros((a.rows, a.k), jnp.bfloat16)
         live = None if a.live is None else jnp.int32(a.live)
-        kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages, words=a.words,
+        kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages,
                   values_per_step=a.values_per_step, block_n=a.block_n,
                   vector_rows=a.vector_rows, unit_codes=a.unit_codes)  # fmt: skip
         yield q, (lambda x, w=w, n=live, kw=kw: quant_matmul(x, w, n, **kw)), (x,)
@@ -145,7 +144,6 @@ def main():
     ap.add_argument("--live", type=int, default=None, help="quant_matmul's live rows")
     ap.add_argument("--values-per-step", type=int, default=256, help="quant_matmul's")
     ap.add_argument("--block-n", type=int, default=64, help="quant_matmul's")
-    ap.add_argument("--words", action="store_true", help="quant_matmul's word-decoding path")
     ap.add_argument("--unit-codes", action="store_true", help="quant_matmul's ggml_asm.py codes")
     ap.add_argument(
         "--vector-rows",

@@ -47,13 +47,12 @@ def parse_variant(v: str) -> dict:
 
 
 def parse_vector(v: str) -> dict:
-    """block_n:values_per_step:warps:stages:vector_programs[:words[:unit]] of the vector path
-    (words 1: codes decoded a 32-bit word at a time, ggml_words.py; unit 1: codes as the floats
-    1 + q / 128 four bytes at a time, ggml_asm.py; 0, the default: a code at a time)."""
-    bn, vps, warps, stages, vp, *flags = (int(t) for t in v.split(":"))
-    flags += [0] * (2 - len(flags))
+    """block_n:values_per_step:warps:stages:vector_programs[:unit] of the vector path (unit 1:
+    codes as the floats 1 + q / 128 four bytes at a time, ggml_asm.py; 0, the default: a code
+    at a time)."""
+    bn, vps, warps, stages, vp, *unit = (int(t) for t in v.split(":"))
     return dict(block_n=bn, values_per_step=vps, num_warps=warps, num_stages=stages,
-                vector_programs=vp, words=bool(flags[0]), unit_codes=bool(flags[1]))  # fmt: skip
+                vector_programs=vp, unit_codes=bool(unit and unit[0]))  # fmt: skip
 
 
 def xla_reduce(x, w):

@@ -18,7 +18,9 @@ subtraction per value. f stays in [1, 2), so f * x rounds no worse than q * x.
 result is float32 of that shape. With ptx=False (interpret mode on the CPU, and ROCm) the same
 bits come from jnp integer ops and a bitcast. tests/test_ggml_asm.py runs the PTX through a small
 emulator of its instructions and compares against that path. `DECODERS` give quant_matmul's
-vector path each type's group in this form (`unit_codes=True`).
+vector path each type's group in this form (`unit_codes=True`). Off by default: timed on the
+H200 against the integer codes, one live row gained 2 to 7% for Q4_K and lost 3 to 17% for Q6_K,
+and two live rows lost 20 to 60% (bench/results/2026-12-01_quant_matmul_unit_codes_h200.md).
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ def _unit(a, b, bias: int):
 
 
 # Per type: (load, load1, g, ptx) -> (A, B, pieces [(first value, float32 f [..., n])]): the
-# group adds A * sum(f * x) + B * sum(x) over its pieces (ggml_words.py's contract). The byte
-# layouts are ggml_blocks' decoders'. Q8_0 (8-bit codes) and IQ4_XS (a table) have none.
+# group adds A * sum(f * x) + B * sum(x) over its pieces. The byte layouts are ggml_blocks'
+# decoders'. Q8_0 (8-bit codes) and IQ4_XS (a table) have none.
 
 
 def _q4_0(load, load1, g, ptx):

@@ -18,6 +18,8 @@ one group at a time (`BlockFormat.decode`):
   activations summed on the vector units, no matrix unit and no layout change for the dot.
   The step's live row count is an input, and the kernel branches on it, so one compiled
   bucket of 8 rows serves one token as a one-row product.
+With `experts` (a stack of E experts' weights), row m takes expert experts[m]'s weights, each
+row alone on the vector path: a MoE decode step's (token, expert) pairs, no grouping needed.
 Decode-sized calls (few rows) with a narrow N have few tiles, so the contraction is split
 until there are about `min_programs` programs (`vector_programs` for the vector path) to fill
 the GPU; the splits' float32 partials are summed afterwards.
@@ -181,10 +183,10 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
         return jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
 
     def vectors(R, row0=0):
-        """Rows row0 .. row0 + R - 1 on the vector units: per row, codes times activations summed. A loop
-        step decodes its U blocks together ([BN, U, n] codes per piece) and the partial sums
-        stay [BN, U] until the loop ends, so each step has few wide loads and no reduction
-        across U."""
+        """Rows row0 .. row0 + R - 1 on the vector units: per row, codes times activations
+        summed. A loop step decodes its U blocks together ([BN, U, n] codes per piece) and the
+        partial sums stay [BN, U] until the loop ends, so each step has few wide loads and no
+        reduction across U."""
 
         def body(c, accs):
             accs = list(accs)

@@ -1,6 +1,7 @@
 """The dense forward against HF transformers, and packed/paged invariances."""
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np

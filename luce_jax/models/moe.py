@@ -3,7 +3,9 @@
 The rest of a qwen3moe layer is the dense decoder's (models/dense.py calls `ffn` for layers
 whose params hold a router). Rows are grouped by expert with a stable sort, so each expert's
 rows are contiguous, and the grouped matmuls run over those groups (`jax.lax.ragged_dot`):
-no expert is padded to the largest group and empty experts cost nothing.
+no expert is padded to the largest group and empty experts cost nothing. Quantized experts at
+decode sizes skip the grouping: each (token, expert) pair is a row of its own against its
+expert's blocks (`by_rows`), which fills the GPU where a few row tiles could not.
 
 Shapes: T tokens, d model width, E experts, k experts per token, F expert FFN width.
 """
@@ -69,7 +71,8 @@ def by_rows(w, pairs: int, qmm) -> bool:
     """Whether a step's experts run a (token, expert) pair at a time: quantized expert weights,
     a Pallas quant_matmul, and at most qmm.max_rows pairs (decode). The grouped kernel gave each
     expert's row tile a program that walked all of K: 30B-A3B Q4_K_M decode spent 6.7 of its
-    16 ms step in the gate/up call (bench/results/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_h200.md)."""
+    16.3 ms step in the gate/up call; a pair at a time the step took 6.0 ms (bench/results/
+    2026-12-01_profile_qwen3-30b-a3b-q4_k_m_{6a8b89c,a415112}.md)."""
     kernel = getattr(qmm, "kernel", None)
     return isinstance(w, QuantWeight) and kernel is not None and pairs <= qmm.max_rows
 
