@@ -111,7 +111,8 @@ def quant_cases(a):
         live = None if a.live is None else jnp.int32(a.live)
         kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages,
                   values_per_step=a.values_per_step, block_n=a.block_n,
-                  vector_rows=a.vector_rows, unit_codes=a.unit_codes)  # fmt: skip
+                  vector_rows=a.vector_rows, unit_codes=a.unit_codes,
+                  int8_x=a.int8_x)  # fmt: skip
         yield q, (lambda x, w=w, n=live, kw=kw: quant_matmul(x, w, n, **kw)), (x,)
 
 
@@ -145,6 +146,7 @@ def main():
     ap.add_argument("--values-per-step", type=int, default=256, help="quant_matmul's")
     ap.add_argument("--block-n", type=int, default=64, help="quant_matmul's")
     ap.add_argument("--unit-codes", action="store_true", help="quant_matmul's ggml_asm.py codes")
+    ap.add_argument("--int8-x", action="store_true", help="quant_matmul's dp4a over int8 x")
     ap.add_argument(
         "--vector-rows",
         type=int,

@@ -47,12 +47,13 @@ def parse_variant(v: str) -> dict:
 
 
 def parse_vector(v: str) -> dict:
-    """block_n:values_per_step:warps:stages:vector_programs[:unit] of the vector path (unit 1:
-    codes as the floats 1 + q / 128 four bytes at a time, ggml_asm.py; 0, the default: a code
-    at a time)."""
-    bn, vps, warps, stages, vp, *unit = (int(t) for t in v.split(":"))
+    """block_n:values_per_step:warps:stages:vector_programs[:unit[:int8]] of the vector path
+    (unit 1: codes as the floats 1 + q / 128 four bytes at a time, ggml_asm.py; int8 1: x as
+    int8 and codes dotted with it by dp4a; 0, the default: a code at a time in float32)."""
+    bn, vps, warps, stages, vp, *flags = (int(t) for t in v.split(":"))
+    flags += [0] * (2 - len(flags))
     return dict(block_n=bn, values_per_step=vps, num_warps=warps, num_stages=stages,
-                vector_programs=vp, unit_codes=bool(unit and unit[0]))  # fmt: skip
+                vector_programs=vp, unit_codes=bool(flags[0]), int8_x=bool(flags[1]))  # fmt: skip
 
 
 def xla_reduce(x, w):

@@ -39,21 +39,28 @@ def _rep(byte: int) -> str:
     return f"0x{byte * 0x01010101:08X}"
 
 
-def asm_text(shift=0, mask=0xFF, hi=False, hi_shift=0, hi_mask=0, hi_to=0) -> str:
-    """The asm of one instance: $4 (and $5 with hi) hold four code bytes; of each,
-    q = (lo >> shift) & mask | ((hi >> hi_shift) & hi_mask) << hi_to (q < 128), and $0 .. $3
-    get the floats 1 + q / 128."""
-    lines = [".reg .b32 t, u, m;", "mov.b32 t, $4;"]
+def _extract(lo: str, hi: str | None, shift=0, mask=0xFF, hi_shift=0, hi_mask=0, hi_to=0):
+    """PTX lines that leave in t the four codes q = (lo >> shift) & mask |
+    ((hi >> hi_shift) & hi_mask) << hi_to of the four bytes in registers lo (and hi)."""
+    lines = [".reg .b32 t, u, m;", f"mov.b32 t, {lo};"]
     if shift:
         lines.append(f"shr.b32 t, t, {shift};")
     if mask != 0xFF:
         lines.append(f"and.b32 t, t, {_rep(mask)};")
     if hi:
-        lines.append(f"shr.b32 u, $5, {hi_shift};" if hi_shift else "mov.b32 u, $5;")
+        lines.append(f"shr.b32 u, {hi}, {hi_shift};" if hi_shift else f"mov.b32 u, {hi};")
         lines.append(f"and.b32 u, u, {_rep(hi_mask)};")
         if hi_to:
             lines.append(f"shl.b32 u, u, {hi_to};")
         lines.append("or.b32 t, t, u;")
+    return lines
+
+
+def asm_text(shift=0, mask=0xFF, hi=False, hi_shift=0, hi_mask=0, hi_to=0) -> str:
+    """The asm of one instance: $4 (and $5 with hi) hold four code bytes; of each,
+    q = (lo >> shift) & mask | ((hi >> hi_shift) & hi_mask) << hi_to (q < 128), and $0 .. $3
+    get the floats 1 + q / 128."""
+    lines = _extract("$4", "$5" if hi else None, shift, mask, hi_shift, hi_mask, hi_to)
     # prmt d, a, b, sel: byte i of d is byte (sel >> 4 i) & 7 of b:a (a's bytes 0-3, b's
     # 4-7); d = 0x3F, 0x80 | q, 0x00, 0x00 (bytes 7, k, 4, 4 of m:t)
     lines += ["or.b32 t, t, 0x80808080;", f"mov.b32 m, 0x{UNIT:08X};"]
@@ -122,3 +129,89 @@ def _q6_k(load, load1, g, ptx):
 
 
 DECODERS = {"q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+
+
+# dp4a: codes times int8 activations, four products and their sum in one instruction (as
+# llama.cpp's vec-dot kernels do over q8_1 activations). An instance takes four code bytes and
+# four activation bytes; $0 gets the sum of the four products, $1 .. $3 zero (elementwise asm
+# returns as many values as it takes; ptxas folds the zeros out of the sums that follow).
+
+
+def dp4a_text(signed=False, shift=0, mask=0xFF, hi=False, hi_shift=0, hi_mask=0, hi_to=0) -> str:
+    """The asm of one instance: $4 (and $5 with hi) hold four code bytes, extracted as
+    asm_text's (or, signed, read as int8 as they are), the next register four int8 activations;
+    $0 gets the four products' sum."""
+    x = "$6" if hi else "$5"
+    lines = _extract("$4", "$5" if hi else None, shift, mask, hi_shift, hi_mask, hi_to)
+    lines += ["mov.b32 m, 0;", f"dp4a.{'s32' if signed else 'u32'}.s32 $0, t, {x}, m;"]
+    lines += [f"mov.b32 ${k}, 0;" for k in (1, 2, 3)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def dots4(lo, x, *, ptx: bool, signed=False, hi=None, **kw):
+    """int32 of lo's shape whose sum over any run of four aligned elements is the dot of their
+    codes (extracted as `codes` does, or lo's bytes as int8 when signed) with the int8 x."""
+    if ptx:
+        args = [lo, x] if hi is None else [lo, hi, x]
+        out = plgpu.elementwise_inline_asm(
+            dp4a_text(signed=signed, hi=hi is not None, **kw),
+            args=args,
+            constraints="=r,=r,=r,=r," + ",".join("r" * len(args)),
+            pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(lo.shape, jnp.int32)],
+        )
+        return out[0]
+    if signed:
+        q = jax.lax.bitcast_convert_type(lo, jnp.int8).astype(jnp.int32)
+    else:
+        q = (lo.astype(jnp.int32) >> kw.get("shift", 0)) & kw.get("mask", 0xFF)
+        if hi is not None:
+            high = (hi.astype(jnp.int32) >> kw.get("hi_shift", 0)) & kw.get("hi_mask", 0)
+            q = q | (high << kw.get("hi_to", 0))
+    return q * x.astype(jnp.int32)
+
+
+# Per type: (load, load1, g) -> (a, c, pieces [(first value, lo, dots4's keywords)]): a value
+# of the group is a * q + c' and the group adds a * sum(q * x) + c * sum(x) (c = c' folded
+# with the codes' bias; None for zero) over its pieces, x the integer activations.
+
+
+def _i8_q8_0(load, load1, g):
+    return _byte_f16(load1, 0), None, [(0, load(2, 32), dict(signed=True))]
+
+
+def _i8_q4_0(load, load1, g):
+    a = _byte_f16(load1, 0)
+    return a, -8.0 * a, [(16 * h, load(2, 16), dict(shift=4 * h, mask=15)) for h in (0, 1)]
+
+
+def _i8_q4_k(load, load1, g):
+    return (*_k_affine(load1, g), [(0, load(16 + 32 * (g // 2), 32), dict(shift=4 * (g % 2),
+                                                                         mask=15))])  # fmt: skip
+
+
+def _i8_q5_k(load, load1, g):
+    kw = dict(shift=4 * (g % 2), mask=15, hi=load(16, 32), hi_shift=g, hi_mask=1, hi_to=4)
+    return (*_k_affine(load1, g), [(0, load(48 + 32 * (g // 2), 32), kw)])
+
+
+def _i8_q6_k(load, load1, g):
+    h, v = divmod(g * 16, 128)
+    kw = dict(shift=4 * (v // 64), mask=15, hi=load(128 + 32 * h + v % 32, 16),
+              hi_shift=2 * (v // 32), hi_mask=3, hi_to=4)  # fmt: skip
+    a = _q6_k_scale(load1, g)
+    return a, -32.0 * a, [(0, load(64 * h + v % 64, 16), kw)]
+
+
+INT_DECODERS = {"q8_0": _i8_q8_0, "q4_0": _i8_q4_0, "q4_k": _i8_q4_k, "q5_k": _i8_q5_k,
+                "q6_k": _i8_q6_k}  # fmt: skip
+
+
+def quantize_rows(x, block: int = 32):
+    """x [M, K] as int8 per `block` values (max |x| to 127, as llama.cpp's q8_1):
+    (q [M, K] int8, d [M, K / block] float32 scales, s [M, K / 16] float32 sums of q per 16)."""
+    M, K = x.shape
+    xb = x.astype(jnp.float32).reshape(M, K // block, block)
+    d = jnp.max(jnp.abs(xb), axis=-1) / 127.0
+    q = jnp.round(xb / jnp.where(d == 0, 1.0, d)[..., None]).astype(jnp.int8).reshape(M, K)
+    return q, d, q.astype(jnp.float32).reshape(M, K // 16, 16).sum(-1)

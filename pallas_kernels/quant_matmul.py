@@ -53,6 +53,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
 from .ggml_asm import DECODERS as FLOAT_DECODERS
+from .ggml_asm import INT_DECODERS, dots4, quantize_rows
 from .ggml_blocks import (
     QTYPES,
     BlockFormat,
@@ -137,12 +138,13 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     return load, load1
 
 
-def _kernel(live_ref, ex_ref, x_ref, xw_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN, U, S, steps,
-            n_blocks, R, E, unit, ptx):  # fmt: skip
+def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref, *, fmt, BM,
+            BN, U, S, steps, n_blocks, R, E, unit, int8, ptx):  # fmt: skip
     """Program (i, j, s); with E (a stack of E experts' weights), row i alone times the weights
     of expert ex_ref[i] on the vector path (BM 1), zeros where that is not in [0, E)."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     float_decode = FLOAT_DECODERS.get(QTYPES[fmt.qtype]) if unit else None
+    int_decode = INT_DECODERS[QTYPES[fmt.qtype]] if int8 else None
     M, K = x_ref.shape
     N = b_ref.shape[-2]
     e = jnp.minimum(ex_ref[i], E - 1) if E else None  # clamped: loads stay in bounds
@@ -192,6 +194,9 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
             accs = list(accs)
             blk, ok, (load, load1) = block(c, jnp.arange(U), exact)
             for g in range(fmt.groups):
+                if int_decode is not None:
+                    accs = int_group(accs, g, blk, ok, load, load1)
+                    continue
                 if float_decode is None:  # integer codes (IQ4_XS: through its table)
                     a, b, pieces = fmt.decode(load, load1, g)
                     pieces = [(first, exact_f32(q)) for first, q in pieces]
@@ -213,6 +218,29 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, h_ref, b_ref, o_ref, *, fmt, BM, BN
                             xsum += jnp.sum(xm, axis=-1)[None, :]
                     accs[m] = accs[m] + a * part + (0.0 if b is None else xsum * b)
             return tuple(accs)
+
+        def int_group(accs, g, blk, ok, load, load1):
+            """Group g against int8 activations: per piece, dots4's products summed as int32,
+            then scaled by the group's a and the activations' block scale; c times their sums."""
+            a, c, pieces = int_decode(load, load1, g)
+            first_k = blk * fmt.block + g * fmt.group  # [U]
+            for m in range(R):
+                dot, xs = 0, 0.0
+                for first, lo, kw in pieces:
+                    ks = (first_k + first)[:, None] + jnp.arange(lo.shape[-1])[None, :]
+                    xq = plgpu.load(xw_ref.at[row0 + m, ks], mask=None if exact else ks < K,
+                                    other=None if exact else 0)  # fmt: skip
+                    xq = jnp.broadcast_to(xq[None], lo.shape)
+                    dot = dot + jnp.sum(dots4(lo, xq, ptx=ptx, **kw), axis=-1)  # [BN, U]
+                    for h in range(lo.shape[-1] // 16) if c is not None else ():
+                        k16 = (first_k + first) // 16 + h
+                        xs = xs + plgpu.load(sx_ref.at[row0 + m, k16], mask=None if exact else ok,
+                                             other=None if exact else 0)  # fmt: skip
+                dx = plgpu.load(dx_ref.at[row0 + m, first_k // 32], mask=None if exact else ok,
+                                other=None if exact else 0)  # fmt: skip
+                part = a * dot.astype(jnp.float32) + (0.0 if c is None else c * xs[None, :])
+                accs[m] = accs[m] + dx[None, :] * part
+            return accs
 
         zero = jnp.zeros((BN, U), jnp.float32)
         return rows_out(jax.lax.fori_loop(0, steps, body, (zero,) * R))
@@ -285,6 +313,7 @@ def quant_matmul(
     vector_rows: int = 2,
     vector_programs: int = 2112,
     unit_codes: bool = False,
+    int8_x: bool = False,
     ptx: bool | None = None,
     interpret: bool | None = None,
     num_warps: int = 4,
@@ -320,7 +349,10 @@ def quant_matmul(
         1 + q / 128 four bytes at a time (ggml_asm.py). Off: on the H200 one live row gained
         2 to 7% for Q4_K and lost 3 to 17% for Q6_K, two live rows lost 20 to 60%
         (2026-12-01_quant_matmul_unit_codes_h200.md).
-      ptx: unit codes through PTX (else the same arithmetic in jnp). Default: `uses_ptx`.
+      int8_x: the vector path takes x quantized to int8 per 32 values (ggml_asm.quantize_rows,
+        llama.cpp's q8_1 rounding) and dots Q8_0, Q4_0, Q4_K, Q5_K and Q6_K codes with it four
+        at a time (dp4a); other types ignore it. Off until timed on a GPU.
+      ptx: unit codes and dp4a through PTX (else the same arithmetic in jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
@@ -343,19 +375,23 @@ def quant_matmul(
         BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
     NI, NJ = -(-M // BM), -(-N // BN)
     ptx = uses_ptx(interpret) if ptx is None else ptx
+    int8_x = int8_x and QTYPES[fmt.qtype] in INT_DECODERS
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
-                               n_blocks=n_blocks, R=R, E=E, unit=unit_codes,
-                               ptx=ptx)  # fmt: skip
+                               n_blocks=n_blocks, R=R, E=E, unit=unit_codes and not int8_x,
+                               int8=int8_x, ptx=ptx)  # fmt: skip
     xw = x.astype(jnp.float32) if unit_codes else x
+    dx = sx = jnp.zeros((1, 1), jnp.float32)  # read with int8_x only
+    if int8_x:
+        xw, dx, sx = quantize_rows(x)
     live = jnp.full((1,), M if live is None else live, jnp.int32)
     ex = jnp.zeros((1,), jnp.int32) if experts is None else experts.astype(jnp.int32)
     out = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
     parts = pl.pallas_call(
         kernel,
         grid=(NI, NJ, S),
-        in_specs=[whole(a) for a in (live, ex, x, xw, w.head, w.body)],
+        in_specs=[whole(a) for a in (live, ex, x, xw, dx, sx, w.head, w.body)],
         out_specs=whole(out),
         out_shape=out,
         **call_options(interpret, num_warps, num_stages),
-    )(live, ex, x, xw, w.head, w.body)
+    )(live, ex, x, xw, dx, sx, w.head, w.body)
     return parts.sum(0).astype(out_dtype)

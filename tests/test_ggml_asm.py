@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ggml_asm import asm_text, codes
+from pallas_kernels.ggml_asm import asm_text, codes, dots4, dp4a_text
 
 # codes() keyword sets as ggml_asm's decoders use them (Q4_0 / Q4_K nibbles, Q5_K's bit g,
 # Q6_K's two high bits)
@@ -21,14 +21,14 @@ CASES = (
 
 
 def emulate(asm: str, ins: list[int]) -> list[int]:
-    """Runs the asm's instructions on 32-bit words: $4 (and $5) in, $0 .. $3 out."""
+    """Runs the asm's instructions on 32-bit words: $4 (and $5, $6) in, $0 .. $3 out."""
     regs = {f"${4 + i}": int(v) for i, v in enumerate(ins)}
 
     def val(tok: str) -> int:
         return int(tok, 16) if tok.startswith("0x") else (int(tok) if tok.isdigit() else regs[tok])
 
     for line in asm.splitlines():
-        m = re.match(r"(\w+)\.(\w+) (.*);", line.strip())
+        m = re.match(r"(\w+)((?:\.\w+)+) (.*);", line.strip())
         if not m or m.group(1) == "reg" or line.strip().startswith("."):
             continue
         op, args = m.group(1), [a.strip() for a in m.group(3).split(",")]
@@ -41,6 +41,14 @@ def emulate(asm: str, ins: list[int]) -> list[int]:
             r = src[0] >> src[1]
         elif op == "shl":
             r = src[0] << src[1]
+        elif op == "dp4a":  # dp4a.atype.btype d, a, b, c: four byte products summed, plus c
+            signs = [t == "s32" for t in m.group(2).split(".")[1:]]
+
+            def lanes(w, signed):
+                return [b - 256 * (signed and b > 127) for b in w.to_bytes(4, "little")]
+
+            pairs = zip(lanes(src[0], signs[0]), lanes(src[1], signs[1]), strict=True)
+            r = sum(a * b for a, b in pairs) + src[2]
         elif op == "prmt":
             pool = src[0].to_bytes(4, "little") + src[1].to_bytes(4, "little")
             r = int.from_bytes(bytes(pool[(src[2] >> 4 * i) & 7] for i in range(4)), "little")
@@ -76,3 +84,40 @@ def test_the_emulator_catches_a_wrong_byte_selector():
     got = np.asarray(got, np.uint32).reshape(-1).view(np.float32)
     want = np.asarray(codes(jnp.asarray(lo), ptx=False, mask=15))
     assert not np.array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(signed=True), *CASES], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items())
+)
+def test_the_dp4a_ptx_gives_the_portable_path_s_dots(kw):
+    """dp4a over codes extracted as above (or Q8_0's int8 bytes) and int8 activations: each
+    instance's sum equals the portable path's four products, and those are q times x."""
+    rng = np.random.default_rng(len(str(kw)) + 7)
+    lo, hi = (rng.integers(0, 256, 64, dtype=np.uint8) for _ in range(2))
+    x = rng.integers(-127, 128, 64).astype(np.int8)
+    two = "hi_mask" in kw
+    hi_j = jnp.asarray(hi) if two else None
+    want = np.asarray(dots4(jnp.asarray(lo), jnp.asarray(x), ptx=False, hi=hi_j, **kw))
+    asm = dp4a_text(hi=two, **kw)
+    words = lambda b: b.view("<u4")  # noqa: E731
+    ins = [[a, b, c] if two else [a, c] for a, b, c in zip(*map(words, (lo, hi, x)), strict=True)]
+    got = np.asarray([emulate(asm, i) for i in ins], np.uint32).view(np.int32)  # [16, 4]
+    np.testing.assert_array_equal(got[:, 0], want.reshape(16, 4).sum(1))
+    assert not got[:, 1:].any()
+    if kw.get("signed"):
+        q = lo.view(np.int8).astype(np.int64)
+    else:
+        q = (lo.astype(np.int64) >> kw["shift"]) & kw["mask"]
+        if two:
+            q |= ((hi.astype(np.int64) >> kw["hi_shift"]) & kw["hi_mask"]) << kw["hi_to"]
+    np.testing.assert_array_equal(want, q * x)
+
+
+def test_the_emulator_catches_dp4a_reading_codes_as_signed():
+    """Negative control: the emulator tells unsigned codes from signed bytes (0xFF is 255 as a
+    code, -1 as Q8_0's int8)."""
+    lo = np.full(4, 0xFF, np.uint8)
+    x = np.ones(4, np.int8)
+    right = emulate(dp4a_text(), [lo.view("<u4")[0], x.view("<u4")[0]])[0]
+    wrong = emulate(dp4a_text(signed=True), [lo.view("<u4")[0], x.view("<u4")[0]])[0]
+    assert right == 4 * 255 and wrong == (-4) & 0xFFFFFFFF

@@ -11,6 +11,7 @@ from test_quants import random_blocks
 
 from luce_jax.loading.quants import keep_quantized
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
+from pallas_kernels.ggml_asm import INT_DECODERS, quantize_rows
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight, dequantize_weight
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, tiling
 
@@ -105,6 +106,44 @@ def test_vector_path_codes_match_the_reference(qtype, unit, live, N):
     ref = np.asarray(quant_matmul_reference(x, w))[:live]
     np.testing.assert_allclose(np.asarray(got)[:live], ref, rtol=1e-4,
                                atol=1e-5 * np.abs(ref).max())  # fmt: skip
+
+
+def int8_rows(x):
+    """x as the int8 path sees it: quantized per 32 values and scaled back (float32)."""
+    q, d, s = quantize_rows(x)
+    M, K = x.shape
+    assert np.array_equal(np.asarray(s), np.asarray(q, np.float32).reshape(M, -1, 16).sum(-1))
+    return (q.astype(jnp.float32).reshape(M, -1, 32) * d[..., None]).reshape(M, K)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_int8_activation_path_matches_the_reference_on_its_rounded_x(qtype, live=2):
+    """int8_x: x rounded to int8 per 32 values (llama.cpp's q8_1 rounding) and dotted with the
+    codes as integers equals the reference on that rounded x to float32 rounding, over a K that
+    ends inside a step and an N inside a tile, and stays within 2% of the unrounded product;
+    IQ4_XS, which has no integer decoder, ignores the flag."""
+    B = FORMATS[qtype].block
+    w = weight(qtype, 40, 3 * B, seed=live + 4)
+    x = jax.random.normal(jax.random.key(live), (8, 3 * B), jnp.float32)
+    got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=2 * max(B, 256),
+                       vector_programs=4, int8_x=True, interpret=True)  # fmt: skip
+    got = np.asarray(got)[:live]
+    rounded = x if qtype not in INT_DECODERS else int8_rows(x)
+    ref = np.asarray(quant_matmul_reference(rounded, w))[:live]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+    exact = np.asarray(quant_matmul_reference(x, w))[:live]
+    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+
+
+def test_int8_activations_reach_the_experts_rows():
+    w = weight("q4_k", 40, 512, seed=3, lead=(3,))
+    x = jax.random.normal(jax.random.key(3), (4, 512), jnp.float32)
+    experts = jnp.array([2, 0, 3, 1], jnp.int32)
+    got = np.asarray(quant_matmul(x, w, experts=experts, int8_x=True, interpret=True))
+    dense, xr = np.asarray(dequantize_weight(w)), np.asarray(int8_rows(x))
+    for m, e in enumerate([2, 0, None, 1]):
+        want = np.zeros(40) if e is None else xr[m] @ dense[e].T
+        np.testing.assert_allclose(got[m], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("qtype", TYPES)

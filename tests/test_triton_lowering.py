@@ -84,6 +84,16 @@ def test_rows_times_their_experts_lower(verified, qtype):
     assert len(verified) == 1
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
+def test_the_int8_activation_path_lowers_with_dp4a(verified, qtype):
+    w = zero_weight(qtype, 4096, 4096)
+    x = jnp.zeros((8, 4096), jnp.bfloat16)
+    f = lambda x, n: quant_matmul(x, w, n, int8_x=True, interpret=False)  # noqa: E731
+    lower_for_cuda(f, x, jnp.int32(1))
+    assert len(verified) == 1
+    assert "dp4a" in str(verified[0].module)  # the codes meet x in ggml_asm's PTX
+
+
 @pytest.mark.parametrize("qtype", sorted(FLOAT_DECODERS))
 def test_the_unit_code_vector_path_lowers_with_its_ptx(verified, qtype):
     w = zero_weight(qtype, 4096, 4096)
