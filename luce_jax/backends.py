@@ -3,6 +3,8 @@ kernels, or their XLA / jnp counterparts."""
 
 from __future__ import annotations
 
+import functools
+
 
 def attention_fn(backend: str):
     """The paged attention implementation of a resolved attention_backend."""
@@ -19,8 +21,6 @@ def gated_delta_fn(backend: str):
     """A hybrid model's gated delta rule for a resolved attention_backend (the sequence mixers
     go together: pallas on GPU, the jnp reference on CPU)."""
     if backend == "pallas":
-        import functools
-
         from pallas_kernels.gated_delta import gated_delta
 
         # Whole chunks of 16 kept tokens in the chunked (WY) form, the rest token by token
@@ -42,8 +42,9 @@ def grouped_matmul_fn(backend: str):
     return grouped_matmul_xla
 
 
-def quant_matmul_fn(backend: str):
-    """How projections with quantized weights run, for a resolved quant_backend."""
+def quant_matmul_fn(backend: str, activations: str = "int8"):
+    """How projections with quantized weights run, for a resolved quant_backend and
+    EngineConfig.quant_activations."""
     from .models.linear import QuantMatmul
 
     if backend == "pallas":
@@ -51,5 +52,6 @@ def quant_matmul_fn(backend: str):
 
         from .host.batch import SMALLEST_TOKEN_BUCKET
 
-        return QuantMatmul(quant_matmul, live_rows_max=SMALLEST_TOKEN_BUCKET)
+        kernel = functools.partial(quant_matmul, int8_x=activations == "int8")
+        return QuantMatmul(kernel, live_rows_max=SMALLEST_TOKEN_BUCKET)
     return QuantMatmul()

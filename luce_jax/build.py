@@ -103,7 +103,7 @@ def _load(config: EngineConfig, clock: StartupClock):
             kv_cache_types(config, model_cfg)[0],
             attention_fn(config.attention_backend),
             grouped_matmul_fn(config.moe_backend),
-            quant_matmul_fn(config.quant_backend),
+            quant_matmul_fn(config.quant_backend, config.quant_activations),
             **kw,
         )
 

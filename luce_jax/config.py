@@ -33,6 +33,12 @@ MOE_BACKENDS = ("auto", "pallas", "xla")
 # and XLA's dequantize-then-dot for larger steps; xla always dequantizes-then-dots. auto: pallas
 # on GPU, xla on CPU.
 QUANT_BACKENDS = ("auto", "pallas", "xla")
+# What the Pallas kernel's decode-sized calls (1 or 2 live rows, and experts a pair at a time)
+# dot the codes with: int8 rounds the activations to int8 per 32 values, as llama.cpp's q8_1,
+# and takes four products a dp4a instruction (H200, one live row: Q4_K gate/up 54 -> 43 us, down
+# 35 -> 26, Q8_0 gate/up 46 -> 42, at 78% of the copy bandwidth; Q6_K 80 -> 82;
+# bench/results/2026-12-01_quant_matmul_int8_x_h200.md); float keeps them in float32.
+QUANT_ACTIVATIONS = ("int8", "float")
 # Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
 # the sequence itself), verified by the target in the same packed step as everything else.
 SPEC_MODES = ("off", "ngram", "draft")
@@ -123,6 +129,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     quant_backend: str = "auto"
+    quant_activations: str = "int8"
     prefill_chunk: int = 512
     prefill_token_budget: int = 512
     max_concurrent_prefills: int = 4
@@ -148,6 +155,8 @@ class EngineConfig:
             bad("moe_backend", f"must be one of {MOE_BACKENDS}")
         if self.quant_backend not in QUANT_BACKENDS:
             bad("quant_backend", f"must be one of {QUANT_BACKENDS}")
+        if self.quant_activations not in QUANT_ACTIVATIONS:
+            bad("quant_activations", f"must be one of {QUANT_ACTIVATIONS}")
         if self.spec_mode not in SPEC_MODES:
             bad("spec_mode", f"must be one of {SPEC_MODES}")
         if self.draft is not None and not Path(self.draft).is_file():

@@ -20,6 +20,7 @@ from .config import (
     DEFAULT_MODEL,
     DTYPES,
     MOE_BACKENDS,
+    QUANT_ACTIVATIONS,
     QUANT_BACKENDS,
     SPEC_MODES,
     EngineConfig,
@@ -47,6 +48,10 @@ HELP = {
     "quant_backend": (
         f"matmuls with quantized weights: {', '.join(QUANT_BACKENDS)} (auto: pallas on GPU, xla "
         "on CPU)"
+    ),
+    "quant_activations": (
+        f"{', '.join(QUANT_ACTIVATIONS)}: what the quantized kernel's decode calls dot the codes "
+        "with (int8: activations rounded per 32 values, as llama.cpp)"
     ),
     "prefill_chunk": "prompt tokens one sequence appends per step",
     "prefill_token_budget": "tokens per step, decode rows included",
