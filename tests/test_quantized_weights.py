@@ -272,6 +272,17 @@ def test_config_names_the_quantized_choices():
         EngineConfig(quant_backend="triton")
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="q4_k")
+    with pytest.raises(ValueError, match="quant_activations"):
+        EngineConfig(quant_activations="fp8")
+
+
+def test_quant_activations_choose_the_kernel_s_activations():
+    """The engine's quantized kernel takes int8 activations unless told float."""
+    from luce_jax.backends import quant_matmul_fn
+
+    assert quant_matmul_fn("pallas").kernel.keywords == {"int8_x": True}
+    assert quant_matmul_fn("pallas", "float").kernel.keywords == {"int8_x": False}
+    assert quant_matmul_fn("xla").kernel is None
 
 
 def test_engine_greedy_tokens_equal_with_the_kernel_and_xla(compile_cache):
