@@ -375,7 +375,7 @@ def quant_matmul(
         BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
     NI, NJ = -(-M // BM), -(-N // BN)
     ptx = uses_ptx(interpret) if ptx is None else ptx
-    int8_x = int8_x and QTYPES[fmt.qtype] in INT_DECODERS
+    int8_x = int8_x and bool(R or E) and QTYPES[fmt.qtype] in INT_DECODERS  # vector path only
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes and not int8_x,
                                int8=int8_x, ptx=ptx)  # fmt: skip

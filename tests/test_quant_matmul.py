@@ -135,6 +135,16 @@ def test_the_int8_activation_path_matches_the_reference_on_its_rounded_x(qtype, 
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
 
 
+def test_int8_activations_leave_the_dots_path_exact():
+    """Calls without a live count (larger buckets) take the dots path, which int8_x leaves on
+    the unrounded activations."""
+    w = weight("q8_0", 32, 256, seed=6)
+    x = jax.random.normal(jax.random.key(6), (8, 256), jnp.float32)
+    got = np.asarray(quant_matmul(x, w, int8_x=True, interpret=True))
+    ref = np.asarray(quant_matmul_reference(x, w))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
 def test_int8_activations_reach_the_experts_rows():
     w = weight("q4_k", 40, 512, seed=3, lead=(3,))
     x = jax.random.normal(jax.random.key(3), (4, 512), jnp.float32)
