@@ -105,14 +105,16 @@ def two_steps(path, quantized, qmm=None):
 
 
 def test_the_moe_model_with_its_kernels_computes_what_the_dequantized_one_does(files):
-    """The Q4_K_M MoE with every quantized projection and expert on the Pallas kernel
-    (interpret mode; experts a (token, expert) pair at a time, 32 and 8 pairs) against the
+    """The Q4_K_M MoE on the Pallas kernel (interpret mode) where a decode step takes it: the
+    prefill step (16 tokens, 32 pairs) on XLA, the decode step's projections on the vector path
+    (2 live rows of 4) and its experts a (token, expert) pair at a time (8 pairs), against the
     model dequantized at load."""
     import functools
 
     from pallas_kernels.quant_matmul import quant_matmul
 
-    qmm = QuantMatmul(functools.partial(quant_matmul, interpret=True), live_rows_max=4)
+    kernel = functools.partial(quant_matmul, interpret=True)
+    qmm = QuantMatmul(kernel, max_rows=8, live_rows_max=4)
     got, want = two_steps(files["moe"], True, qmm), two_steps(files["moe"], False)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
