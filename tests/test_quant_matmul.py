@@ -84,8 +84,8 @@ def test_live_rows_match_the_reference_on_either_path(qtype, K, N, vps, live, ve
 
 
 # Integer codes with masked loads are test_live_rows_match_the_reference_on_either_path's;
-# here they run over whole tiles and splits (no masks), and unit codes run both ways.
-# unit codes (off by default: slower on the H200) on two rows and an N inside a tile
+# here they run over whole tiles and splits (no masks); unit codes (off by default: slower on
+# the H200) on two rows and an N inside a tile (masked).
 VECTOR_CASES = [(q, False, 1, 64) for q in TYPES] + [
     (q, True, 2, 40) for q in sorted(FLOAT_DECODERS)
 ]
