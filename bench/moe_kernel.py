@@ -11,7 +11,10 @@ measured in the same run.
 
 `--type q4_k` (any pallas_kernels.ggml_blocks.FORMATS type) times quantized experts kept in their
 blocks (random valid blocks, make_model.random_rows), against ragged_dot over the same experts
-dequantized to bf16 inside the step (what the XLA path does with them).
+dequantized to bf16 inside the step (what the XLA path does with them). With quantized experts
+the variants `rows` and `rows:int8` time what a decode step runs instead of the grouped kernel
+(models/moe.by_rows): each row alone against its expert's blocks, quant_matmul's experts mode,
+with float32 or int8 activations, to place the per-pair path's threshold.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from luce_jax.loading.quants import keep_quantized
 from luce_jax.models.moe import grouped_matmul_xla
 from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.moe_grouping import grouped_matmul
+from pallas_kernels.quant_matmul import quant_matmul
 
 from make_model import random_rows
 from meta import meta_line, run_meta, write_result
@@ -54,6 +58,21 @@ CASES = [
 def timed(fn, x, ws, sizes) -> float:
     """Seconds per call of fn(x, w, sizes) in one executable of LAYERS dependent calls."""
     return per_call(lambda x, w: fn(x, w, sizes), x, ws, LAYERS)
+
+
+def rows_fn(experts, swiglu: bool, int8_x: bool):
+    """models/moe.ffn_rows' call as grouped_matmul's signature: row m times expert experts[m]
+    (the rows' experts in grouped order), SwiGLU after the matmul."""
+
+    def f(x, w, sizes):
+        del sizes
+        y = quant_matmul(x, w, experts=experts, int8_x=int8_x)
+        if swiglu:
+            gate, up = jnp.split(y, 2, axis=-1)
+            y = jax.nn.silu(gate) * up
+        return y.astype(jnp.bfloat16)
+
+    return f
 
 
 def parse_variant(v: str) -> dict:
@@ -88,10 +107,13 @@ def run_case(name, tokens, k, K, N, E, swiglu, bw, variants, n_weights, qtype="b
     tx = timed(fx, x, ws, sizes)
     rows = []
     for v in variants:
-        fp = functools.partial(
-            grouped_matmul, swiglu=swiglu, out_dtype=jnp.bfloat16, **parse_variant(v)
-        )
         try:
+            if v.startswith("rows"):
+                fp = rows_fn(jnp.asarray(np.sort(experts), jnp.int32), swiglu, v == "rows:int8")
+            else:
+                fp = functools.partial(
+                    grouped_matmul, swiglu=swiglu, out_dtype=jnp.bfloat16, **parse_variant(v)
+                )
             op = jax.jit(fp)(x, ws[0], sizes).astype(jnp.float32)
             diff = float(jnp.max(jnp.abs(ox - op)))
             tp = timed(fp, x, ws, sizes)
@@ -120,7 +142,8 @@ def main():
         "--variants",
         nargs="+",
         default=["16:128:128:4:3"],
-        help="Pallas tilings block_m:block_n:block_k:num_warps:num_stages (block_m is a cap)",
+        help="Pallas tilings block_m:block_n:block_k:num_warps:num_stages (block_m is a cap), "
+        "or rows / rows:int8 (quantized experts a row at a time)",
     )
     ap.add_argument("--weights", type=int, default=8, help="distinct weight buffers cycled")
     ap.add_argument("--cases", type=int, nargs="+", default=None, help="indices into CASES")
