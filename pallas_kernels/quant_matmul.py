@@ -25,13 +25,10 @@ until there are about `min_programs` programs (`vector_programs` for the vector 
 the GPU; the splits' float32 partials are summed afterwards.
 
 Speed (H200, Qwen3-8B shapes, M 8, bench/quant_matmul.py; results/2026-12-01_quant_matmul_*).
-One live row: gate/up Q8_0 47 us, Q4_K 65, the bf16 dot 55; down Q8_0 31, Q4_K 44, the bf16 dot
-32 to 44. Nsight Compute found Q4_K bound by instruction issue (16 thread instructions per
-weight value, 18% of DRAM bandwidth) when the path decoded two rows for one; it now decodes for
-the live rows only. The vector path beats the dots at M 8 (Q8_0 88 / 66, Q4_K 90 / 58 us). At
-M 512 the kernel is 6x to 15x slower than the bf16 dot and XLA's dequantize-then-dot 1.3x to
-1.7x (2026-11-30_quant_matmul_types_h200.md), which is why models/linear.py sends steps of more
-than 64 rows to XLA.
+One live row with int8 activations: gate/up Q8_0 42 us (78% of the copy bandwidth), Q4_K 43,
+the bf16 dot 53. At M 512 the kernel is 6x to 15x slower than the bf16 dot and XLA's
+dequantize-then-dot 1.3x to 1.7x (2026-11-30_quant_matmul_types_h200.md), which is why
+models/linear.py sends steps of more than 64 rows to XLA.
 
 Triton backend: all indices are arrays and loads are masked where a tile or split runs past
 N or K, so M and N need not be tile multiples (K is a whole number of blocks, as in every
