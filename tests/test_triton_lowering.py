@@ -84,24 +84,21 @@ def test_rows_times_their_experts_lower(verified, qtype):
     assert len(verified) == 1
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
-def test_the_int8_activation_path_lowers_with_dp4a(verified, qtype):
-    w = zero_weight(qtype, 4096, 4096)
-    x = jnp.zeros((8, 4096), jnp.bfloat16)
-    f = lambda x, n: quant_matmul(x, w, n, int8_x=True, interpret=False)  # noqa: E731
-    lower_for_cuda(f, x, jnp.int32(1))
-    assert len(verified) == 1
-    assert "dp4a" in str(verified[0].module)  # the codes meet x in ggml_asm's PTX
+# the vector path's PTX options and the instruction each puts in the module: int8
+# activations' dp4a (on by default in the engine), unit codes' byte permute
+PTX_CASES = [("int8_x", q, "dp4a") for q in ("q8_0", "q4_k", "q6_k")] + [
+    ("unit_codes", q, "prmt.b32") for q in sorted(FLOAT_DECODERS)
+]
 
 
-@pytest.mark.parametrize("qtype", sorted(FLOAT_DECODERS))
-def test_the_unit_code_vector_path_lowers_with_its_ptx(verified, qtype):
+@pytest.mark.parametrize("option, qtype, instruction", PTX_CASES)
+def test_the_vector_path_lowers_with_its_ptx(verified, option, qtype, instruction):
     w = zero_weight(qtype, 4096, 4096)
     x = jnp.zeros((8, 4096), jnp.bfloat16)
-    f = lambda x, n: quant_matmul(x, w, n, unit_codes=True, interpret=False)  # noqa: E731
+    f = lambda x, n: quant_matmul(x, w, n, interpret=False, **{option: True})  # noqa: E731
     lower_for_cuda(f, x, jnp.int32(1))
     assert len(verified) == 1
-    assert "prmt.b32" in str(verified[0].module)  # the codes go through ggml_asm's PTX
+    assert instruction in str(verified[0].module)  # the codes go through ggml_asm's PTX
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
