@@ -1,4 +1,4 @@
-"""GGML code bytes to the floats 1 + q / 128, four at a time: one PTX byte permute per value.
+"""GGML code bytes through inline PTX four at a time: as floats (one permute) or int8 dots (dp4a).
 
 quant_matmul's vector path (a decode step's one or two live rows) is bound by instruction
 issue, not memory. On the H200, Nsight Compute counted 16 thread instructions per Q4_K weight
@@ -14,16 +14,26 @@ type here but Q8_0). A group whose values are a * (q - bias) + b then adds
 A * sum(f * x) + B * sum(x), with A = 128 a and B = b - (128 + bias) a: no conversion and no
 subtraction per value. f stays in [1, 2), so f * x rounds no worse than q * x.
 
-`codes(lo, ...)` is the one entry point: lo (and hi) are uint8 tensors of one shape, and the
-result is float32 of that shape. With ptx=False (interpret mode on the CPU, and ROCm) the same
-bits come from jnp integer ops and a bitcast. tests/test_ggml_asm.py runs the PTX through a small
-emulator of its instructions and compares against that path. `DECODERS` give quant_matmul's
-vector path each type's group in this form (`unit_codes=True`). Off by default: timed on the
-H200 against the integer codes, one live row gained 2 to 7% for Q4_K and lost 3 to 17% for Q6_K,
-and two live rows lost 20 to 60% (bench/results/2026-12-01_quant_matmul_unit_codes_h200.md).
+Unit codes: `codes(lo, ...)` takes uint8 tensors lo (and hi) of one shape and gives float32 of
+that shape; `DECODERS` give quant_matmul's vector path each type's group in this form
+(`unit_codes=True`). Off by default: timed on the H200 against the integer codes, one live row
+gained 2 to 7% for Q4_K and lost 3 to 17% for Q6_K, and two live rows lost 20 to 60%
+(bench/results/2026-12-01_quant_matmul_unit_codes_h200.md).
+
+Int8 dots: `dots4(lo, x, ...)` extracts the codes the same way and sums their products with four
+int8 activations in one `dp4a`; `INT_DECODERS` give the vector path each type's group against
+activations rounded to int8 (`int8_x=True`, on in the engine: Q4_K 22 to 29% and Q8_0 2 to 9%
+faster on the H200, bench/results/2026-12-01_quant_matmul_int8_x_h200.md). Both read the byte
+layouts from one table, `PIECES`.
+
+With ptx=False (interpret mode on the CPU, and ROCm) the same results come from jnp integer ops
+(and a bitcast). tests/test_ggml_asm.py runs the PTX through a small emulator of its
+instructions and compares against that path.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -95,40 +105,52 @@ def _unit(a, b, bias: int):
     return 128.0 * a, (0.0 if b is None else b) - (128.0 + bias) * a
 
 
-# Per type: (load, load1, g, ptx) -> (A, B, pieces [(first value, float32 f [..., n])]): the
-# group adds A * sum(f * x) + B * sum(x) over its pieces. The byte layouts are ggml_blocks'
-# decoders'. Q8_0 (8-bit codes) and IQ4_XS (a table) have none.
+# Per type: (load, load1, g) -> (a, b, bias, pieces [(first value, code bytes lo, extraction
+# keywords)]): a value of group g is a * (q - bias) + b (b None for zero), q extracted from lo
+# (and the keywords' hi) as `codes` and `dots4` take it. The byte layouts are ggml_blocks'
+# decoders'. IQ4_XS (a table) has none.
 
 
-def _q4_0(load, load1, g, ptx):
-    q = load(2, 16)
-    pieces = [(16 * h, codes(q, ptx=ptx, shift=4 * h, mask=15)) for h in (0, 1)]
-    return (*_unit(_byte_f16(load1, 0), None, 8), pieces)
+def _q8_0(load, load1, g):
+    return _byte_f16(load1, 0), None, 0, [(0, load(2, 32), dict(signed=True))]
 
 
-def _q4_k(load, load1, g, ptx):
+def _q4_0(load, load1, g):
+    pieces = [(16 * h, load(2, 16), dict(shift=4 * h, mask=15)) for h in (0, 1)]
+    return _byte_f16(load1, 0), None, 8, pieces
+
+
+def _q4_k(load, load1, g):
     # run g // 2 of 32 bytes: low nibbles are group 2r, high nibbles 2r + 1
-    q = codes(load(16 + 32 * (g // 2), 32), ptx=ptx, shift=4 * (g % 2), mask=15)
-    return (*_unit(*_k_affine(load1, g), 0), [(0, q)])
+    lo = load(16 + 32 * (g // 2), 32)
+    return (*_k_affine(load1, g), 0, [(0, lo, dict(shift=4 * (g % 2), mask=15))])
 
 
-def _q5_k(load, load1, g, ptx):
+def _q5_k(load, load1, g):
     # Q4_K's low nibble and bit g of the 32 high-bit bytes on top
-    lo, hi = load(48 + 32 * (g // 2), 32), load(16, 32)
-    q = codes(lo, ptx=ptx, shift=4 * (g % 2), mask=15, hi=hi, hi_shift=g, hi_mask=1,
-              hi_to=4)  # fmt: skip
-    return (*_unit(*_k_affine(load1, g), 0), [(0, q)])
+    kw = dict(shift=4 * (g % 2), mask=15, hi=load(16, 32), hi_shift=g, hi_mask=1, hi_to=4)
+    return (*_k_affine(load1, g), 0, [(0, load(48 + 32 * (g // 2), 32), kw)])
 
 
-def _q6_k(load, load1, g, ptx):
+def _q6_k(load, load1, g):
     h, v = divmod(g * 16, 128)  # ggml_blocks._q6_k's layout
-    lo, hi = load(64 * h + v % 64, 16), load(128 + 32 * h + v % 32, 16)
-    q = codes(lo, ptx=ptx, shift=4 * (v // 64), mask=15, hi=hi,
+    kw = dict(shift=4 * (v // 64), mask=15, hi=load(128 + 32 * h + v % 32, 16),
               hi_shift=2 * (v // 32), hi_mask=3, hi_to=4)  # fmt: skip
-    return (*_unit(_q6_k_scale(load1, g), None, 32), [(0, q)])
+    return _q6_k_scale(load1, g), None, 32, [(0, load(64 * h + v % 64, 16), kw)]
 
 
-DECODERS = {"q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+PIECES = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+
+
+def unit_group(qtype: str, load, load1, g, ptx):
+    """(A, B, pieces [(first value, float32 f [..., n])]) of group g with its codes as the floats
+    f = 1 + q / 128: the group adds A * sum(f * x) + B * sum(x) over its pieces."""
+    a, b, bias, pieces = PIECES[qtype](load, load1, g)
+    return (*_unit(a, b, bias), [(first, codes(lo, ptx=ptx, **kw)) for first, lo, kw in pieces])
+
+
+# The unit codes' types: Q8_0's 8-bit codes do not fit 1 + q / 128 exactly.
+DECODERS = {t: functools.partial(unit_group, t) for t in PIECES if t != "q8_0"}
 
 
 # dp4a: codes times int8 activations, four products and their sum in one instruction (as
@@ -171,40 +193,17 @@ def dots4(lo, x, *, ptx: bool, signed=False, hi=None, **kw):
     return q * x.astype(jnp.int32)
 
 
-# Per type: (load, load1, g) -> (a, c, pieces [(first value, lo, dots4's keywords)]): a value
-# of the group is a * q + c' and the group adds a * sum(q * x) + c * sum(x) (c = c' folded
-# with the codes' bias; None for zero) over its pieces, x the integer activations.
+def int_group(qtype: str, load, load1, g):
+    """(a, c, pieces [(first value, code bytes, dots4's keywords)]) of group g against integer
+    activations x: the group adds a * sum(q * x) + c * sum(x) over its pieces (c folds b with
+    the codes' bias; None for zero)."""
+    a, b, bias, pieces = PIECES[qtype](load, load1, g)
+    if bias == 0:  # b as it is: 0 * a would stay in the kernel
+        return a, b, pieces
+    return a, (0.0 if b is None else b) - bias * a, pieces
 
 
-def _i8_q8_0(load, load1, g):
-    return _byte_f16(load1, 0), None, [(0, load(2, 32), dict(signed=True))]
-
-
-def _i8_q4_0(load, load1, g):
-    a = _byte_f16(load1, 0)
-    return a, -8.0 * a, [(16 * h, load(2, 16), dict(shift=4 * h, mask=15)) for h in (0, 1)]
-
-
-def _i8_q4_k(load, load1, g):
-    return (*_k_affine(load1, g), [(0, load(16 + 32 * (g // 2), 32), dict(shift=4 * (g % 2),
-                                                                         mask=15))])  # fmt: skip
-
-
-def _i8_q5_k(load, load1, g):
-    kw = dict(shift=4 * (g % 2), mask=15, hi=load(16, 32), hi_shift=g, hi_mask=1, hi_to=4)
-    return (*_k_affine(load1, g), [(0, load(48 + 32 * (g // 2), 32), kw)])
-
-
-def _i8_q6_k(load, load1, g):
-    h, v = divmod(g * 16, 128)
-    kw = dict(shift=4 * (v // 64), mask=15, hi=load(128 + 32 * h + v % 32, 16),
-              hi_shift=2 * (v // 32), hi_mask=3, hi_to=4)  # fmt: skip
-    a = _q6_k_scale(load1, g)
-    return a, -32.0 * a, [(0, load(64 * h + v % 64, 16), kw)]
-
-
-INT_DECODERS = {"q8_0": _i8_q8_0, "q4_0": _i8_q4_0, "q4_k": _i8_q4_k, "q5_k": _i8_q5_k,
-                "q6_k": _i8_q6_k}  # fmt: skip
+INT_DECODERS = {t: functools.partial(int_group, t) for t in PIECES}
 
 
 def quantize_rows(x, block: int = 32):
