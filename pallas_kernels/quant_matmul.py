@@ -375,14 +375,18 @@ def quant_matmul(
         BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)
     NI, NJ = -(-M // BM), -(-N // BN)
     ptx = uses_ptx(interpret) if ptx is None else ptx
-    int8_x = int8_x and bool(R or E) and QTYPES[fmt.qtype] in INT_DECODERS  # vector path only
+    # xw: the vector path's activations (int8 with scales dx and sums sx, or float32), if any
+    vector = bool(R or E)
+    int8_x = int8_x and vector and QTYPES[fmt.qtype] in INT_DECODERS
+    unit_codes = unit_codes and vector and not int8_x
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
-                               n_blocks=n_blocks, R=R, E=E, unit=unit_codes and not int8_x,
-                               int8=int8_x, ptx=ptx)  # fmt: skip
-    xw = x.astype(jnp.float32) if unit_codes else x
-    dx = sx = jnp.zeros((1, 1), jnp.float32)  # read with int8_x only
+                               n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
+                               ptx=ptx)  # fmt: skip
+    xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
         xw, dx, sx = quantize_rows(x)
+    elif unit_codes:
+        xw = x.astype(jnp.float32)
     live = jnp.full((1,), M if live is None else live, jnp.int32)
     ex = jnp.zeros((1,), jnp.int32) if experts is None else experts.astype(jnp.int32)
     out = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
