@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend.backend
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -24,3 +25,11 @@ def call_options(interpret: bool | None, num_warps: int, num_stages: int) -> dic
         "interpret": False,
         "compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     }
+
+
+def uses_ptx(interpret: bool | None) -> bool:
+    """Whether a Triton kernel may hold PTX: not in interpret mode and not on a ROCm backend.
+    Lowering for cuda from the CPU (tests, bench/kernel_ptx.py) takes the PTX."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    return not interpret and "rocm" not in jax.extend.backend.get_backend().platform_version

@@ -22,9 +22,9 @@ gained 2 to 7% for Q4_K and lost 3 to 17% for Q6_K, and two live rows lost 20 to
 
 Int8 dots: `dots4(lo, x, ...)` extracts the codes the same way and sums their products with four
 int8 activations in one `dp4a`; `INT_DECODERS` give the vector path each type's group against
-activations rounded to int8 (`int8_x=True`, on in the engine: Q4_K 22 to 29% and Q8_0 2 to 9%
-faster on the H200, bench/results/2026-12-01_quant_matmul_int8_x_h200.md). Both read the byte
-layouts from one table, `PIECES`.
+activations rounded to int8 (`int8_x=True`, on in the engine for dense models: Q4_K 22 to 29%
+and Q8_0 2 to 9% faster on the H200, bench/results/2026-12-01_quant_matmul_int8_x_h200.md).
+Both read the byte layouts from one table, `PIECES`.
 
 With ptx=False (interpret mode on the CPU, and ROCm) the same results come from jnp integer ops
 (and a bitcast). tests/test_ggml_asm.py runs the PTX through a small emulator of its
@@ -204,13 +204,3 @@ def int_group(qtype: str, load, load1, g):
 
 
 INT_DECODERS = {t: functools.partial(int_group, t) for t in PIECES}
-
-
-def quantize_rows(x, block: int = 32):
-    """x [M, K] as int8 per `block` values (max |x| to 127, as llama.cpp's q8_1):
-    (q [M, K] int8, d [M, K / block] float32 scales, s [M, K / 16] float32 sums of q per 16)."""
-    M, K = x.shape
-    xb = x.astype(jnp.float32).reshape(M, K // block, block)
-    d = jnp.max(jnp.abs(xb), axis=-1) / 127.0
-    q = jnp.round(xb / jnp.where(d == 0, 1.0, d)[..., None]).astype(jnp.int8).reshape(M, K)
-    return q, d, q.astype(jnp.float32).reshape(M, K // 16, 16).sum(-1)

@@ -43,14 +43,13 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.extend.backend
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .call_options import call_options, whole
+from .call_options import call_options, uses_ptx, whole
 from .ggml_asm import DECODERS as FLOAT_DECODERS
-from .ggml_asm import INT_DECODERS, dots4, quantize_rows
+from .ggml_asm import INT_DECODERS, dots4
 from .ggml_blocks import (
     QTYPES,
     BlockFormat,
@@ -60,6 +59,7 @@ from .ggml_blocks import (
     dequantize_weight,
     exact_f32,
 )
+from .int8_rows import int8_rows
 
 
 def quant_matmul_reference(x, w: QuantWeight):
@@ -270,14 +270,6 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
     plgpu.store(o_ref.at[s, rows[:, None], cols[None, :]], out, mask=ok)
 
 
-def uses_ptx(interpret: bool | None) -> bool:
-    """Whether a Triton kernel may hold PTX: not in interpret mode and not on a ROCm backend.
-    Lowering for cuda from the CPU (tests, bench/kernel_ptx.py) takes the PTX."""
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    return not interpret and "rocm" not in jax.extend.backend.get_backend().platform_version
-
-
 def _pow2(n: int, lo: int, hi: int) -> int:
     """The power of two nearest above n, within [lo, hi]."""
     return max(lo, min(hi, 1 << max(n - 1, 0).bit_length()))
@@ -347,12 +339,13 @@ def quant_matmul(
         1 + q / 128 four bytes at a time (ggml_asm.py). Off: on the H200 one live row gained
         2 to 7% for Q4_K and lost 3 to 17% for Q6_K, two live rows lost 20 to 60%
         (2026-12-01_quant_matmul_unit_codes_h200.md).
-      int8_x: the vector path takes x quantized to int8 per 32 values (ggml_asm.quantize_rows,
-        llama.cpp's q8_1 rounding) and dots Q8_0, Q4_0, Q4_K, Q5_K and Q6_K codes with it four
-        at a time (dp4a); other types ignore it. On the H200 one live row: Q4_K gate/up 54 ->
-        43 us, Q8_0 46 -> 42 (2026-12-01_quant_matmul_int8_x_h200.md); the engine turns it on
-        (EngineConfig.quant_activations).
-      ptx: unit codes and dp4a through PTX (else the same arithmetic in jnp). Default: `uses_ptx`.
+      int8_x: the vector path takes x quantized to int8 per 32 values (int8_rows.py, one
+        kernel; llama.cpp's q8_1 rounding) and dots Q8_0, Q4_0, Q4_K, Q5_K and Q6_K codes with
+        it four at a time (dp4a); other types ignore it. On the H200 one live row: Q4_K gate/up
+        54 -> 43 us, Q8_0 46 -> 42 (2026-12-01_quant_matmul_int8_x_h200.md); the engine turns
+        it on for dense models (EngineConfig.quant_activations).
+      ptx: unit codes, dp4a and int8_rows' rounding through PTX (else the same arithmetic in
+        jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype.
@@ -384,7 +377,7 @@ def quant_matmul(
                                ptx=ptx)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
-        xw, dx, sx = quantize_rows(x)
+        xw, dx, sx = int8_rows(x, ptx=ptx, interpret=interpret)
     elif unit_codes:
         xw = x.astype(jnp.float32)
     live = jnp.full((1,), M if live is None else live, jnp.int32)

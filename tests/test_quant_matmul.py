@@ -11,8 +11,9 @@ from test_quants import random_blocks
 
 from luce_jax.loading.quants import keep_quantized
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
-from pallas_kernels.ggml_asm import INT_DECODERS, quantize_rows
+from pallas_kernels.ggml_asm import INT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight, dequantize_weight
+from pallas_kernels.int8_rows import int8_rows_reference
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, tiling
 
 T = GGMLQuantizationType
@@ -110,9 +111,9 @@ def test_vector_path_codes_match_the_reference(qtype, unit, live, N):
                                atol=1e-5 * np.abs(ref).max())  # fmt: skip
 
 
-def int8_rows(x):
+def rounded_rows(x):
     """x as the int8 path sees it: quantized per 32 values and scaled back (float32)."""
-    q, d, s = quantize_rows(x)
+    q, d, s = int8_rows_reference(x)
     M, K = x.shape
     assert np.array_equal(np.asarray(s), np.asarray(q, np.float32).reshape(M, -1, 16).sum(-1))
     return (q.astype(jnp.float32).reshape(M, -1, 32) * d[..., None]).reshape(M, K)
@@ -130,7 +131,7 @@ def test_the_int8_activation_path_matches_the_reference_on_its_rounded_x(qtype, 
     got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=2 * max(B, 256),
                        vector_programs=4, int8_x=True, interpret=True)  # fmt: skip
     got = np.asarray(got)[:live]
-    rounded = x if qtype not in INT_DECODERS else int8_rows(x)
+    rounded = x if qtype not in INT_DECODERS else rounded_rows(x)
     ref = np.asarray(quant_matmul_reference(rounded, w))[:live]
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     exact = np.asarray(quant_matmul_reference(x, w))[:live]
@@ -152,7 +153,7 @@ def test_int8_activations_reach_the_experts_rows():
     x = jax.random.normal(jax.random.key(3), (4, 512), jnp.float32)
     experts = jnp.array([2, 0, 3, 1], jnp.int32)
     got = np.asarray(quant_matmul(x, w, experts=experts, int8_x=True, interpret=True))
-    dense, xr = np.asarray(dequantize_weight(w)), np.asarray(int8_rows(x))
+    dense, xr = np.asarray(dequantize_weight(w)), np.asarray(rounded_rows(x))
     for m, e in enumerate([2, 0, None, 1]):
         want = np.zeros(40) if e is None else xr[m] @ dense[e].T
         np.testing.assert_allclose(got[m], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())

@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels import kv_cache
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight
+from pallas_kernels.int8_rows import int8_rows
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
@@ -97,8 +98,15 @@ def test_the_vector_path_lowers_with_its_ptx(verified, option, qtype, instructio
     x = jnp.zeros((8, 4096), jnp.bfloat16)
     f = lambda x, n: quant_matmul(x, w, n, interpret=False, **{option: True})  # noqa: E731
     lower_for_cuda(f, x, jnp.int32(1))
+    assert len(verified) == 1 + (option == "int8_x")  # int8_x: int8_rows' kernel first
+    assert instruction in str(verified[-1].module)  # the codes go through ggml_asm's PTX
+
+
+def test_int8_rows_lower_with_their_rounding(verified):
+    """The activation rounding of int8_x, one kernel, its rounding PTX's cvt.rni."""
+    lower_for_cuda(lambda x: int8_rows(x, interpret=False), jnp.zeros((64, 768), jnp.bfloat16))
     assert len(verified) == 1
-    assert instruction in str(verified[0].module)  # the codes go through ggml_asm's PTX
+    assert "cvt.rni.s32.f32" in str(verified[0].module)
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
