@@ -42,6 +42,18 @@ def grouped_matmul_fn(backend: str):
     return grouped_matmul_xla
 
 
+def quant_activations_for(setting: str, model_cfg) -> str:
+    """EngineConfig.quant_activations for a model: "auto" is int8 for dense models and float
+    for MoE. On the H200 int8 made 30B-A3B Q4_K_M's C1 decode 175 -> 74 tok/s: its kernels ran
+    0.5 ms faster a step, but each rounding of x added kernels to a step of 1122 and the host
+    prepares the step's CUDA graph in time that grows with them (8.7 -> 15.6 ms a step in one
+    profile); the dense 8B Q4_K_M gained, 154 -> 196 tok/s at C1 (bench/results/
+    2026-12-01_profile_qwen3-30b-a3b-q4_k_m_int8_0b2eb14.md)."""
+    if setting != "auto":
+        return setting
+    return "float" if model_cfg.n_experts else "int8"
+
+
 def quant_matmul_fn(backend: str, activations: str = "int8"):
     """How projections with quantized weights run, for a resolved quant_backend and
     EngineConfig.quant_activations."""

@@ -40,7 +40,13 @@ def _load(config: EngineConfig, clock: StartupClock):
     """load_engine's steps, each timed as a phase of `clock`."""
     import jax
 
-    from .backends import attention_fn, gated_delta_fn, grouped_matmul_fn, quant_matmul_fn
+    from .backends import (
+        attention_fn,
+        gated_delta_fn,
+        grouped_matmul_fn,
+        quant_activations_for,
+        quant_matmul_fn,
+    )
     from .device.programs import enable_compile_cache
     from .device.runner import Runner
     from .host.engine import DenseEngine
@@ -103,7 +109,9 @@ def _load(config: EngineConfig, clock: StartupClock):
             kv_cache_types(config, model_cfg)[0],
             attention_fn(config.attention_backend),
             grouped_matmul_fn(config.moe_backend),
-            quant_matmul_fn(config.quant_backend, config.quant_activations),
+            quant_matmul_fn(
+                config.quant_backend, quant_activations_for(config.quant_activations, model_cfg)
+            ),
             **kw,
         )
 

@@ -38,7 +38,7 @@ QUANT_BACKENDS = ("auto", "pallas", "xla")
 # and takes four products a dp4a instruction (H200, one live row: Q4_K gate/up 54 -> 43 us, down
 # 35 -> 26, Q8_0 gate/up 46 -> 42, at 78% of the copy bandwidth; Q6_K 80 -> 82;
 # bench/results/2026-12-01_quant_matmul_int8_x_h200.md); float keeps them in float32.
-QUANT_ACTIVATIONS = ("int8", "float")
+QUANT_ACTIVATIONS = ("auto", "int8", "float")
 # Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
 # the sequence itself), verified by the target in the same packed step as everything else.
 SPEC_MODES = ("off", "ngram", "draft")
@@ -129,7 +129,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     quant_backend: str = "auto"
-    quant_activations: str = "int8"
+    quant_activations: str = "auto"  # backends.quant_activations_for: by the model
     prefill_chunk: int = 512
     prefill_token_budget: int = 512
     max_concurrent_prefills: int = 4

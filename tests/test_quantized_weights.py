@@ -120,10 +120,10 @@ def test_the_moe_model_with_its_kernels_computes_what_the_dequantized_one_does(f
 
 
 def test_quantized_experts_a_pair_at_a_time_compute_what_grouped_ones_do(files):
-    """At decode sizes (at most max_rows (token, expert) pairs) the experts run a pair at a
+    """At decode sizes (at most max_pairs (token, expert) pairs) the experts run a pair at a
     time through quant_matmul's experts mode (interpret mode): the layer's output and its
     expert counts equal the grouped path's over dequantized experts, padding tokens give zero
-    and count nowhere; above max_rows the grouped path runs."""
+    and count nowhere; above max_pairs the grouped path runs."""
     import functools
 
     from luce_jax.models import moe
@@ -131,7 +131,7 @@ def test_quantized_experts_a_pair_at_a_time_compute_what_grouped_ones_do(files):
 
     _, cfg, params = load(files["moe"], True)
     lp = params["layers"][1]
-    qmm = QuantMatmul(functools.partial(quant_matmul, interpret=True), max_rows=16)
+    qmm = QuantMatmul(functools.partial(quant_matmul, interpret=True), max_pairs=16)
     h = jax.random.normal(jax.random.key(4), (8, cfg.d_model), jnp.float32)
     real = jnp.arange(8) < 5
     got, sizes = moe.ffn(lp, h, cfg, None, real, qmm)
@@ -287,6 +287,21 @@ def test_quant_activations_choose_the_kernel_s_activations():
     assert quant_matmul_fn("xla").kernel is None
 
 
+def test_auto_activations_are_int8_for_dense_models_and_float_for_moe():
+    """The default: int8 where it was measured faster (dense), float for MoE models, whose
+    C1 decode it slowed on the H200; an explicit setting holds for any model."""
+    from types import SimpleNamespace
+
+    from luce_jax.backends import quant_activations_for
+
+    dense, moe = SimpleNamespace(n_experts=0), SimpleNamespace(n_experts=8)
+    assert EngineConfig().quant_activations == "auto"
+    assert quant_activations_for("auto", dense) == "int8"
+    assert quant_activations_for("auto", moe) == "float"
+    assert quant_activations_for("int8", moe) == "int8"
+    assert quant_activations_for("float", dense) == "float"
+
+
 def test_engine_greedy_tokens_equal_with_the_kernel_and_xla(compile_cache):
     """The embedded model (Q8_0) kept quantized through the whole engine, the Pallas kernel
     (interpret mode) on decode steps with its default int8 activations: the same tokens as the
@@ -300,7 +315,6 @@ def test_engine_greedy_tokens_equal_with_the_kernel_and_xla(compile_cache):
     prompts = ["def fib(n):", "import os\n"]
     sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (8, 4)]
     out = {}
-    assert EngineConfig().quant_activations == "int8"
     for dtype, backend in (("quantized", "pallas"), ("float32", "xla")):
         kw = dict(max_ctx=64, max_concurrency=2, prefill_chunk=16, prefill_token_budget=16)
         kw["compile_cache_dir"] = compile_cache

@@ -28,6 +28,12 @@ class QuantMatmul(NamedTuple):
 
     kernel: object = None
     max_rows: int = 64
+    # Quantized experts a (token, expert) pair at a time up to this many pairs (models/moe.
+    # by_rows), grouped above. Q4_K, 30B-A3B shapes, H200 (bench/results/
+    # 2026-12-01_moe_kernel_rows_q4_k_0b2eb14.md), float activations, us per call, grouped vs
+    # pairs: gate/up 306 vs 104 at 64 pairs, 447 vs 328 at 256, 464 vs 628 at 512; down 169
+    # vs 177 at 256.
+    max_pairs: int = 256
     # The smallest token bucket: the only one whose steps can hold as few live rows as the
     # kernel's vector path takes (2). Buckets double (host/batch.buckets) and a step takes the
     # smallest that fits, so a larger bucket's steps are more than half live; their calls get
