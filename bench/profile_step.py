@@ -52,11 +52,11 @@ def _variants(name: str) -> list[str]:
     return v
 
 
-def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, float, list]:
-    """(ms per category, ms per (kernel, category), busy ms, span ms, gaps) over the trace's
-    device events; the span runs from the first one's start to the last one's end, so span -
-    busy is the time the device waited (for launches, transfers or the host), and gaps lists
-    the 8 longest waits as (ms, kernel before, kernel after).
+def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, float, list, int]:
+    """(ms per category, ms per (kernel, category), busy ms, span ms, gaps, kernels) over the
+    trace's device events; the span runs from the first one's start to the last one's end, so
+    span - busy is the time the device waited (for launches, transfers or the host), gaps lists
+    the 8 longest waits as (ms, kernel before, kernel after), and kernels counts the events.
 
     GPU: events on the device process's stream threads (other lines of that process repeat
     them per module or op). CPU: events whose name is an HLO instruction of the step.
@@ -101,7 +101,7 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, f
             busy += b - max(a, end)
             end, last = b, name
     span = max(b for _, b, _ in spans) - min(a for a, _, _ in spans) if spans else 0.0
-    return dict(by_cat), dict(by_kernel), busy, span, sorted(gaps, reverse=True)[:8]
+    return dict(by_cat), dict(by_kernel), busy, span, sorted(gaps, reverse=True)[:8], len(spans)
 
 
 def _spy(key, exe, used: set):
@@ -188,7 +188,9 @@ def _device_only(trace: dict) -> dict:
 
 def analyze(raw: dict) -> dict:
     """The report of one profiled concurrency from its raw trace and HLO text."""
-    by_cat, by_kernel, busy, _, _ = device_time(raw["trace"], hlo_categories(raw["hlo"]))
+    by_cat, by_kernel, busy, _, gaps, kernels = device_time(
+        raw["trace"], hlo_categories(raw["hlo"])
+    )
     steps = raw["steps"]
     step_ms = raw["wall_ms"] / steps
     parts = {k: v / steps for k, v in by_cat.items()}
@@ -200,6 +202,10 @@ def analyze(raw: dict) -> dict:
         "buckets": [tuple(b) for b in raw["buckets"]],
         "step_ms": step_ms,
         "device_busy_ms": busy / steps,
+        # Each step is one CUDA graph (XLA's command buffers), prepared on the host in time that
+        # grows with its kernels; the device waits for it in the longest gaps.
+        "kernels_per_step": kernels / steps,
+        "longest_waits_ms": [(round(g, 3), a[:40], b[:40]) for g, a, b in gaps[:4]],
         "parts_ms": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms": [(n, cat, v / steps) for (n, cat), v in top],
     }
@@ -210,7 +216,8 @@ def markdown(results: list[dict], title: str) -> str:
     for r in results:
         lines += [
             f"C={r['C']}: step {r['step_ms']:.2f} ms, device busy {r['device_busy_ms']:.2f} ms, "
-            f"buckets {r['buckets']}",
+            f"{r.get('kernels_per_step', 0):.0f} kernels a step, buckets {r['buckets']}; "
+            f"longest device waits (ms, before, after): {r.get('longest_waits_ms', [])}",
             "",
             "| part | ms per step | share of step |",
             "| --- | --- | --- |",
@@ -228,6 +235,7 @@ def main():
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtype", default="auto", help="EngineConfig.dtype (quantized: keep packed)")
+    ap.add_argument("--quant-activations", default="auto", help="EngineConfig.quant_activations")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warm", type=int, default=4)
@@ -252,6 +260,7 @@ def main():
     cfg = EngineConfig(
         **({"model": a.model} if a.model else {}),
         dtype=a.dtype,
+        quant_activations=a.quant_activations,
         max_concurrency=cmax,
         max_ctx=max_ctx,
         kv_pool_tokens=cmax * (-(-max_ctx // 16) + 1) * 16,

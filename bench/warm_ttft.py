@@ -120,7 +120,7 @@ def main():
             with gzip.open(path) as f:
                 tr = json.load(f)
             hlo = "\n".join(e.as_text() for e in llm.engine.runner.programs._exec.values())
-            by_cat, by_kernel, busy, span, gaps = device_time(tr, hlo_categories(hlo))
+            by_cat, by_kernel, busy, span, gaps, _ = device_time(tr, hlo_categories(hlo))
             parts = {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
             top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
             log.info("  device busy %.2f ms of a %.2f ms span: %s", busy, span, parts)

@@ -244,6 +244,8 @@ def test_profile_attributes_step_time_to_model_parts(engine_config):
     assert r["device_busy_ms"] <= device * 1.001
     assert r["device_busy_ms"] <= r["step_ms"] * 1.001
     assert sum(parts.values()) >= r["step_ms"] * 0.999
+    # kernels a step (the CUDA graph's size on a GPU) and the device's longest waits
+    assert r["kernels_per_step"] > 10 and len(r["longest_waits_ms"]) <= 4
 
 
 def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
