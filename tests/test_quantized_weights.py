@@ -114,7 +114,7 @@ def test_the_moe_model_with_its_kernels_computes_what_the_dequantized_one_does(f
     from pallas_kernels.quant_matmul import quant_matmul
 
     kernel = functools.partial(quant_matmul, interpret=True)
-    qmm = QuantMatmul(kernel, max_rows=8, live_rows_max=4)
+    qmm = QuantMatmul(kernel, max_rows=8, max_pairs=8, live_rows_max=4)
     got, want = two_steps(files["moe"], True, qmm), two_steps(files["moe"], False)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
