@@ -39,13 +39,18 @@ def _rint(v, ptx: bool):
     return jnp.round(v).astype(jnp.int32)
 
 
-def int8_rows_reference(x, block: int = 32):
-    """x [M, K] as int8 per `block` values (max |x| to 127, as llama.cpp's q8_1):
-    (q [M, K] int8, d [M, K / block] float32 scales, s [M, K / 16] float32 sums of q per 16)."""
+def _scales(amax):
+    """(d, 1 / d) of groups whose largest |x| is amax, 1 / d as llama.cpp's id (0 where d is)."""
+    d = amax / 127.0
+    return d, jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
+
+
+def int8_rows_reference(x):
+    """x [M, K] as int8 per 32 values (max |x| to 127, as llama.cpp's q8_1):
+    (q [M, K] int8, d [M, K / 32] float32 scales, s [M, K / 16] float32 sums of q per 16)."""
     M, K = x.shape
-    xb = x.astype(jnp.float32).reshape(M, K // block, block)
-    d = jnp.max(jnp.abs(xb), axis=-1) / 127.0
-    inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))  # llama.cpp's id
+    xb = x.astype(jnp.float32).reshape(M, K // 32, 32)
+    d, inv = _scales(jnp.max(jnp.abs(xb), axis=-1))
     q = jnp.round(xb * inv[..., None]).astype(jnp.int8).reshape(M, K)
     return q, d, q.astype(jnp.float32).reshape(M, K // 16, 16).sum(-1)
 
@@ -58,10 +63,8 @@ def _kernel(x_ref, q_ref, d_ref, s_ref, *, G, ptx):
     half = g[:, None] * 2 + jnp.arange(2)[None, :]  # [G, 2]
     ks = half[:, :, None] * 16 + jnp.arange(16)[None, None, :]  # [G, 2, 16]
     x = plgpu.load(x_ref.at[m, ks]).astype(jnp.float32)
-    d = jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1) / 127.0  # [G]
-    inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
-    v = x * inv[:, None, None]
-    q = _rint(v, ptx)
+    d, inv = _scales(jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1))  # [G]
+    q = _rint(x * inv[:, None, None], ptx)
     plgpu.store(q_ref.at[m, ks], q.astype(jnp.int8))
     plgpu.store(d_ref.at[m, g], d)
     plgpu.store(s_ref.at[m, half], jnp.sum(q, axis=2).astype(jnp.float32))
