@@ -96,7 +96,8 @@ def run(args, backend: str, moe_backend: str) -> dict:
     max_ctx = args.ctx + max_new
     cfg = EngineConfig(
         model=args.model,
-        dtype="bfloat16",
+        dtype=args.dtype,
+        quant_activations=args.quant_activations,
         max_concurrency=cmax,
         max_ctx=max_ctx,
         kv_pool_tokens=cmax * -(-max_ctx // 16) * 16,  # whole blocks per request
@@ -154,10 +155,16 @@ def run(args, backend: str, moe_backend: str) -> dict:
         progs, captured = (runner.programs, runner.sample_programs), {}
         originals = [dict(p._exec) for p in progs]
 
-        def spy(exe, which, _c=captured):
+        in_call = [0.0]  # host seconds inside the compiled step's call (XLA's dispatch)
+
+        def spy(exe, which, _c=captured, _t=in_call):
             def call(*a):
                 _c[which] = (exe, a)
-                return exe(*a)
+                t = time.perf_counter()
+                out = exe(*a)
+                if which == "step":
+                    _t[0] += time.perf_counter() - t
+                return out
 
             return call
 
@@ -186,6 +193,9 @@ def run(args, backend: str, moe_backend: str) -> dict:
             "step_ms": dt * 1e3,
             "device_step_ms": dev_dt * 1e3,
             "host_overhead_ms": (dt - dev_dt) * 1e3,
+            # Each step is one CUDA graph (XLA's command buffer) that the call updates for the
+            # step's new buffers before launching it, in time that grows with its kernels.
+            "in_call_ms": in_call[0] / args.steps * 1e3,
             "prefill_s": t_prefill,
             "load_warmup_s": t_load,
             "warm_compiles": warm_compiles_at_load,
@@ -230,12 +240,12 @@ def markdown(res: dict, reference: dict | None = None) -> str:
         f"{res['copy_GB_s']:.0f} GB/s.",
         "",
         ("| attention / moe" if moe else "| attention")
-        + " | C | tok/s | step ms | device step ms | prefill s | GB/s moved | of copy BW "
-        "| roofline tok/s |"
+        + " | C | tok/s | step ms | device step ms | host in call ms | prefill s | GB/s moved "
+        "| of copy BW | roofline tok/s |"
         + (f" vs {vs} |" if vs else "")
         + (" experts reached per layer |" if moe else "")
         + (" plain XLA tok/s |" if reference else ""),
-        "| --- " * (9 + bool(vs) + moe + bool(reference)) + "|",
+        "| --- " * (10 + bool(vs) + moe + bool(reference)) + "|",
     ]
     for r in res["rows"]:
         ratio = f" {r['tok_s'] / by[(vs, r['C'])]['tok_s']:.2f}x |" if vs else ""
@@ -243,7 +253,8 @@ def markdown(res: dict, reference: dict | None = None) -> str:
         ref = f" {reference.get(r['C'], '-')} |" if reference else ""
         lines.append(
             f"| {_label(r)} | {r['C']} | {r['tok_s']:.0f} | {r['step_ms']:.2f} | "
-            f"{r['device_step_ms']:.2f} | {r['prefill_s']:.2f} | {r['achieved_GB_s']:.0f} | "
+            f"{r['device_step_ms']:.2f} | {r.get('in_call_ms', 0):.2f} | {r['prefill_s']:.2f} | "
+            f"{r['achieved_GB_s']:.0f} | "
             f"{r['roofline_frac']:.0%} | {r['roofline_tok_s']:.0f} |{ratio}{spread}{ref}"
         )
     lines += [
@@ -268,6 +279,8 @@ def main():
     ap.add_argument("--attention-backends", nargs="+", default=["xla"], choices=["xla", "pallas"])
     ap.add_argument("--moe-backends", nargs="+", default=["xla"], choices=["xla", "pallas"])
     ap.add_argument("--cache-type", default="bf16", choices=["bf16", "q8_0", "q4_0"])
+    ap.add_argument("--dtype", default="bfloat16", help="EngineConfig.dtype (quantized: packed)")
+    ap.add_argument("--quant-activations", default="auto", help="EngineConfig.quant_activations")
     ap.add_argument("--compile-cache-dir", default=None)
     ap.add_argument("--out", default=None, help="write JSON here and markdown beside it")
     a = ap.parse_args()

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from luce_jax.loading.quants import keep_quantized
-from pallas_kernels.ggml_blocks import FORMATS, dequantize_weight
+from pallas_kernels.ggml_blocks import FORMATS, QuantWeight, dequantize_weight
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, quant_matmul_xla
 
 from make_model import random_rows
@@ -63,6 +63,19 @@ def xla_reduce(x, w):
     return jnp.zeros((x.shape[0], y.shape[0]), jnp.bfloat16).at[0].set(y.astype(jnp.bfloat16))
 
 
+def xla_split(x, w, n: int):
+    """XLA's dequantize-then-dot a chunk of n outputs at a time (static slices, outputs
+    concatenated), so that each chunk's bf16 copy may stay in L2 for its dot. The barrier keeps
+    XLA from computing only the chunk that the timing chain reads (it simplifies a slice of a
+    concatenation to one operand)."""
+    N = w.body.shape[-2]
+    parts = []
+    for a in range(0, N, n):
+        wa = QuantWeight(w.head[..., a : a + n], w.body[..., a : a + n, :], w.qtype, w.dtype)
+        parts.append(quant_matmul_xla(x, wa, out_dtype=jnp.bfloat16))
+    return jax.lax.optimization_barrier(jnp.concatenate(parts, axis=-1))
+
+
 def run_case(
     qtype,
     name,
@@ -77,6 +90,7 @@ def run_case(
     vectors=(),
     rows=None,
     flush=lambda: None,
+    splits=(),
 ) -> list[dict]:
     """Times each variant at one type, shape and row count; appends a row per variant to
     `rows` and calls flush() after each (a run cut short keeps what it measured)."""
@@ -108,6 +122,7 @@ def run_case(
         fns.append(("xla-reduce live 1", xla_reduce))
     if xla:
         fns.append(("xla", functools.partial(quant_matmul_xla, out_dtype=jnp.bfloat16)))
+        fns += [(f"xla-split {n}", functools.partial(xla_split, n=n)) for n in splits if n < N]
     rows = [] if rows is None else rows
     for v, fn in fns:
         try:
@@ -152,6 +167,9 @@ def main():
     ap.add_argument("--weights", type=int, default=4, help="distinct weight buffers cycled")
     ap.add_argument("--no-xla", action="store_true", help="skip XLA's dequantize-then-dot")
     ap.add_argument("--live", type=int, nargs="*", default=[], help="also with these live rows")
+    ap.add_argument(
+        "--xla-splits", type=int, nargs="*", default=[], help="also XLA's path n outputs at a time"
+    )
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bw = copy_bandwidth()
@@ -167,7 +185,7 @@ def main():
             for M in a.rows:
                 run_case(t, *s, M, bw, a.variants, a.weights, not a.no_xla,
                          [n for n in a.live if n < M], a.vector_variants, rows,
-                         flush)  # fmt: skip
+                         flush, a.xla_splits)  # fmt: skip
     flush()
 
 
