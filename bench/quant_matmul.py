@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from luce_jax.loading.quants import keep_quantized
-from pallas_kernels.ggml_blocks import FORMATS, QuantWeight, dequantize_weight
+from pallas_kernels.ggml_blocks import FORMATS, dequantize_weight
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, quant_matmul_xla
 
 from make_model import random_rows
@@ -68,11 +68,8 @@ def xla_split(x, w, n: int):
     concatenated), so that each chunk's bf16 copy may stay in L2 for its dot. The barrier keeps
     XLA from computing only the chunk that the timing chain reads (it simplifies a slice of a
     concatenation to one operand)."""
-    N = w.body.shape[-2]
-    parts = []
-    for a in range(0, N, n):
-        wa = QuantWeight(w.head[..., a : a + n], w.body[..., a : a + n, :], w.qtype, w.dtype)
-        parts.append(quant_matmul_xla(x, wa, out_dtype=jnp.bfloat16))
+    parts = [quant_matmul_xla(x, w.take(slice(a, a + n)), out_dtype=jnp.bfloat16)
+             for a in range(0, w.shape[0], n)]  # fmt: skip
     return jax.lax.optimization_barrier(jnp.concatenate(parts, axis=-1))
 
 
