@@ -97,6 +97,7 @@ def compiled(ttir: str, num_warps: int, num_stages: int) -> dict:
         "sass": sum(ops.values()),
         "sass_ops": dict(ops.most_common(12)),
         "I2F": sum(v for o, v in ops.items() if o.startswith("I2F")),  # a 16th of the FMA rate
+        "MMA": {o: v for o, v in ops.items() if "MMA" in o},  # tensor-core instructions
     }
 
 

@@ -5,8 +5,10 @@ sampling, bookkeeping) run under jax.profiler. Device kernel time is attributed 
 scopes of models/dense.py and device/runner.py (embed, qkv, kv_write, attention, attn_out, mlp,
 lm_head, sampling) through the compiled HLO's op metadata; the rest of the step's wall time
 is host time and device idle (planning, transfers, dispatch, waiting for sampled tokens).
+With --prefill the traced steps are prefill steps (chunks of --chunk tokens of C prompts).
 
     python bench/profile_step.py --model qwen3-8b-bf16.gguf --concurrency 1 8 --out prof.json
+    python bench/profile_step.py --model m.gguf --prefill --chunk 512 --ctx 8192 --steps 8
 """
 
 from __future__ import annotations
@@ -114,7 +116,10 @@ def _spy(key, exe, used: set):
     return call
 
 
-def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None) -> dict:
+def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None, prefill=False):
+    """The report of `steps` traced engine steps at concurrency C: decode steps after C prompts
+    of ctx tokens are prefilled, or (prefill) steps while those prompts are being prefilled
+    (ctx must outlast warm + steps chunks)."""
     import jax
 
     from luce_jax.host.request import Request
@@ -128,11 +133,12 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None)
     reqs = [Request(rng.integers(0, mc.vocab_size, ctx).tolist(), sp) for _ in range(C)]
     for r in reqs:
         sched.add(r)
-    while not all(sched.decoding(r) for r in reqs):
+    while not prefill and not all(sched.decoding(r) for r in reqs):
         assert not any(r.done for r in reqs), [(r.finish_reason, r.error) for r in reqs]
         sched.step()
     for _ in range(warm):
         sched.step()
+    assert not prefill or not any(sched.decoding(r) for r in reqs), "ctx too short for --prefill"
     used = set()
     originals = dict(runner.programs._exec)
     runner.programs._exec = {k: _spy(k, v, used) for k, v in originals.items()}
@@ -149,6 +155,7 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None)
         (path,) = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
         with gzip.open(path) as f:
             trace = json.load(f)
+    assert not prefill or not any(sched.decoding(r) for r in reqs), "ctx too short for --prefill"
     for r in reqs:
         sched.cancel(r)
     sched.step()
@@ -239,6 +246,8 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warm", type=int, default=4)
+    ap.add_argument("--prefill", action="store_true", help="trace prefill steps of ctx prompts")
+    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk and token budget")
     ap.add_argument("--compile-cache-dir", default=None)
     ap.add_argument("--title", default="decode step profile")
     ap.add_argument("--out", default=None, help="JSON path; .md beside it")
@@ -264,13 +273,16 @@ def main():
         max_concurrency=cmax,
         max_ctx=max_ctx,
         kv_pool_tokens=cmax * (-(-max_ctx // 16) + 1) * 16,
-        prefill_chunk=256,
-        prefill_token_budget=256,
+        prefill_chunk=a.chunk,
+        prefill_token_budget=a.chunk,
         max_concurrent_prefills=cmax,
         compile_cache_dir=a.compile_cache_dir,
     )
     tok, engine = load_engine(cfg)
-    results = [profile(engine, tok, C, a.ctx, a.steps, a.warm, a.save_raw) for C in a.concurrency]
+    results = [
+        profile(engine, tok, C, a.ctx, a.steps, a.warm, a.save_raw, a.prefill)
+        for C in a.concurrency
+    ]
     write(results, a)
 
 

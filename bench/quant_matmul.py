@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from luce_jax.loading.quants import keep_quantized
+from pallas_kernels.dequantize import dequantized_matmul
 from pallas_kernels.ggml_blocks import FORMATS, dequantize_weight
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, quant_matmul_xla
 
@@ -54,6 +55,12 @@ def parse_vector(v: str) -> dict:
     flags += [0] * (2 - len(flags))
     return dict(block_n=bn, values_per_step=vps, num_warps=warps, num_stages=stages,
                 vector_programs=vp, unit_codes=bool(flags[0]), int8_x=bool(flags[1]))  # fmt: skip
+
+
+def parse_dequant(v: str) -> dict:
+    """block_n:values_per_program:warps of pallas_kernels/dequantize.py."""
+    bn, vpp, warps = (int(t) for t in v.split(":"))
+    return dict(block_n=bn, values_per_program=vpp, num_warps=warps)
 
 
 def xla_reduce(x, w):
@@ -88,6 +95,7 @@ def run_case(
     rows=None,
     flush=lambda: None,
     splits=(),
+    dequants=(),
 ) -> list[dict]:
     """Times each variant at one type, shape and row count; appends a row per variant to
     `rows` and calls flush() after each (a run cut short keeps what it measured)."""
@@ -107,6 +115,8 @@ def run_case(
                       LAYERS)  # fmt: skip
     fns = [(v, functools.partial(quant_matmul, out_dtype=jnp.bfloat16, **parse_variant(v)))
            for v in variants]  # fmt: skip
+    fns += [(f"dequant {v}", functools.partial(dequantized_matmul, **parse_dequant(v)))
+            for v in dequants]  # fmt: skip
     for n in lives:
         live = jnp.int32(n)
         fns += [(f"{v} live {n}", functools.partial(quant_matmul, live=live,
@@ -159,6 +169,12 @@ def main():
         default=[],
         help="with --live: the vector path at block_n:values_per_step:warps:stages:programs",
     )
+    ap.add_argument(
+        "--dequant",
+        nargs="*",
+        default=[],
+        help="also dequantize.py's kernel then XLA's dot, at block_n:values_per_program:warps",
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
     ap.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")
     ap.add_argument("--weights", type=int, default=4, help="distinct weight buffers cycled")
@@ -182,7 +198,7 @@ def main():
             for M in a.rows:
                 run_case(t, *s, M, bw, a.variants, a.weights, not a.no_xla,
                          [n for n in a.live if n < M], a.vector_variants, rows,
-                         flush, a.xla_splits)  # fmt: skip
+                         flush, a.xla_splits, a.dequant)  # fmt: skip
     flush()
 
 

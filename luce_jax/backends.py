@@ -60,10 +60,11 @@ def quant_matmul_fn(backend: str, activations: str = "int8"):
     from .models.linear import QuantMatmul
 
     if backend == "pallas":
+        from pallas_kernels.dequantize import dequantized_matmul
         from pallas_kernels.quant_matmul import quant_matmul
 
         from .host.batch import SMALLEST_TOKEN_BUCKET
 
         kernel = functools.partial(quant_matmul, int8_x=activations == "int8")
-        return QuantMatmul(kernel, live_rows_max=SMALLEST_TOKEN_BUCKET)
+        return QuantMatmul(kernel, live_rows_max=SMALLEST_TOKEN_BUCKET, prefill=dequantized_matmul)
     return QuantMatmul()

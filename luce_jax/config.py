@@ -30,8 +30,8 @@ ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 MOE_BACKENDS = ("auto", "pallas", "xla")
 # Projections with quantized weights: pallas runs pallas_kernels/quant_matmul.py for steps of at
 # most 64 tokens (faster than XLA's dequantize-then-dot there, slower above: models/linear.py)
-# and XLA's dequantize-then-dot for larger steps; xla always dequantizes-then-dots. auto: pallas
-# on GPU, xla on CPU.
+# and pallas_kernels/dequantize.py then XLA's dot for larger steps; xla always dequantizes with
+# XLA then dots. auto: pallas on GPU, xla on CPU.
 QUANT_BACKENDS = ("auto", "pallas", "xla")
 # What the Pallas kernel's decode-sized calls (1 or 2 live rows, and experts a pair at a time)
 # dot the codes with: int8 rounds the activations to int8 per 32 values, as llama.cpp's q8_1,

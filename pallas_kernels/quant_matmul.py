@@ -28,7 +28,9 @@ Speed (H200, Qwen3-8B shapes, M 8, bench/quant_matmul.py; results/2026-12-01_qua
 One live row with int8 activations: gate/up Q8_0 42 us (78% of the copy bandwidth), Q4_K 43,
 the bf16 dot 53. At M 512 the kernel is 6x to 15x slower than the bf16 dot and XLA's
 dequantize-then-dot 1.3x to 1.7x (2026-11-30_quant_matmul_types_h200.md), which is why
-models/linear.py sends steps of more than 64 rows to XLA.
+models/linear.py sends steps of more than 64 rows to dequantize.py and XLA's dot. Dequantizing a
+tile per piece in registers and dotting it on the tensor cores (wgmma) was 2x to 4x slower
+than that at M 512 (2026-12-02_quant_prefill_tiles_h200.md).
 
 Triton backend: all indices are arrays and loads are masked where a tile or split runs past
 N or K, so M and N need not be tile multiples (K is a whole number of blocks, as in every

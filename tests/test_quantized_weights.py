@@ -119,6 +119,31 @@ def test_the_moe_model_with_its_kernels_computes_what_the_dequantized_one_does(f
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
+def test_prefill_steps_through_the_dequantizing_kernel_compute_what_dequantized_weights_do(
+    files,
+):
+    """The Q4_K_M mix (Q4_K and Q6_K, a q / k / v tuple) with steps past max_rows taken by
+    pallas_kernels/dequantize.py then the dot (interpret mode): the prefill step (bucket 16)
+    goes there, the decode step (bucket 4) to XLA; logits against the model dequantized at
+    load. The engine builds that path for the pallas quant backend."""
+
+    from luce_jax.backends import quant_matmul_fn
+    from pallas_kernels.dequantize import dequantized_matmul
+
+    assert quant_matmul_fn("pallas").prefill is dequantized_matmul
+    assert quant_matmul_fn("xla").prefill is None
+    calls = []
+
+    def prefill(x, w):
+        calls.append(x.shape[0])
+        return dequantized_matmul(x, w, block_n=128, values_per_program=256, interpret=True)
+
+    qmm = QuantMatmul(None, max_rows=8, prefill=prefill)
+    got, want = two_steps(files["q4-k-m"], True, qmm), two_steps(files["q4-k-m"], False)
+    assert calls and set(calls) == {16}
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
 def test_quantized_experts_a_pair_at_a_time_compute_what_grouped_ones_do(files):
     """At decode sizes (at most max_pairs (token, expert) pairs) the experts run a pair at a
     time through quant_matmul's experts mode (interpret mode): the layer's output and its
@@ -188,7 +213,8 @@ def test_linear_concatenates_parts_of_any_kind():
 
 
 def test_the_kernel_runs_only_steps_up_to_its_row_limit():
-    """Decode-sized steps go to the kernel; larger ones to XLA's dequantize-then-dot."""
+    """Decode-sized steps go to the kernel; larger ones, without a prefill path, to XLA's
+    dequantize-then-dot."""
     seen = []
 
     def kernel(x, w, live):
@@ -199,6 +225,23 @@ def test_the_kernel_runs_only_steps_up_to_its_row_limit():
     assert not np.asarray(linear(jnp.ones((4, 64)), w, qmm)).any()
     assert np.asarray(linear(jnp.ones((5, 64)), w, qmm)).any()
     assert seen == [4]
+
+
+def test_steps_past_the_row_limit_take_the_prefill_path():
+    seen = []
+
+    def kernel(x, w, live):
+        seen.append(("kernel", x.shape[0]))
+        return jnp.zeros((x.shape[0], w.shape[0]), jnp.float32)
+
+    def prefill(x, w):
+        seen.append(("prefill", x.shape[0]))
+        return jnp.ones((x.shape[0], w.shape[0]), jnp.float32)
+
+    qmm, w = QuantMatmul(kernel, max_rows=4, prefill=prefill), qweight()
+    assert np.asarray(linear(jnp.ones((5, 64)), w, qmm)).all()
+    assert not np.asarray(linear(jnp.ones((4, 64)), w, qmm)).any()
+    assert seen == [("prefill", 5), ("kernel", 4)]
 
 
 def test_only_the_smallest_bucket_passes_its_live_rows_to_the_kernel():

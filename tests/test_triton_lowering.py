@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kv_cache
+from pallas_kernels.dequantize import dequantize
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS, QuantWeight
 from pallas_kernels.int8_rows import int8_rows
@@ -63,6 +64,13 @@ def zero_weight(qtype: str, N: int, K: int, lead=()) -> QuantWeight:
     return QuantWeight.from_rows(
         jnp.zeros((*lead, N, K // f.block * f.type_size), jnp.uint8), qtype
     )
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("K, N", [(4096, 4096), (768, 40)])
+def test_dequantize_lowers_to_a_valid_triton_module(verified, qtype, K, N):
+    lower_for_cuda(lambda w: dequantize(w, interpret=False), zero_weight(qtype, N, K))
+    assert len(verified) == 1
 
 
 @pytest.mark.parametrize("qtype", list(FORMATS))

@@ -19,11 +19,14 @@ from pallas_kernels.quant_matmul import quant_matmul_xla
 
 class QuantMatmul(NamedTuple):
     """How quantized projections run: `kernel` (quant_matmul's signature, None: XLA only) for
-    calls of at most `max_rows` rows, XLA's dequantize-then-dot above it.
+    calls of at most `max_rows` rows; above it `prefill` (x, w) -> [T, N] float32, or XLA's
+    dequantize-then-dot where that is None.
 
     Per bucket, since T is static: on the H200 the Pallas kernel beat XLA's dequantize-then-dot
     at decode sizes (Q4_K gate/up M 1: 95 vs 125 us) and lost badly at prefill sizes (M 512:
-    1011 vs 231 us), bench/results/2026-11-30_quant_matmul_types_h200.md.
+    1011 vs 231 us), bench/results/2026-11-30_quant_matmul_types_h200.md. Above max_rows the
+    engine's prefill is pallas_kernels/dequantize.py then XLA's dot, faster than XLA's own
+    dequantizing (Q4_K gate/up M 512: 207 vs 260 us; 2026-12-02_dequantize_prefill_h200.md).
     """
 
     kernel: object = None
@@ -41,6 +44,7 @@ class QuantMatmul(NamedTuple):
     # to 1.4 s and Q6_K's from 7.8 to 2.8 s (bench/kernel_ptx.py's modules, this CPU). The
     # logits head lifts the limit (dense.head): a row bucket of any size can hold one live row.
     live_rows_max: int = 8  # build.py passes host.batch.SMALLEST_TOKEN_BUCKET
+    prefill: object = None  # (x [T, K], w) -> [T, N] float32; None: XLA's dequantize-then-dot
 
 
 def linear(x, w, qmm: QuantMatmul | None = None, live=None):
@@ -60,6 +64,8 @@ def linear(x, w, qmm: QuantMatmul | None = None, live=None):
         x = x.astype(w.dtype)
         if qmm is not None and qmm.kernel is not None and x.shape[0] <= qmm.max_rows:
             return qmm.kernel(x, w, live if x.shape[0] <= qmm.live_rows_max else None)
+        if qmm is not None and qmm.prefill is not None and x.shape[0] > qmm.max_rows:
+            return qmm.prefill(x, w)
         return quant_matmul_xla(x, w)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 

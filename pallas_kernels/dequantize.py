@@ -1,0 +1,102 @@
+"""A GGML-quantized weight dequantized whole, in one kernel: prefill-sized steps' weights.
+
+Kernel, wrapper and reference together, in the style of JAX's Pallas ops. Steps of more than
+64 rows run x @ W^T as the dequantized W [N, K] and XLA's dot (models/linear.py): the dot is
+as fast as the bf16 model's, so W's decoding is all a quantized prefill step adds. XLA's own
+dequantizing fusions ran that at 35 to 45% of the copy bandwidth (a 512-token step of the 8B
+Q4_K_M took 23.7 ms against 13.7 with bf16 weights; bench/results/
+2026-12-02_profile_prefill_qwen3-8b-q4_k_m.md). Here a program decodes BN weight rows by U
+blocks a piece at a time (`BlockFormat.decode`, the runs of code bytes quant_matmul loads) and
+stores each piece's values [BN, n] where they go: every byte of W is read once and every
+value written once.
+
+Shapes: N rows (outputs), K values per row, B values per block, U blocks per program.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .call_options import call_options, whole
+from .ggml_blocks import QuantWeight, dequantize_weight, exact_f32
+from .quant_matmul import block_loaders
+
+
+def dequantize_reference(w: QuantWeight, dtype=jnp.bfloat16):
+    """W [N, K] in dtype (ggml_blocks.dequantize_weight, XLA's fusions)."""
+    return dequantize_weight(w, dtype)
+
+
+def _kernel(h_ref, b_ref, o_ref, *, fmt, BN, U):
+    """Program (j, c): rows j * BN .. j * BN + BN - 1, blocks c * U .. c * U + U - 1."""
+    j, c = pl.program_id(0), pl.program_id(1)
+    N, K = o_ref.shape
+    cols = j * BN + jnp.arange(BN)
+    col_ok = cols < N
+    for u in range(U):
+        blk = c * U + u
+        ok = col_ok & (blk * fmt.block < K)
+        load, load1 = block_loaders(
+            fmt, lambda r, b: b_ref.at[r, b], lambda h, r: h_ref.at[h, r], cols, ok, blk
+        )
+        for g in range(fmt.groups):
+            a, b, pieces = fmt.decode(load, load1, g)
+            for first, codes in pieces:
+                v = a[:, None] * exact_f32(codes)
+                v = v if b is None else v + b[:, None]
+                ks = blk * fmt.block + g * fmt.group + first + jnp.arange(codes.shape[1])
+                plgpu.store(o_ref.at[cols[:, None], ks[None, :]], v.astype(o_ref.dtype),
+                            mask=ok[:, None])  # fmt: skip
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("dtype", "block_n", "values_per_program", "num_warps", "interpret"),
+)
+def dequantize(
+    w: QuantWeight,
+    dtype=jnp.bfloat16,
+    *,
+    block_n: int = 32,
+    values_per_program: int = 512,
+    num_warps: int = 4,
+    interpret: bool | None = None,
+):
+    """W [N, K] in dtype, decoded in one Pallas kernel.
+
+    Args:
+      w: QuantWeight [N, K] of any ggml_blocks.FORMATS type.
+      dtype: the result's dtype.
+      block_n: weight rows per program (BN).
+      values_per_program: values of each row per program (U = this / B blocks, at least 1).
+      num_warps: Triton warps per program.
+      interpret: run in interpret mode (default: when the backend is the CPU).
+    Returns:
+      [N, K] in dtype, equal to dequantize_reference(w, dtype) (float32 arithmetic, one
+      rounding to dtype).
+    """
+    if len(w.shape) != 2:
+        raise ValueError(f"dequantize takes one [N, K] weight, got {w.qtype} {w.shape}")
+    N, K = w.shape
+    fmt = w.format
+    U = max(1, values_per_program // fmt.block)
+    out = jax.ShapeDtypeStruct((N, K), dtype)
+    return pl.pallas_call(
+        functools.partial(_kernel, fmt=fmt, BN=block_n, U=U),
+        grid=(-(-N // block_n), -(-(K // fmt.block) // U)),
+        in_specs=[whole(w.head), whole(w.body)],
+        out_specs=whole(out),
+        out_shape=out,
+        **call_options(interpret, num_warps, num_stages=1),
+    )(w.head, w.body)
+
+
+def dequantized_matmul(x, w: QuantWeight, **kw):
+    """x [M, K] @ W^T as XLA's dot over dequantize(w, x.dtype): [M, N] float32."""
+    wd = dequantize(w, x.dtype, **kw)
+    return jax.lax.dot_general(x, wd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
