@@ -306,8 +306,8 @@ def _k_scale_min_of(load1, g: int):
 
 def _k_affine(load1, g):
     sc, m = _k_scale_min_of(load1, g)
-    a = _byte_f16(load1, 0) * sc.astype(jnp.float32)
-    return a, -(_byte_f16(load1, 2) * m.astype(jnp.float32))
+    a = _byte_f16(load1, 0) * exact_f32(sc)
+    return a, -(_byte_f16(load1, 2) * exact_f32(m))
 
 
 def _q4_k(load, load1, g):
@@ -334,8 +334,8 @@ def _q6_k(load, load1, g):
 
 def _q6_k_scale(load1, g):
     """Q6_K group g's scale: d times its int8 scale byte."""
-    sc = jax.lax.bitcast_convert_type(load1(192 + g), jnp.int8).astype(jnp.float32)
-    return _byte_f16(load1, 208) * sc
+    sc = jax.lax.bitcast_convert_type(load1(192 + g), jnp.int8).astype(jnp.int32)
+    return _byte_f16(load1, 208) * exact_f32(sc)
 
 
 def _iq4_value(q):
@@ -350,7 +350,7 @@ def _iq4_value(q):
 def _iq4_xs(load, load1, g):
     low = (_int(load1(4 + g // 2)) >> (4 * (g % 2))) & 15
     high = (_int(load1(2 + g // 4)) >> (2 * (g % 4))) & 3
-    a = _byte_f16(load1, 0) * ((low | (high << 4)) - 32).astype(jnp.float32)
+    a = _byte_f16(load1, 0) * exact_f32((low | (high << 4)) - 32)
     q = _int(load(8 + 16 * g, 16))
     return a, None, [(0, _iq4_value(q & 15)), (16, _iq4_value(q >> 4))]
 

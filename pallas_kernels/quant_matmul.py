@@ -238,7 +238,7 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                                              other=None if exact else 0)  # fmt: skip
                 dx = plgpu.load(dx_ref.at[row0 + m, first_k // 32], mask=None if exact else ok,
                                 other=None if exact else 0)  # fmt: skip
-                part = a * dot.astype(jnp.float32) + (0.0 if c is None else c * xs[None, :])
+                part = a * exact_f32(dot) + (0.0 if c is None else c * xs[None, :])
                 accs[m] = accs[m] + dx[None, :] * part
             return accs
 
