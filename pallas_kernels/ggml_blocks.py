@@ -150,7 +150,10 @@ class QuantWeight:
     block's scale byte for BN outputs is one contiguous run. On the H200 this split took a
     Q8_0 decode-sized call from 141 to 94 us (bench/results/2026-12-01_quant_gemv_h200.md).
 
-    head: uint8 [..., K / B * hs, N]: byte h of block k of every row is row k * hs + h.
+    head: uint8 [..., K / B * hs, N]: byte h of block k of every row is row k * hs + h; or,
+      where hs is a multiple of 4 (`BlockFormat.head_words`: Q4_K, Q5_K, IQ4_XS), uint32
+      [..., K / B * hs / 4, N]: bytes 4w .. 4w + 3 of block k (little-endian) are row
+      k * hs / 4 + w, so a kernel reads a block's 16 scale bytes in 4 loads, not 16.
     body: uint8 [..., N, K / B * bs]: one row of code bytes per output, blocks in order.
       (hs + bs = type_size; leading axes for stacked experts.)
     qtype: a FORMATS key. dtype: the activations' dtype the matmuls run in (the dtype the
@@ -185,7 +188,15 @@ class QuantWeight:
         h0, hs = fmt.head
         *lead, n, row_bytes = rows.shape
         b = rows.reshape(*lead, n, row_bytes // fmt.type_size, fmt.type_size)
-        head = xp.swapaxes(b[..., h0 : h0 + hs].reshape(*lead, n, -1), -1, -2)
+        head = b[..., h0 : h0 + hs]
+        if fmt.head_words:  # little-endian words of 4 head bytes
+            head = head.reshape(*head.shape[:-1], hs // 4, 4)
+            head = (
+                xp.ascontiguousarray(head).view("<u4")[..., 0]
+                if xp is np
+                else jax.lax.bitcast_convert_type(head, jnp.uint32)
+            )
+        head = xp.swapaxes(head.reshape(*lead, n, -1), -1, -2)
         body = xp.concatenate([b[..., :h0], b[..., h0 + hs :]], axis=-1)
         return cls(
             jnp.asarray(xp.ascontiguousarray(head) if xp is np else head),
@@ -199,7 +210,10 @@ class QuantWeight:
         fmt = self.format
         h0, hs = fmt.head
         *lead, n, _ = self.body.shape
-        head = jnp.swapaxes(self.head, -1, -2).reshape(*lead, n, -1, hs)
+        head = jnp.swapaxes(self.head, -1, -2)
+        if fmt.head_words:
+            head = jax.lax.bitcast_convert_type(head, jnp.uint8)  # [..., n, words, 4]
+        head = head.reshape(*lead, n, -1, hs)
         body = self.body.reshape(*lead, n, head.shape[-2], fmt.body_size)
         b = jnp.concatenate([body[..., :h0], head, body[..., h0:]], axis=-1)
         return b.reshape(*lead, n, -1)
@@ -277,6 +291,12 @@ class BlockFormat:
     @property
     def groups(self) -> int:
         return self.block // self.group
+
+    @property
+    def head_words(self) -> bool:
+        """QuantWeight holds this type's head bytes as uint32 words (whole words only: a
+        padded word would grow the weight)."""
+        return self.head[1] % 4 == 0
 
     @property
     def body_size(self) -> int:

@@ -25,12 +25,18 @@ until there are about `min_programs` programs (`vector_programs` for the vector 
 the GPU; the splits' float32 partials are summed afterwards.
 
 Speed (H200, Qwen3-8B shapes, M 8, bench/quant_matmul.py; results/2026-12-01_quant_matmul_*).
-One live row with int8 activations: gate/up Q8_0 42 us (78% of the copy bandwidth), Q4_K 43,
-the bf16 dot 53. At M 512 the kernel is 6x to 15x slower than the bf16 dot and XLA's
-dequantize-then-dot 1.3x to 1.7x (2026-11-30_quant_matmul_types_h200.md), which is why
-models/linear.py sends steps of more than 64 rows to dequantize.py and XLA's dot. Dequantizing a
-tile per piece in registers and dotting it on the tensor cores (wgmma) was 2x to 4x slower
-than that at M 512 (2026-12-02_quant_prefill_tiles_h200.md).
+One live row with int8 activations: gate/up Q8_0 42 us (78% of the copy bandwidth), Q4_K 35
+(50%; 43 before its scale bytes came in words and x's sums in one load a group,
+2026-12-02_quant_matmul_head_words_h200.md), the bf16 dot 53. Nsight Compute put Q4_K's wait
+on its memory instructions (2026-12-02_ncu_quant_matmul_q4_k_h200.txt: 52 loads a thread per
+block, a third of its stall samples on their results and 15% on a full load queue), not on
+issue (31% of issue slots busy) nor on occupancy (a one-row compile without the dots, 44
+registers instead of 100 to 127, was no faster: 2026-12-02_few_row_buckets_h200.md).
+At M 512 the kernel is 6x to 15x slower than the bf16 dot and XLA's dequantize-then-dot 1.3x
+to 1.7x (2026-11-30_quant_matmul_types_h200.md), which is why models/linear.py sends steps of
+more than 64 rows to dequantize.py and XLA's dot. Dequantizing a tile per piece in registers
+and dotting it on the tensor cores (wgmma) was 2x to 4x slower than that at M 512
+(2026-12-02_quant_prefill_tiles_h200.md).
 
 Triton backend: all indices are arrays and loads are masked where a tile or split runs past
 N or K, so M and N need not be tile multiples (K is a whole number of blocks, as in every
@@ -96,8 +102,10 @@ def dot_nn(x, w):
 def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     """load(off, n) -> code bytes and load1(off) -> head bytes of block `blk` of weight rows
     `cols` [BN] (BlockFormat.decode's loaders; off is a file-block offset); rows where `ok` is
-    False give zeros. body_at(rows, bytes) and head_at(head row, rows) index the weight's refs
-    (an expert's in the grouped kernel).
+    False give zeros. A head held in words (BlockFormat.head_words) is loaded a word at a time
+    and each byte taken from its word: Q4_K's 16 scale bytes cost 4 loads, not 16.
+    body_at(rows, bytes) and head_at(head row, rows) index the weight's refs (an expert's in
+    the grouped kernel).
 
     blk is one block index (load gives [BN, n], load1 [BN], ok is [BN]) or U block indices
     [U] (load gives [BN, U, n], load1 [BN, U], ok is [BN, U]): the vector path decodes U
@@ -127,12 +135,19 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
         return loaded["body", off, n]
 
     def load1(off: int):
-        if ("head", off) not in loaded:
-            assert h0 <= off < h0 + hs, (fmt.qtype, off)
-            loaded["head", off] = plgpu.load(
-                head_at(blk1 * hs + off - h0, rows1), mask=ok, other=None if ok is None else 0
+        assert h0 <= off < h0 + hs, (fmt.qtype, off)
+        if fmt.head_words:  # the byte from its word, the word loaded once
+            word, byte = divmod(off - h0, 4)
+            w = load_head(("word", word), hs // 4, word)
+            return ((w >> (8 * byte)) & 0xFF).astype(jnp.uint8)
+        return load_head(("head", off), hs, off - h0)
+
+    def load_head(key, per_block: int, row: int):
+        if key not in loaded:
+            loaded[key] = plgpu.load(
+                head_at(blk1 * per_block + row, rows1), mask=ok, other=None if ok is None else 0
             )
-        return loaded["head", off]
+        return loaded[key]
 
     return load, load1
 
@@ -232,10 +247,10 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                                     other=None if exact else 0)  # fmt: skip
                     xq = jnp.broadcast_to(xq[None], lo.shape)
                     dot = dot + jnp.sum(dots4(lo, xq, ptx=ptx, **kw), axis=-1)  # [BN, U]
-                    for h in range(lo.shape[-1] // 16) if c is not None else ():
-                        k16 = (first_k + first) // 16 + h
-                        xs = xs + plgpu.load(sx_ref.at[row0 + m, k16], mask=None if exact else ok,
-                                             other=None if exact else 0)  # fmt: skip
+                if c is not None:  # the group's sum of x: one load (int8_rows sums per group)
+                    k_sum = first_k // fmt.group
+                    xs = plgpu.load(sx_ref.at[row0 + m, k_sum], mask=None if exact else ok,
+                                    other=None if exact else 0)  # fmt: skip
                 dx = plgpu.load(dx_ref.at[row0 + m, first_k // 32], mask=None if exact else ok,
                                 other=None if exact else 0)  # fmt: skip
                 part = a * exact_f32(dot) + (0.0 if c is None else c * xs[None, :])
@@ -379,7 +394,7 @@ def quant_matmul(
                                ptx=ptx)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
-        xw, dx, sx = int8_rows(x, ptx=ptx, interpret=interpret)
+        xw, dx, sx = int8_rows(x, sums=fmt.group, ptx=ptx, interpret=interpret)
     elif unit_codes:
         xw = x.astype(jnp.float32)
     live = jnp.full((1,), M if live is None else live, jnp.int32)

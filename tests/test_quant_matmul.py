@@ -31,16 +31,20 @@ def weight(qtype: str, N: int, K: int, seed=0, lead=()) -> QuantWeight:
 def test_kept_blocks_dequantize_as_gguf_does(qtype):
     """A file tensor of N rows of K values stays its bytes on the device (split into scale and
     code bytes, together the file's size, and reassembled exactly) and dequantizes bit-exactly
-    to gguf's values."""
-    t = FORMATS[qtype].qtype
-    raw = random_blocks(t, 6, 512, np.random.default_rng(1))
-    w = keep_quantized(raw, t, (6, 512), jnp.bfloat16)
+    to gguf's values. Scale bytes of types with 4k of them are little-endian uint32 words."""
+    fmt = FORMATS[qtype]
+    raw = random_blocks(fmt.qtype, 6, 512, np.random.default_rng(1))
+    w = keep_quantized(raw, fmt.qtype, (6, 512), jnp.bfloat16)
     assert w.shape == (6, 512) and w.nbytes == raw.nbytes and w.dtype == "bfloat16"
     np.testing.assert_array_equal(np.asarray(w.rows()), raw.reshape(6, -1))
-    h0, hs = FORMATS[qtype].head
-    blocks = raw.reshape(6, -1, FORMATS[qtype].type_size)
-    np.testing.assert_array_equal(np.asarray(w.head[:hs, 2]), blocks[2, 0, h0 : h0 + hs])
-    np.testing.assert_array_equal(np.asarray(dequantize_weight(w)), dequantize(raw, t))
+    h0, hs = fmt.head
+    assert fmt.head_words == (qtype in ("q4_k", "q5_k", "iq4_xs"))
+    head = np.asarray(w.head[: hs // 4 if fmt.head_words else hs, 2])  # block 0 of row 2
+    assert head.dtype == (np.uint32 if fmt.head_words else np.uint8)
+    blocks = raw.reshape(6, -1, fmt.type_size)
+    np.testing.assert_array_equal(head.astype("<u4").view(np.uint8) if fmt.head_words else head,
+                                  blocks[2, 0, h0 : h0 + hs])  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(dequantize_weight(w)), dequantize(raw, fmt.qtype))
 
 
 def test_float_tensors_are_not_kept():
