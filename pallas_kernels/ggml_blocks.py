@@ -23,6 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 QK_K = 256
+HEAD_DTYPES = {4: jnp.uint32, 2: jnp.uint16}  # QuantWeight.head's, by BlockFormat.head_unit
 
 
 def _f16(b: jax.Array) -> jax.Array:
@@ -150,10 +151,11 @@ class QuantWeight:
     block's scale byte for BN outputs is one contiguous run. On the H200 this split took a
     Q8_0 decode-sized call from 141 to 94 us (bench/results/2026-12-01_quant_gemv_h200.md).
 
-    head: uint8 [..., K / B * hs, N]: byte h of block k of every row is row k * hs + h; or,
-      where hs is a multiple of 4 (`BlockFormat.head_words`: Q4_K, Q5_K, IQ4_XS), uint32
-      [..., K / B * hs / 4, N]: bytes 4w .. 4w + 3 of block k (little-endian) are row
-      k * hs / 4 + w, so a kernel reads a block's 16 scale bytes in 4 loads, not 16.
+    head: [..., K / B * hs / u, N] of u-byte little-endian units (`BlockFormat.head_unit`:
+      uint32 for Q4_K, Q5_K and IQ4_XS, uint16 for the rest): bytes u * w .. u * w + u - 1
+      of block k of every row are row k * hs / u + w, so a kernel reads Q4_K's 16 scale bytes
+      in 4 loads, not 16 (on the H200 that and one load for x's sums per group took its
+      decode-sized gate/up from 42.7 to 35 us, 2026-12-02_quant_matmul_head_words_h200.md).
     body: uint8 [..., N, K / B * bs]: one row of code bytes per output, blocks in order.
       (hs + bs = type_size; leading axes for stacked experts.)
     qtype: a FORMATS key. dtype: the activations' dtype the matmuls run in (the dtype the
@@ -188,14 +190,13 @@ class QuantWeight:
         h0, hs = fmt.head
         *lead, n, row_bytes = rows.shape
         b = rows.reshape(*lead, n, row_bytes // fmt.type_size, fmt.type_size)
-        head = b[..., h0 : h0 + hs]
-        if fmt.head_words:  # little-endian words of 4 head bytes
-            head = head.reshape(*head.shape[:-1], hs // 4, 4)
-            head = (
-                xp.ascontiguousarray(head).view("<u4")[..., 0]
-                if xp is np
-                else jax.lax.bitcast_convert_type(head, jnp.uint32)
-            )
+        u = fmt.head_unit
+        head = b[..., h0 : h0 + hs].reshape(*lead, n, -1, hs // u, u)  # little-endian units
+        head = (
+            xp.ascontiguousarray(head).view(f"<u{u}")[..., 0]
+            if xp is np
+            else jax.lax.bitcast_convert_type(head, HEAD_DTYPES[u])
+        )
         head = xp.swapaxes(head.reshape(*lead, n, -1), -1, -2)
         body = xp.concatenate([b[..., :h0], b[..., h0 + hs :]], axis=-1)
         return cls(
@@ -211,8 +212,7 @@ class QuantWeight:
         h0, hs = fmt.head
         *lead, n, _ = self.body.shape
         head = jnp.swapaxes(self.head, -1, -2)
-        if fmt.head_words:
-            head = jax.lax.bitcast_convert_type(head, jnp.uint8)  # [..., n, words, 4]
+        head = jax.lax.bitcast_convert_type(head, jnp.uint8)  # [..., n, units, u]
         head = head.reshape(*lead, n, -1, hs)
         body = self.body.reshape(*lead, n, head.shape[-2], fmt.body_size)
         b = jnp.concatenate([body[..., :h0], head, body[..., h0:]], axis=-1)
@@ -293,10 +293,13 @@ class BlockFormat:
         return self.block // self.group
 
     @property
-    def head_words(self) -> bool:
-        """QuantWeight holds this type's head bytes as uint32 words (whole words only: a
-        padded word would grow the weight)."""
-        return self.head[1] % 4 == 0
+    def head_unit(self) -> int:
+        """Bytes per element of a QuantWeight's head: the widest of 4 and 2 that divides the
+        head's bytes (a padded unit would grow the weight). Every GGML type here has an even
+        head."""
+        hs = self.head[1]
+        assert hs % 2 == 0, (self.qtype, hs)
+        return 4 if hs % 4 == 0 else 2
 
     @property
     def body_size(self) -> int:

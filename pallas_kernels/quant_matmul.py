@@ -102,8 +102,8 @@ def dot_nn(x, w):
 def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     """load(off, n) -> code bytes and load1(off) -> head bytes of block `blk` of weight rows
     `cols` [BN] (BlockFormat.decode's loaders; off is a file-block offset); rows where `ok` is
-    False give zeros. A head held in words (BlockFormat.head_words) is loaded a word at a time
-    and each byte taken from its word: Q4_K's 16 scale bytes cost 4 loads, not 16.
+    False give zeros. The head is loaded a unit at a time (BlockFormat.head_unit bytes) and
+    each byte taken from its unit: Q4_K's 16 scale bytes cost 4 loads, not 16.
     body_at(rows, bytes) and head_at(head row, rows) index the weight's refs (an expert's in
     the grouped kernel).
 
@@ -136,18 +136,13 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
 
     def load1(off: int):
         assert h0 <= off < h0 + hs, (fmt.qtype, off)
-        if fmt.head_words:  # the byte from its word, the word loaded once
-            word, byte = divmod(off - h0, 4)
-            w = load_head(("word", word), hs // 4, word)
-            return ((w >> (8 * byte)) & 0xFF).astype(jnp.uint8)
-        return load_head(("head", off), hs, off - h0)
-
-    def load_head(key, per_block: int, row: int):
-        if key not in loaded:
-            loaded[key] = plgpu.load(
-                head_at(blk1 * per_block + row, rows1), mask=ok, other=None if ok is None else 0
+        unit, byte = divmod(off - h0, fmt.head_unit)  # the byte from its unit, loaded once
+        if ("head", unit) not in loaded:
+            row = blk1 * (hs // fmt.head_unit) + unit
+            loaded["head", unit] = plgpu.load(
+                head_at(row, rows1), mask=ok, other=None if ok is None else 0
             )
-        return loaded[key]
+        return ((loaded["head", unit] >> (8 * byte)) & 0xFF).astype(jnp.uint8)
 
     return load, load1
 
@@ -208,9 +203,10 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
         def body(c, accs):
             accs = list(accs)
             blk, ok, (load, load1) = block(c, jnp.arange(U), exact)
+            dxs = {}  # x's scales by (row, 32 values): Q6_K's groups of 16 share one
             for g in range(fmt.groups):
                 if int_decode is not None:
-                    accs = int_group(accs, g, blk, ok, load, load1)
+                    accs = int_group(accs, g, blk, ok, load, load1, dxs)
                     continue
                 if float_decode is None:  # integer codes (IQ4_XS: through its table)
                     a, b, pieces = fmt.decode(load, load1, g)
@@ -234,9 +230,10 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                     accs[m] = accs[m] + a * part + (0.0 if b is None else xsum * b)
             return tuple(accs)
 
-        def int_group(accs, g, blk, ok, load, load1):
+        def int_group(accs, g, blk, ok, load, load1, dxs):
             """Group g against int8 activations: per piece, dots4's products summed as int32,
-            then scaled by the group's a and the activations' block scale; c times their sums."""
+            then scaled by the group's a and the activations' block scale (from dxs, loaded
+            once per 32 values); c times their sums."""
             a, c, pieces = int_decode(load, load1, g)
             first_k = blk * fmt.block + g * fmt.group  # [U]
             for m in range(R):
@@ -251,8 +248,11 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                     k_sum = first_k // fmt.group
                     xs = plgpu.load(sx_ref.at[row0 + m, k_sum], mask=None if exact else ok,
                                     other=None if exact else 0)  # fmt: skip
-                dx = plgpu.load(dx_ref.at[row0 + m, first_k // 32], mask=None if exact else ok,
-                                other=None if exact else 0)  # fmt: skip
+                if (m, g * fmt.group // 32) not in dxs:
+                    dxs[m, g * fmt.group // 32] = plgpu.load(
+                        dx_ref.at[row0 + m, first_k // 32], mask=None if exact else ok,
+                        other=None if exact else 0)  # fmt: skip
+                dx = dxs[m, g * fmt.group // 32]
                 part = a * exact_f32(dot) + (0.0 if c is None else c * xs[None, :])
                 accs[m] = accs[m] + dx[None, :] * part
             return accs

@@ -31,19 +31,19 @@ def weight(qtype: str, N: int, K: int, seed=0, lead=()) -> QuantWeight:
 def test_kept_blocks_dequantize_as_gguf_does(qtype):
     """A file tensor of N rows of K values stays its bytes on the device (split into scale and
     code bytes, together the file's size, and reassembled exactly) and dequantizes bit-exactly
-    to gguf's values. Scale bytes of types with 4k of them are little-endian uint32 words."""
+    to gguf's values. Scale bytes are held as little-endian units: uint32 where they are a
+    multiple of 4, else uint16."""
     fmt = FORMATS[qtype]
     raw = random_blocks(fmt.qtype, 6, 512, np.random.default_rng(1))
     w = keep_quantized(raw, fmt.qtype, (6, 512), jnp.bfloat16)
     assert w.shape == (6, 512) and w.nbytes == raw.nbytes and w.dtype == "bfloat16"
     np.testing.assert_array_equal(np.asarray(w.rows()), raw.reshape(6, -1))
     h0, hs = fmt.head
-    assert fmt.head_words == (qtype in ("q4_k", "q5_k", "iq4_xs"))
-    head = np.asarray(w.head[: hs // 4 if fmt.head_words else hs, 2])  # block 0 of row 2
-    assert head.dtype == (np.uint32 if fmt.head_words else np.uint8)
+    u = 4 if qtype in ("q4_k", "q5_k", "iq4_xs") else 2
+    head = np.asarray(w.head[: hs // u, 2])  # block 0 of row 2
+    assert fmt.head_unit == u and head.dtype == np.dtype(f"uint{8 * u}")
     blocks = raw.reshape(6, -1, fmt.type_size)
-    np.testing.assert_array_equal(head.astype("<u4").view(np.uint8) if fmt.head_words else head,
-                                  blocks[2, 0, h0 : h0 + hs])  # fmt: skip
+    np.testing.assert_array_equal(head.astype(f"<u{u}").view(np.uint8), blocks[2, 0, h0 : h0 + hs])
     np.testing.assert_array_equal(np.asarray(dequantize_weight(w)), dequantize(raw, fmt.qtype))
 
 
