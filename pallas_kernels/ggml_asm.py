@@ -105,34 +105,40 @@ def _unit(a, b, bias: int):
     return 128.0 * a, (0.0 if b is None else b) - (128.0 + bias) * a
 
 
-# Per type: (load, load1, g) -> (a, b, bias, pieces [(first value, code bytes lo, extraction
-# keywords)]): a value of group g is a * (q - bias) + b (b None for zero), q extracted from lo
-# (and the keywords' hi) as `codes` and `dots4` take it. The byte layouts are ggml_blocks'
-# decoders'. IQ4_XS (a table) has none.
+# Per type: (load, load1, g, piece) -> (a, b, bias, pieces [(first value, code bytes lo,
+# extraction keywords)]): a value of group g is a * (q - bias) + b (b None for zero), q extracted
+# from lo (and the keywords' hi) as `codes` and `dots4` take it, and no piece spans more than
+# `piece` code bytes (32 or 16: runs of 32 loaded as two halves). The byte layouts are
+# ggml_blocks' decoders'. IQ4_XS (a table) has none.
 
 
-def _q8_0(load, load1, g):
-    return _byte_f16(load1, 0), None, 0, [(0, load(2, 32), dict(signed=True))]
+def _q8_0(load, load1, g, piece=32):
+    pieces = [(h, load(2 + h, piece), dict(signed=True)) for h in range(0, 32, piece)]
+    return _byte_f16(load1, 0), None, 0, pieces
 
 
-def _q4_0(load, load1, g):
+def _q4_0(load, load1, g, piece=32):
     pieces = [(16 * h, load(2, 16), dict(shift=4 * h, mask=15)) for h in (0, 1)]
     return _byte_f16(load1, 0), None, 8, pieces
 
 
-def _q4_k(load, load1, g):
+def _q4_k(load, load1, g, piece=32):
     # run g // 2 of 32 bytes: low nibbles are group 2r, high nibbles 2r + 1
-    lo = load(16 + 32 * (g // 2), 32)
-    return (*_k_affine(load1, g), 0, [(0, lo, dict(shift=4 * (g % 2), mask=15))])
+    off, kw = 16 + 32 * (g // 2), dict(shift=4 * (g % 2), mask=15)
+    return (*_k_affine(load1, g), 0, [(h, load(off + h, piece), kw) for h in range(0, 32, piece)])
 
 
-def _q5_k(load, load1, g):
+def _q5_k(load, load1, g, piece=32):
     # Q4_K's low nibble and bit g of the 32 high-bit bytes on top
-    kw = dict(shift=4 * (g % 2), mask=15, hi=load(16, 32), hi_shift=g, hi_mask=1, hi_to=4)
-    return (*_k_affine(load1, g), 0, [(0, load(48 + 32 * (g // 2), 32), kw)])
+    kw = dict(shift=4 * (g % 2), mask=15, hi_shift=g, hi_mask=1, hi_to=4)
+    lo = 48 + 32 * (g // 2)
+    pieces = [
+        (h, load(lo + h, piece), dict(kw, hi=load(16 + h, piece))) for h in range(0, 32, piece)
+    ]
+    return (*_k_affine(load1, g), 0, pieces)
 
 
-def _q6_k(load, load1, g):
+def _q6_k(load, load1, g, piece=32):
     h, v = divmod(g * 16, 128)  # ggml_blocks._q6_k's layout
     kw = dict(shift=4 * (v // 64), mask=15, hi=load(128 + 32 * h + v % 32, 16),
               hi_shift=2 * (v // 32), hi_mask=3, hi_to=4)  # fmt: skip
@@ -193,11 +199,11 @@ def dots4(lo, x, *, ptx: bool, signed=False, hi=None, **kw):
     return q * x.astype(jnp.int32)
 
 
-def int_group(qtype: str, load, load1, g):
+def int_group(qtype: str, load, load1, g, piece: int = 32):
     """(a, c, pieces [(first value, code bytes, dots4's keywords)]) of group g against integer
-    activations x: the group adds a * sum(q * x) + c * sum(x) over its pieces (c folds b with
-    the codes' bias; None for zero)."""
-    a, b, bias, pieces = PIECES[qtype](load, load1, g)
+    activations x, no piece over `piece` bytes: the group adds a * sum(q * x) + c * sum(x) over
+    its pieces (c folds b with the codes' bias; None for zero)."""
+    a, b, bias, pieces = PIECES[qtype](load, load1, g, piece)
     if bias == 0:  # b as it is: 0 * a would stay in the kernel
         return a, b, pieces
     return a, (0.0 if b is None else b) - bias * a, pieces

@@ -148,7 +148,7 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
 
 
 def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref, *, fmt, BM,
-            BN, U, S, steps, n_blocks, R, E, unit, int8, ptx):  # fmt: skip
+            BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece):  # fmt: skip
     """Program (i, j, s); with E (a stack of E experts' weights), row i alone times the weights
     of expert ex_ref[i] on the vector path (BM 1), zeros where that is not in [0, E)."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -234,7 +234,7 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
             """Group g against int8 activations: per piece, dots4's products summed as int32,
             then scaled by the group's a and the activations' block scale (from dxs, loaded
             once per 32 values); c times their sums."""
-            a, c, pieces = int_decode(load, load1, g)
+            a, c, pieces = int_decode(load, load1, g, piece)
             first_k = blk * fmt.block + g * fmt.group  # [U]
             for m in range(R):
                 dot, xs = 0, 0.0
@@ -389,9 +389,15 @@ def quant_matmul(
     vector = bool(R or E)
     int8_x = int8_x and vector and QTYPES[fmt.qtype] in INT_DECODERS
     unit_codes = unit_codes and vector and not int8_x
+    # The int8 path's pieces: a run of 32 code bytes is loaded as two halves where the tile
+    # has a weight row for every thread (BN >= threads), so each thread holds whole pieces and
+    # sums a group's products without a shuffle (Q4_K's one-row path at BN 128: 712 SASS a
+    # loop step with 32-byte pieces, 520 with halves, against 400 for half the rows at BN 64;
+    # bench/kernel_ptx.py). Not yet timed: the default BN stays 64.
+    piece = 16 if BN >= 32 * num_warps else 32
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
-                               ptx=ptx)  # fmt: skip
+                               ptx=ptx, piece=piece)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
         xw, dx, sx = int8_rows(x, sums=fmt.group, ptx=ptx, interpret=interpret)

@@ -1,6 +1,8 @@
 """The quantized-weight matmul kernel (interpret mode) against its reference for every GGML
 type the device keeps quantized, and the kept layout against gguf's own dequantization."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,20 @@ def test_the_int8_activation_path_matches_the_reference_on_its_rounded_x(qtype, 
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     exact = np.asarray(quant_matmul_reference(x, w))[:live]
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q5_k"])
+def test_a_tile_of_a_row_per_thread_loads_runs_as_halves_with_the_same_bits(qtype):
+    """At 128 weight rows a tile (a row for each of 4 warps' threads) the int8 path loads each
+    32-byte run of codes as two 16-byte pieces; integer dot sums make the result bit-identical
+    to whole runs at 32 rows a tile (one split each, so the float sums run in one order), over
+    an N whose second tile is partial."""
+    B = FORMATS[qtype].block
+    w = weight(qtype, 160, 2 * max(B, 256), seed=9)
+    x = jax.random.normal(jax.random.key(9), (8, w.shape[1]), jnp.float32)
+    run = functools.partial(quant_matmul, x, w, jnp.int32(1), vector_programs=1, int8_x=True,
+                            num_warps=4, interpret=True)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(run(block_n=128))[:1], np.asarray(run(block_n=32))[:1])
 
 
 def test_int8_activations_leave_the_dots_path_exact():
