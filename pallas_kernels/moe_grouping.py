@@ -74,8 +74,8 @@ def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
 
 def _kernel(meta_ref, x_ref, *refs, BM, BN, BK, N, swiglu, fmt=None):
     """One (row tile, column tile) program. With fmt (a ggml_blocks.BlockFormat), the weight
-    refs are the experts' QuantWeight head and body ([E, K / B * hs, N or 2N], in words for
-    some types, and [E, N or 2N, K / B * bs]) and the contraction walks them a block at a time, as
+    refs are the experts' QuantWeight head and body ([E, K / B * hs / u, N or 2N] in u-byte
+    units, and [E, N or 2N, K / B * bs]) and the contraction walks them a block at a time, as
     quant_matmul's kernel does; else one dense w_ref, BK values at a time."""
     *w_refs, o_ref = refs
     w_ref = w_refs[0]

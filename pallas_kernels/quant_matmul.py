@@ -248,11 +248,12 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                     k_sum = first_k // fmt.group
                     xs = plgpu.load(sx_ref.at[row0 + m, k_sum], mask=None if exact else ok,
                                     other=None if exact else 0)  # fmt: skip
-                if (m, g * fmt.group // 32) not in dxs:
-                    dxs[m, g * fmt.group // 32] = plgpu.load(
-                        dx_ref.at[row0 + m, first_k // 32], mask=None if exact else ok,
-                        other=None if exact else 0)  # fmt: skip
-                dx = dxs[m, g * fmt.group // 32]
+                key = (m, g * fmt.group // 32)
+                if key not in dxs:
+                    dxs[key] = plgpu.load(dx_ref.at[row0 + m, first_k // 32],
+                                          mask=None if exact else ok,
+                                          other=None if exact else 0)  # fmt: skip
+                dx = dxs[key]
                 part = a * exact_f32(dot) + (0.0 if c is None else c * xs[None, :])
                 accs[m] = accs[m] + dx[None, :] * part
             return accs
