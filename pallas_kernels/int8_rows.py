@@ -45,18 +45,19 @@ def _scales(amax):
     return d, jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
 
 
-def int8_rows_reference(x, sums: int = 16):
+def int8_rows_reference(x):
     """x [M, K] as int8 per 32 values (max |x| to 127, as llama.cpp's q8_1):
-    (q [M, K] int8, d [M, K / 32] float32 scales, s [M, K / sums] float32 sums of q per
-    `sums` values, 16 or 32)."""
+    (q [M, K] int8, d [M, K / 32] float32 scales, s16 [M, K / 16] and s32 [M, K / 32] float32
+    sums of q per 16 and per 32 values)."""
     M, K = x.shape
     xb = x.astype(jnp.float32).reshape(M, K // 32, 32)
     d, inv = _scales(jnp.max(jnp.abs(xb), axis=-1))
     q = jnp.round(xb * inv[..., None]).astype(jnp.int8).reshape(M, K)
-    return q, d, q.astype(jnp.float32).reshape(M, K // sums, sums).sum(-1)
+    s16 = q.astype(jnp.float32).reshape(M, K // 16, 16).sum(-1)
+    return q, d, s16, s16.reshape(M, K // 32, 2).sum(-1)
 
 
-def _kernel(x_ref, q_ref, d_ref, s_ref, *, G, ptx, sums):
+def _kernel(x_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
     """Program (m, c): row m's groups c * G .. c * G + G - 1 of 32 values, each as two halves
     of 16 ([G, 2, 16]) so the sums per 16 need no reshape."""
     m, c = pl.program_id(0), pl.program_id(1)
@@ -69,39 +70,39 @@ def _kernel(x_ref, q_ref, d_ref, s_ref, *, G, ptx, sums):
     plgpu.store(q_ref.at[m, ks], q.astype(jnp.int8))
     plgpu.store(d_ref.at[m, g], d)
     s = jnp.sum(q, axis=2).astype(jnp.float32)  # [G, 2]
-    if sums == 32:
-        plgpu.store(s_ref.at[m, g], jnp.sum(s, axis=1))
-    else:
-        plgpu.store(s_ref.at[m, half], s)
+    plgpu.store(s16_ref.at[m, half], s)
+    plgpu.store(s32_ref.at[m, g], jnp.sum(s, axis=1))
 
 
-@functools.partial(jax.jit, static_argnames=("sums", "ptx", "interpret"))
-def int8_rows(x, *, sums: int = 16, ptx: bool | None = None, interpret: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("ptx", "interpret"))
+def int8_rows(x, *, ptx: bool | None = None, interpret: bool | None = None):
     """x [M, K] rounded to int8 per 32 values, as int8_rows_reference, in one kernel.
+
+    The sums come per 16 and per 32 values, so a weight group of either size takes its offset
+    in one load, and every matmul of one x (a q / k / v tuple of two GGML types) makes the
+    same call.
 
     Args:
       x: [M, K] float activations, K a multiple of 32.
-      sums: the sums of q are per this many values (16 or 32: a weight type's group, so a
-        group's offset takes one load).
       ptx: round with PTX's cvt.rni (else jnp.round). Default: call_options.uses_ptx.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
-      (q [M, K] int8, d [M, K / 32] float32, s [M, K / sums] float32).
+      (q [M, K] int8, d [M, K / 32] float32, s16 [M, K / 16] float32, s32 [M, K / 32]
+      float32).
     """
     M, K = x.shape
     if K % 32:
         raise ValueError(f"int8 rows need K a multiple of 32, got x {x.shape}")
-    if sums not in (16, 32):
-        raise ValueError(f"int8 rows sum per 16 or 32 values, got sums={sums}")
     BK = next(b for b in (1024, 512, 256, 128, 64, 32) if K % b == 0)
     out = (
         jax.ShapeDtypeStruct((M, K), jnp.int8),
         jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
-        jax.ShapeDtypeStruct((M, K // sums), jnp.float32),
+        jax.ShapeDtypeStruct((M, K // 16), jnp.float32),
+        jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
     )
     ptx = uses_ptx(interpret) if ptx is None else ptx
     return pl.pallas_call(
-        functools.partial(_kernel, G=BK // 32, ptx=ptx, sums=sums),
+        functools.partial(_kernel, G=BK // 32, ptx=ptx),
         grid=(M, K // BK),
         in_specs=[whole(x)],
         out_specs=[whole(o) for o in out],

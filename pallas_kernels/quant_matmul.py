@@ -401,7 +401,8 @@ def quant_matmul(
                                ptx=ptx, piece=piece)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
-        xw, dx, sx = int8_rows(x, sums=fmt.group, ptx=ptx, interpret=interpret)
+        xw, dx, s16, s32 = int8_rows(x, ptx=ptx, interpret=interpret)
+        sx = s32 if fmt.group == 32 else s16  # per group: its offset takes one load
     elif unit_codes:
         xw = x.astype(jnp.float32)
     live = jnp.full((1,), M if live is None else live, jnp.int32)

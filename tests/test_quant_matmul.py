@@ -119,7 +119,7 @@ def test_vector_path_codes_match_the_reference(qtype, unit, live, N):
 
 def rounded_rows(x):
     """x as the int8 path sees it: quantized per 32 values and scaled back (float32)."""
-    q, d, s = int8_rows_reference(x)
+    q, d, s, _ = int8_rows_reference(x)
     M, K = x.shape
     assert np.array_equal(np.asarray(s), np.asarray(q, np.float32).reshape(M, -1, 16).sum(-1))
     return (q.astype(jnp.float32).reshape(M, -1, 32) * d[..., None]).reshape(M, K)
