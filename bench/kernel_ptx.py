@@ -32,9 +32,10 @@ import numpy as np
 from jax._src.pallas.triton import pallas_call_registration as registration
 
 from pallas_kernels import kv_cache
-from pallas_kernels.ggml_blocks import FORMATS, QuantWeight
+from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
+from pallas_kernels.quant_weight import QuantWeight
 
 
 def triton_modules(f, *args) -> list[str]:

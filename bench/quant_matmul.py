@@ -25,8 +25,9 @@ import numpy as np
 
 from luce_jax.loading.quants import keep_quantized
 from pallas_kernels.dequantize import dequantized_matmul
-from pallas_kernels.ggml_blocks import FORMATS, dequantize_weight
+from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, quant_matmul_xla
+from pallas_kernels.quant_weight import dequantize_weight
 
 from make_model import random_rows
 from meta import meta_line, run_meta, write_result

@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
-from .ggml_blocks import QuantWeight, dequantize_weight, exact_f32
-from .quant_matmul import block_loaders
+from .ggml_blocks import block_loaders, exact_f32
+from .quant_weight import QuantWeight, dequantize_weight
 
 
 def dequantize_reference(w: QuantWeight, dtype=jnp.bfloat16):

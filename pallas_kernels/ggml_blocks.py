@@ -14,16 +14,14 @@ All offsets below are static: a kernel unrolls a block's groups.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from gguf import GGMLQuantizationType
+from jax.experimental.pallas import triton as plgpu
 
 QK_K = 256
-HEAD_DTYPES = {4: jnp.uint32, 2: jnp.uint16}  # QuantWeight.head's, by BlockFormat.head_unit
 
 
 def _f16(b: jax.Array) -> jax.Array:
@@ -134,110 +132,7 @@ DEQUANTIZERS = {
 }
 
 
-# --- weights kept quantized: the container and the kernels' block decoding ------------------
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["head", "body"], meta_fields=["qtype", "dtype"]
-)
-@dataclass(frozen=True)
-class QuantWeight:
-    """A GGML-quantized matrix of N rows of K values (a file tensor, [out, in]) on the device.
-
-    The file's bytes, reordered once at load into two arrays (together exactly the file's
-    size): each block's few scale bytes (`BlockFormat.head`) go to `head`, its code bytes to
-    `body`. Q8_0's 34-byte blocks (and Q6_K's 210) put the codes at offsets no wider load can
-    use; split, every row of codes starts aligned and Triton reads it 16 bytes per load, and a
-    block's scale byte for BN outputs is one contiguous run. On the H200 this split took a
-    Q8_0 decode-sized call from 141 to 94 us (bench/results/2026-12-01_quant_gemv_h200.md).
-
-    head: [..., K / B * hs / u, N] of u-byte little-endian units (`BlockFormat.head_unit`:
-      uint32 for Q4_K, Q5_K and IQ4_XS, uint16 for the rest): bytes u * w .. u * w + u - 1
-      of block k of every row are row k * hs / u + w, so a kernel reads Q4_K's 16 scale bytes
-      in 4 loads, not 16 (on the H200 that and one load for x's sums per group took its
-      decode-sized gate/up from 42.7 to 35 us, 2026-12-02_quant_matmul_head_words_h200.md).
-    body: uint8 [..., N, K / B * bs]: one row of code bytes per output, blocks in order.
-      (hs + bs = type_size; leading axes for stacked experts.)
-    qtype: a FORMATS key. dtype: the activations' dtype the matmuls run in (the dtype the
-      weight would have had if dequantized).
-    """
-
-    head: jax.Array
-    body: jax.Array
-    qtype: str
-    dtype: str = "bfloat16"
-
-    @property
-    def format(self) -> BlockFormat:
-        return FORMATS[self.qtype]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """(..., N, K)."""
-        *lead, n, body_bytes = self.body.shape
-        return (*lead, n, body_bytes // self.format.body_size * self.format.block)
-
-    @property
-    def nbytes(self) -> int:
-        return self.head.nbytes + self.body.nbytes
-
-    @classmethod
-    def from_rows(cls, rows, qtype: str, dtype="bfloat16") -> QuantWeight:
-        """From the file's bytes, uint8 [..., N, K / B * type_size] (NumPy: reordered on the
-        host, so the device never holds both layouts)."""
-        xp = np if isinstance(rows, np.ndarray) else jnp
-        fmt = FORMATS[qtype]
-        h0, hs = fmt.head
-        *lead, n, row_bytes = rows.shape
-        b = rows.reshape(*lead, n, row_bytes // fmt.type_size, fmt.type_size)
-        u = fmt.head_unit
-        head = b[..., h0 : h0 + hs].reshape(*lead, n, -1, hs // u, u)  # little-endian units
-        head = (
-            xp.ascontiguousarray(head).view(f"<u{u}")[..., 0]
-            if xp is np
-            else jax.lax.bitcast_convert_type(head, HEAD_DTYPES[u])
-        )
-        head = xp.swapaxes(head.reshape(*lead, n, -1), -1, -2)
-        body = xp.concatenate([b[..., :h0], b[..., h0 + hs :]], axis=-1)
-        return cls(
-            jnp.asarray(xp.ascontiguousarray(head) if xp is np else head),
-            jnp.asarray(body.reshape(*lead, n, -1)),
-            qtype,
-            jnp.dtype(dtype).name,
-        )
-
-    def rows(self) -> jax.Array:
-        """The file's bytes, uint8 [..., N, K / B * type_size] (from_rows undone)."""
-        fmt = self.format
-        h0, hs = fmt.head
-        *lead, n, _ = self.body.shape
-        head = jnp.swapaxes(self.head, -1, -2)
-        head = jax.lax.bitcast_convert_type(head, jnp.uint8)  # [..., n, units, u]
-        head = head.reshape(*lead, n, -1, hs)
-        body = self.body.reshape(*lead, n, head.shape[-2], fmt.body_size)
-        b = jnp.concatenate([body[..., :h0], head, body[..., h0:]], axis=-1)
-        return b.reshape(*lead, n, -1)
-
-    def take(self, ids) -> QuantWeight:
-        """Rows ids [T] of a [N, K] weight (an embedding lookup), a QuantWeight [T, K]."""
-        return QuantWeight(self.head[:, ids], self.body[ids], self.qtype, self.dtype)
-
-
-def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
-    """QuantWeights of one type and K stacked along their rows (N)."""
-    return QuantWeight(
-        jnp.concatenate([p.head for p in parts], axis=-1),
-        jnp.concatenate([p.body for p in parts], axis=-2),
-        parts[0].qtype,
-        parts[0].dtype,
-    )
-
-
-def dequantize_weight(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
-    """W [..., N, K] in dtype (bit-exact with gguf in float32)."""
-    fmt = w.format
-    vals = DEQUANTIZERS[fmt.qtype](w.rows().reshape(-1, fmt.type_size))
-    return vals.reshape(w.shape).astype(dtype)
+# --- a block at a time inside a kernel -------------------------------------------------------
 
 
 def _byte_f16(load1, off):
@@ -387,6 +282,54 @@ FORMATS = {
     "iq4_xs": BlockFormat(T.IQ4_XS, QK_K, 136, 32, _iq4_xs, (0, 8)),
 }
 QTYPES = {f.qtype: name for name, f in FORMATS.items()}  # GGML type -> FORMATS key
+
+
+def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
+    """load(off, n) -> code bytes and load1(off) -> head bytes of block `blk` of weight rows
+    `cols` [BN] (BlockFormat.decode's loaders; off is a file-block offset); rows where `ok` is
+    False give zeros. The head is loaded a unit at a time (BlockFormat.head_unit bytes) and
+    each byte taken from its unit: Q4_K's 16 scale bytes cost 4 loads, not 16.
+    body_at(rows, bytes) and head_at(head row, rows) index the weight's refs (an expert's in
+    the grouped kernel).
+
+    blk is one block index (load gives [BN, n], load1 [BN], ok is [BN]) or U block indices
+    [U] (load gives [BN, U, n], load1 [BN, U], ok is [BN, U]): the vector path decodes U
+    blocks at once, so a piece of every block comes in one wide load.
+    """
+    h0, hs = fmt.head
+    many = jnp.ndim(blk) == 1
+    rows = cols[:, None, None] if many else cols[:, None]
+    blk_b = blk[None, :, None] if many else blk
+    okb = None if ok is None else (ok[:, :, None] if many else ok[:, None])
+    rows1, blk1 = (cols[:, None], blk[None, :]) if many else (cols, blk)
+
+    # A block's groups share bytes (Q4_K's groups 2r and 2r + 1 are the two nibbles of one
+    # run; every group reads the same d, dmin and packed scales), and a load is not merged with
+    # an equal one by the compiler: each distinct load is issued once per block and reused.
+    loaded: dict[tuple, jax.Array] = {}
+
+    def load(off: int, n: int):
+        if ("body", off, n) not in loaded:
+            b = off - hs if h0 == 0 else off  # the head is at the block's start or its end
+            assert 0 <= b and b + n <= fmt.body_size, (fmt.qtype, off, n)
+            idx = blk_b * fmt.body_size + b + jnp.arange(n)  # [1, U, n] or [n]
+            idx = idx if many else idx[None, :]
+            loaded["body", off, n] = plgpu.load(
+                body_at(rows, idx), mask=okb, other=None if okb is None else 0
+            )
+        return loaded["body", off, n]
+
+    def load1(off: int):
+        assert h0 <= off < h0 + hs, (fmt.qtype, off)
+        unit, byte = divmod(off - h0, fmt.head_unit)  # the byte from its unit, loaded once
+        if ("head", unit) not in loaded:
+            row = blk1 * (hs // fmt.head_unit) + unit
+            loaded["head", unit] = plgpu.load(
+                head_at(row, rows1), mask=ok, other=None if ok is None else 0
+            )
+        return ((loaded["head", unit] >> (8 * byte)) & 0xFF).astype(jnp.uint8)
+
+    return load, load1
 
 
 def contract_block(fmt: BlockFormat, load, load1, load_x, acc, dot):

@@ -36,9 +36,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
-from .ggml_blocks import QuantWeight, contract_block, dequantize_weight
+from .ggml_blocks import block_loaders, contract_block
 from .paged_attention import query_blocks
-from .quant_matmul import block_loaders, dot_nn, dot_nt
+from .quant_matmul import dot_nn, dot_nt
+from .quant_weight import QuantWeight, dequantize_weight
 
 
 def expert_weights(w, dtype=None):

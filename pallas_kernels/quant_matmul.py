@@ -2,7 +2,7 @@
 
 Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas ops.
 
-Weight layout: a `QuantWeight` (ggml_blocks.py) holds the file's bytes, each block's scale
+Weight layout: a `QuantWeight` (quant_weight.py) holds the file's bytes, each block's scale
 bytes split from its code bytes at load (uint8 head [K / B * hs, N] and body [N, K / B * bs]),
 so a weight takes on the device what it takes in the file (Q8_0 1.0625 bytes per value, Q4_K
 0.5625, IQ4_XS 0.53) and every row of codes is aligned for wide loads.
@@ -58,16 +58,9 @@ from jax.experimental.pallas import triton as plgpu
 from .call_options import call_options, uses_ptx, whole
 from .ggml_asm import DECODERS as FLOAT_DECODERS
 from .ggml_asm import INT_DECODERS, dots4
-from .ggml_blocks import (
-    QTYPES,
-    BlockFormat,
-    QuantWeight,
-    codes_as,
-    contract_block,
-    dequantize_weight,
-    exact_f32,
-)
+from .ggml_blocks import QTYPES, block_loaders, codes_as, contract_block, exact_f32
 from .int8_rows import int8_rows
+from .quant_weight import QuantWeight, dequantize_weight
 
 
 def quant_matmul_reference(x, w: QuantWeight):
@@ -97,54 +90,6 @@ def dot_nn(x, w):
     return jax.lax.dot_general(
         x, w.astype(x.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
     )
-
-
-def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
-    """load(off, n) -> code bytes and load1(off) -> head bytes of block `blk` of weight rows
-    `cols` [BN] (BlockFormat.decode's loaders; off is a file-block offset); rows where `ok` is
-    False give zeros. The head is loaded a unit at a time (BlockFormat.head_unit bytes) and
-    each byte taken from its unit: Q4_K's 16 scale bytes cost 4 loads, not 16.
-    body_at(rows, bytes) and head_at(head row, rows) index the weight's refs (an expert's in
-    the grouped kernel).
-
-    blk is one block index (load gives [BN, n], load1 [BN], ok is [BN]) or U block indices
-    [U] (load gives [BN, U, n], load1 [BN, U], ok is [BN, U]): the vector path decodes U
-    blocks at once, so a piece of every block comes in one wide load.
-    """
-    h0, hs = fmt.head
-    many = jnp.ndim(blk) == 1
-    rows = cols[:, None, None] if many else cols[:, None]
-    blk_b = blk[None, :, None] if many else blk
-    okb = None if ok is None else (ok[:, :, None] if many else ok[:, None])
-    rows1, blk1 = (cols[:, None], blk[None, :]) if many else (cols, blk)
-
-    # A block's groups share bytes (Q4_K's groups 2r and 2r + 1 are the two nibbles of one
-    # run; every group reads the same d, dmin and packed scales), and a load is not merged with
-    # an equal one by the compiler: each distinct load is issued once per block and reused.
-    loaded: dict[tuple, jax.Array] = {}
-
-    def load(off: int, n: int):
-        if ("body", off, n) not in loaded:
-            b = off - hs if h0 == 0 else off  # the head is at the block's start or its end
-            assert 0 <= b and b + n <= fmt.body_size, (fmt.qtype, off, n)
-            idx = blk_b * fmt.body_size + b + jnp.arange(n)  # [1, U, n] or [n]
-            idx = idx if many else idx[None, :]
-            loaded["body", off, n] = plgpu.load(
-                body_at(rows, idx), mask=okb, other=None if okb is None else 0
-            )
-        return loaded["body", off, n]
-
-    def load1(off: int):
-        assert h0 <= off < h0 + hs, (fmt.qtype, off)
-        unit, byte = divmod(off - h0, fmt.head_unit)  # the byte from its unit, loaded once
-        if ("head", unit) not in loaded:
-            row = blk1 * (hs // fmt.head_unit) + unit
-            loaded["head", unit] = plgpu.load(
-                head_at(row, rows1), mask=ok, other=None if ok is None else 0
-            )
-        return ((loaded["head", unit] >> (8 * byte)) & 0xFF).astype(jnp.uint8)
-
-    return load, load1
 
 
 def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref, *, fmt, BM,

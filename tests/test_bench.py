@@ -255,8 +255,8 @@ def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
     import jax.numpy as jnp
     import kernel_ptx
 
-    from pallas_kernels.ggml_blocks import QuantWeight
     from pallas_kernels.quant_matmul import quant_matmul
+    from pallas_kernels.quant_weight import QuantWeight
 
     w = QuantWeight.from_rows(jnp.zeros((64, 512 // 32 * 34), jnp.uint8), "q8_0")
     (ttir,) = kernel_ptx.triton_modules(

@@ -14,9 +14,10 @@ from test_quants import random_blocks
 from luce_jax.loading.quants import keep_quantized
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_asm import INT_DECODERS
-from pallas_kernels.ggml_blocks import FORMATS, QuantWeight, dequantize_weight
+from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.int8_rows import int8_rows_reference
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmul_reference, tiling
+from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 
 T = GGMLQuantizationType
 TYPES = list(FORMATS)

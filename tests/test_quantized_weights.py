@@ -18,7 +18,7 @@ from luce_jax.loading.gguf import GGUFFile, model_config
 from luce_jax.loading.params import load_params, weight_bytes
 from luce_jax.models import dense
 from luce_jax.models.linear import QuantMatmul, embed, linear, unembed
-from pallas_kernels.ggml_blocks import QuantWeight, dequantize_weight
+from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import make_model  # noqa: E402

@@ -14,11 +14,12 @@ import pytest
 from pallas_kernels import kv_cache
 from pallas_kernels.dequantize import dequantize
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
-from pallas_kernels.ggml_blocks import FORMATS, QuantWeight
+from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.int8_rows import int8_rows
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
+from pallas_kernels.quant_weight import QuantWeight
 
 
 def lower_for_cuda(f, *args):

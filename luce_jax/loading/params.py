@@ -62,7 +62,7 @@ def load_params(
     """
     import jax.numpy as jnp
 
-    from pallas_kernels.ggml_blocks import QuantWeight
+    from pallas_kernels.quant_weight import QuantWeight
 
     from .prefetch import Prefetch, load_order
     from .quants import DEQUANTIZERS, QTYPES, dequantize, prepare
@@ -216,7 +216,7 @@ def fuse(parts: list, experts: bool = False):
     types is dequantized, with a warning."""
     import jax.numpy as jnp
 
-    from pallas_kernels.ggml_blocks import QuantWeight, concat_rows, dequantize_weight
+    from pallas_kernels.quant_weight import QuantWeight, concat_rows, dequantize_weight
 
     if len(parts) == 1:
         return parts[0]

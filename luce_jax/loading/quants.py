@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pallas_kernels.ggml_blocks import DEQUANTIZERS, QTYPES, QuantWeight
+from pallas_kernels.ggml_blocks import DEQUANTIZERS, QTYPES
+from pallas_kernels.quant_weight import QuantWeight
 
 __all__ = [
     "DEQUANTIZERS",

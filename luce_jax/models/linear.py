@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from pallas_kernels.ggml_blocks import QuantWeight, dequantize_weight
 from pallas_kernels.quant_matmul import quant_matmul_xla
+from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 
 
 class QuantMatmul(NamedTuple):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ggml_blocks import QuantWeight
 from pallas_kernels.moe_grouping import expert_weights
+from pallas_kernels.quant_weight import QuantWeight
 
 from ..config import ModelConfig
 from .linear import linear
