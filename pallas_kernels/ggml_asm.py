@@ -210,19 +210,3 @@ def int_group(qtype: str, load, load1, g, piece: int = 32):
 
 
 INT_DECODERS = {t: functools.partial(int_group, t) for t in PIECES}
-
-
-def q6_k_pair(load, load1, p):
-    """Q6_K's groups 2p and 2p + 1 against integer activations, as one run of 32 values:
-    (a, c, pieces) as int_group's for the run, a and c [..., 2] (a group's each).
-
-    Their low nibbles are 32 consecutive bytes and so are their top bits (ggml_blocks._q6_k's
-    layout), so the run takes two 32-byte loads where two groups took four 16-byte ones, and
-    a thread's 16 bytes are one whole group: it sums its group without a shuffle."""
-    h, v = divmod(p * 32, 128)
-    kw = dict(shift=4 * (v // 64), mask=15, hi=load(128 + 32 * h, 32), hi_shift=2 * (v // 32),
-              hi_mask=3, hi_to=4)  # fmt: skip
-    two = jnp.arange(2)
-    a = jnp.where(two == 0, _q6_k_scale(load1, 2 * p)[..., None],
-                  _q6_k_scale(load1, 2 * p + 1)[..., None])  # fmt: skip
-    return a, -32.0 * a, [(0, load(64 * h + v % 64, 32), kw)]

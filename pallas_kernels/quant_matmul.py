@@ -57,7 +57,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, uses_ptx, whole
 from .ggml_asm import DECODERS as FLOAT_DECODERS
-from .ggml_asm import INT_DECODERS, dots4, q6_k_pair
+from .ggml_asm import INT_DECODERS, dots4
 from .ggml_blocks import QTYPES, block_loaders, codes_as, contract_block, exact_f32
 from .int8_rows import int8_rows
 from .quant_weight import QuantWeight, dequantize_weight
@@ -99,9 +99,6 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     float_decode = FLOAT_DECODERS.get(QTYPES[fmt.qtype]) if unit else None
     int_decode = INT_DECODERS[QTYPES[fmt.qtype]] if int8 else None
-    # Q6_K's groups of 16 in pairs, a 32-value run at a time (ggml_asm.q6_k_pair), where a
-    # run is two threads' whole pieces (32-byte pieces; halves already are a group each)
-    pair = int8 and fmt.group == 16 and piece == 32
     M, K = x_ref.shape
     N = b_ref.shape[-2]
     e = jnp.minimum(ex_ref[i], E - 1) if E else None  # clamped: loads stay in bounds
@@ -152,10 +149,6 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
             accs = list(accs)
             blk, ok, (load, load1) = block(c, jnp.arange(U), exact)
             dxs = {}  # x's scales by (row, 32 values): Q6_K's groups of 16 share one
-            for p in range(fmt.groups // 2 if pair else 0):
-                accs = int_pair(accs, p, blk, ok, load, load1)
-            if pair:
-                return tuple(accs)
             for g in range(fmt.groups):
                 if int_decode is not None:
                     accs = int_group(accs, g, blk, ok, load, load1, dxs)
@@ -210,35 +203,14 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                 accs[m] = accs[m] + dx[None, :] * part
             return accs
 
-        def int_pair(accs, p, blk, ok, load, load1):
-            """Q6_K's groups 2p and 2p + 1 as one run (ggml_asm.q6_k_pair): the partial sums
-            are [BN, U, 2], a group's each, and are summed over the pair when the loop ends."""
-            a, c, [(first, lo, kw)] = q6_k_pair(load, load1, p)
-            first_k = blk * fmt.block + 32 * p  # [U]
-            for m in range(R):
-                ks = (first_k + first)[:, None] + jnp.arange(32)[None, :]
-                xq = plgpu.load(xw_ref.at[row0 + m, ks], mask=None if exact else ks < K,
-                                other=None if exact else 0)  # fmt: skip
-                xq = jnp.broadcast_to(xq[None], lo.shape)
-                dot = jnp.sum(dots4(lo, xq, ptx=ptx, **kw).reshape(BN, U, 2, 16), axis=-1)
-                k_sum = (first_k // 16)[:, None] + jnp.arange(2)[None, :]  # [U, 2]
-                xs = plgpu.load(sx_ref.at[row0 + m, k_sum], mask=None if exact else ok[:, None],
-                                other=None if exact else 0)  # fmt: skip
-                dx = plgpu.load(dx_ref.at[row0 + m, first_k // 32], mask=None if exact else ok,
-                                other=None if exact else 0)  # fmt: skip
-                part = a * exact_f32(dot) + c * xs[None]
-                accs[m] = accs[m] + dx[None, :, None] * part
-            return accs
-
-        zero = jnp.zeros((BN, U, 2) if pair else (BN, U), jnp.float32)
+        zero = jnp.zeros((BN, U), jnp.float32)
         return rows_out(jax.lax.fori_loop(0, steps, body, (zero,) * R))
 
-    def rows_out(accs):  # r accumulators [BN, U(, 2)] -> rows 0 .. r-1 of the [BM, BN] tile
+    def rows_out(accs):  # r accumulators [BN, U] -> rows 0 .. r-1 of the [BM, BN] tile
         r = jnp.arange(BM)[:, None]
         out = jnp.zeros((BM, BN), jnp.float32)
         for m in range(len(accs)):
-            acc = accs[m] if accs[m].ndim == 2 else jnp.sum(accs[m], axis=2)
-            out = jnp.where(r == m, jnp.sum(acc, axis=1)[None, :], out)
+            out = jnp.where(r == m, jnp.sum(accs[m], axis=1)[None, :], out)
         return out
 
     # A step of r <= R live rows decodes for r rows, not R: the vector path is bound by

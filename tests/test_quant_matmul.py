@@ -126,20 +126,15 @@ def rounded_rows(x):
     return (q.astype(jnp.float32).reshape(M, -1, 32) * d[..., None]).reshape(M, K)
 
 
-# (type, N, K in blocks): an N inside a tile and a K that ends inside a step for every type;
-# whole tiles and steps (the loads without masks) for the K-quants' two int8 decoders
-INT8_CASES = [(t, 40, 3) for t in TYPES] + [("q4_k", 64, 4), ("q6_k", 64, 4)]
-
-
-@pytest.mark.parametrize("qtype, N, blocks", INT8_CASES)
-def test_the_int8_activation_path_matches_the_reference_on_its_rounded_x(qtype, N, blocks, live=2):
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_int8_activation_path_matches_the_reference_on_its_rounded_x(qtype, live=2):
     """int8_x: x rounded to int8 per 32 values (llama.cpp's q8_1 rounding) and dotted with the
-    codes as integers equals the reference on that rounded x to float32 rounding, and stays
-    within 2% of the unrounded product (Q6_K's groups of 16 run in pairs, ggml_asm.q6_k_pair);
+    codes as integers equals the reference on that rounded x to float32 rounding, over a K that
+    ends inside a step and an N inside a tile, and stays within 2% of the unrounded product;
     IQ4_XS, which has no integer decoder, ignores the flag."""
     B = FORMATS[qtype].block
-    w = weight(qtype, N, blocks * B, seed=live + 4)
-    x = jax.random.normal(jax.random.key(live), (8, blocks * B), jnp.float32)
+    w = weight(qtype, 40, 3 * B, seed=live + 4)
+    x = jax.random.normal(jax.random.key(live), (8, 3 * B), jnp.float32)
     got = quant_matmul(x, w, jnp.int32(live), block_n=32, values_per_step=2 * max(B, 256),
                        vector_programs=4, int8_x=True, interpret=True)  # fmt: skip
     got = np.asarray(got)[:live]
