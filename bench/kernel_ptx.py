@@ -6,7 +6,10 @@ compiler (a Triton newer than jaxlib's reads it), and reads the cubin with the c
 nvdisasm that package bundles. Per kernel: global loads by width (PTX), shared memory bytes,
 registers, local memory (spills), SASS instructions by opcode and the I2F conversions among
 them (the H200 issues those at an eighth of its FMA rate). No timing: a count to compare
-variants by between GPU runs, never a speed claim. `--vector` or `--dots` keeps one path of
+variants by between GPU runs, never a speed claim. The `triton` package is not the Triton the
+device's jaxlib builds with, and a layout change can compile differently there: Q6_K's groups in
+pairs counted 39 loads against 61 here and ran 2.3x slower on the H200
+(bench/results/2026-12-02_q6_k_pairs_h200.md). `--vector` or `--dots` keeps one path of
 quant_matmul's branch.
 
     python bench/kernel_ptx.py quant_matmul --types q8_0 q4_k --live 1

@@ -139,6 +139,8 @@ def _q5_k(load, load1, g, piece=32):
 
 
 def _q6_k(load, load1, g, piece=32):
+    # A group at a time. Two groups as one 32-byte run (half the loads, no shuffle in the SASS
+    # a newer Triton compiled) ran 2.3x slower on the H200 (2026-12-02_q6_k_pairs_h200.md).
     h, v = divmod(g * 16, 128)  # ggml_blocks._q6_k's layout
     kw = dict(shift=4 * (v // 64), mask=15, hi=load(128 + 32 * h + v % 32, 16),
               hi_shift=2 * (v // 32), hi_mask=3, hi_to=4)  # fmt: skip
