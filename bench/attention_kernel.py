@@ -111,10 +111,11 @@ def run_case(name, segs, bw, check_ref, kv_type, variants) -> list[dict]:
         jax.jit(lambda *a: paged_attention_reference(*a, scale=scale))(*args) if check_ref else None
     )
     rows = []
-    for bk, split, warps in variants:
+    for bk, split, warps, bqg in variants:
         row = {"case": name, "kv": kv_type, "block_k": bk, "split": split, "warps": warps}
-        row.update(T=int(args[0].shape[0]), kv_MB=kv_bytes / 1e6, xla_us=tx * 1e6)
-        kw = dict(scale=scale, cu_q_lens=cu, block_k=bk, split_tokens=split, num_warps=warps)
+        row.update(block_qg=bqg, T=int(args[0].shape[0]), kv_MB=kv_bytes / 1e6, xla_us=tx * 1e6)
+        kw = dict(scale=scale, cu_q_lens=cu, block_k=bk, split_tokens=split, num_warps=warps,
+                  block_qg=bqg)  # fmt: skip
         try:
             fp = functools.partial(paged_attention, **kw)
             out_p = jax.jit(fp)(*args)
@@ -138,9 +139,10 @@ def run_case(name, segs, bw, check_ref, kv_type, variants) -> list[dict]:
     return rows
 
 
-def variant(s: str) -> tuple[int, int, int]:
-    bk, split, warps = (int(x) for x in s.split(":"))
-    return bk, split, warps
+def variant(s: str) -> tuple[int, int, int, int]:
+    """block_k:split_tokens:num_warps[:block_qg] (block_qg 64 if left out)."""
+    bk, split, warps, *bqg = (int(x) for x in s.split(":"))
+    return bk, split, warps, (bqg or [64])[0]
 
 
 def main():
@@ -152,8 +154,16 @@ def main():
         "--variants",
         type=variant,
         nargs="+",
-        default=[(64, 1024, 4)],
-        help="kernel tilings block_k:split_tokens:num_warps",
+        default=[(64, 1024, 4, 64)],
+        help="kernel tilings block_k:split_tokens:num_warps[:block_qg]",
+    )
+    ap.add_argument(
+        "--warm-prefix",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also a warm prefix-cached request's step: one segment of 200 new rows after "
+        "each of these cached lengths (bench/prefix.py's agent loop: 8k)",
     )
     ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--out", default=None)
@@ -163,6 +173,7 @@ def main():
     cases = [(f"decode {r}x{ctx}", [(1, ctx)] * r) for ctx in a.ctx for r in a.rows]
     if not a.no_mixed:
         cases.append(("prefill 256 @4096 + 8 decode @4096", [(256, 4096)] + [(1, 4096)] * 8))
+    cases += [(f"warm 200 @{n + 200}", [(200, n + 200)]) for n in a.warm_prefix]
     rows = []
     for kv_type in a.kv_types:
         for name, segs in cases:
@@ -174,12 +185,12 @@ def main():
         f"copy bandwidth {bw / 1e9:.0f} GB/s. KV MB counts the cache type's bytes (q8_0 34 and "
         "q4_0 18 bytes per 32 values); the XLA path reads the same cache, dequantizing in XLA.",
         "",
-        "| case | KV | block_k:split:warps | T | KV MB | Pallas us | XLA us | speedup | "
+        "| case | KV | block_k:split:warps:block_qg | T | KV MB | Pallas us | XLA us | speedup | "
         "Pallas KV GB/s | of copy BW | max diff vs XLA | vs f32 ref |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        tiling = f"{r['block_k']}:{r['split']}:{r['warps']}"
+        tiling = f"{r['block_k']}:{r['split']}:{r['warps']}:{r['block_qg']}"
         head = f"| {r['case']} | {r['kv']} | {tiling} | {r['T']} | {r['kv_MB']:.1f} |"
         if "error" in r:
             lines.append(f"{head} failed: {r['error'][:80]} | | | | | | |")

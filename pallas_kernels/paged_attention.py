@@ -15,18 +15,16 @@ afterwards. Tokens past a sequence's kv length are masked loads, never read.
 KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file), contracted a
 scale group at a time: each group's codes (exact small integers) go straight into a dot, and
 its scale multiplies the dot's result (keys) or the probabilities (values), so a quantized
-tile moves fewer bytes and does no more work per byte than a plain one. (Until 2026-12-01 a
-tile's scales and nibbles were gathered per value column and multiplied in before one dot per
-tile: 64 decode rows at 4096 took 614 us with q8_0 and 1921 us with q4_0 against 338 us for
-bf16, bench/results/2026-11-30_attention_kernel_kvtypes_h200.md.)
+tile moves fewer bytes and does no more work per byte than a plain one (scales multiplied per
+value column had taken 64 decode rows at 4096 to 614 / 1921 us with q8_0 / q4_0 against 338
+for bf16, bench/results/2026-11-30_attention_kernel_kvtypes_h200.md).
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
 tables, kv lengths and the query-block list are ordinary inputs read inside the kernel, and the
 KV caches are whole-array refs indexed by physical block and offset. Tile sizes (BQ*G, BK, D)
 are powers of two, as Triton requires; a group of G heads that is not is padded with zero
-queries. Not yet run on ROCm: there a wavefront is 64 lanes (num_warps=4 is 256 threads) and a
-CU has less shared memory, so num_stages may have to drop to 1. On CPU the kernel runs in
-interpret mode.
+queries. Not yet run on ROCm (64-lane wavefronts, less shared memory a CU: num_stages may have
+to drop to 1). On CPU the kernel runs in interpret mode.
 
 Shapes: T packed query rows, S segments (sequences in the step), H query heads, K kv heads,
 G = H / K, D head dim, P block size, NB blocks in the pool, MB blocks per sequence.
@@ -119,8 +117,7 @@ def _load_tile(data_ref, phys, off, kh, ok, cdt, D):
 
 
 def _pieces(kind: str) -> list[tuple[int, int]]:
-    """(first value, values) of the pieces a quantized scale group splits into: q8_0 one run
-    of 32 bytes; q4_0 the low and high nibbles of one run of 16 bytes."""
+    """(first value, values) of a scale group's pieces: q8_0 one run of 32 bytes, q4_0 two."""
     half = GROUP // 2
     return [(0, GROUP)] if kind == "q8_0" else [(0, half), (half, half)]
 
@@ -280,14 +277,15 @@ def plan_tiles(
     split_tokens: int = 256,
     block_k: int = 64,
     partial_budget: int = 64 << 20,
+    block_qg: int = 64,
 ):
     """(BQ, TPS, NS): rows per query block, kv tiles of block_k tokens per split, splits.
 
-    Small steps (decode rows) get 16-row operands; larger steps 64, so a prompt chunk reuses
-    each KV tile across more queries. Splits of `split_tokens` spread long contexts over
-    programs, as long as the f32 partials stay under `partial_budget` bytes.
+    Small steps (decode rows) get 16-row operands, larger ones `block_qg` (a prompt chunk reuses
+    each KV tile across more queries). Splits of `split_tokens` spread long contexts over
+    programs while the f32 partials stay under `partial_budget` bytes.
     """
-    bqg = max(16 if T <= 64 else 64, G)
+    bqg = max(16 if T <= 64 else block_qg, G)
     bq = bqg // G
     nblk = -(-T // bq) + S
     tiles = -(-MB * P // block_k)
@@ -315,6 +313,7 @@ def paged_attention(
     num_stages: int = 2,
     split_tokens: int = 256,
     block_k: int = 64,
+    block_qg: int = 64,
 ):
     """Pallas ragged paged attention with paged_attention_reference's signature.
 
@@ -326,6 +325,7 @@ def paged_attention(
       cu_q_lens: [S+1] int32 row offsets of the segments.
       interpret: run the kernel in interpret mode (default: when the backend is the CPU).
       split_tokens, block_k: kv tokens per program and per loop iteration (BK).
+      block_qg: query rows x heads a program reads its keys for, in steps over 64 rows.
     Returns:
       [T, H, D] in q's dtype; rows outside every segment are zero.
     """
@@ -346,7 +346,8 @@ def paged_attention(
         raise ValueError(f"{H} query heads are not a multiple of {K} kv heads")
     G = H // K
     Gp = 1 << (G - 1).bit_length()  # a group is padded with zero queries to a power of two
-    for name, n in (("block size", P), ("head dim", D), ("block_k", block_k)):
+    sizes = {"block size": P, "head dim": D, "block_k": block_k, "block_qg": block_qg}
+    for name, n in sizes.items():
         if n & (n - 1):
             raise ValueError(f"{name} {n} is not a power of two (Triton tiles)")
     if cu_q_lens.shape != (S + 1,) or kv_lens.shape != (S,) or positions.shape != (T,):
@@ -354,7 +355,7 @@ def paged_attention(
             f"metadata shapes cu_q_lens {cu_q_lens.shape}, kv_lens {kv_lens.shape}, "
             f"positions {positions.shape} do not fit {S} segments and {T} rows"
         )
-    bq, tps, ns = plan_tiles(T, S, Gp, MB, P, K, D, split_tokens, block_k)
+    bq, tps, ns = plan_tiles(T, S, Gp, MB, P, K, D, split_tokens, block_k, block_qg=block_qg)
     bqg = bq * Gp
     meta = query_blocks(cu_q_lens, T, bq)
     nblk = meta.shape[0]

@@ -116,6 +116,21 @@ def test_long_context_is_split_and_combined():
     check([(1, 1500), (7, 1300)], H=8, K=2, D=64, P=16, pad_rows=0)
 
 
+@pytest.mark.parametrize("block_qg", [32, 128])
+def test_prompt_steps_match_reference_at_other_query_tiles(block_qg):
+    """A step over 64 rows (a prompt chunk after a cached prefix, and a decode row) with query
+    tiles of other sizes than the default still equals the reference; a size that is not a
+    power of two is refused by name."""
+    segs = [(70, 150), (1, 40)]
+    assert (
+        plan_tiles(T=128, S=2, G=4, MB=10, P=16, K=2, D=64, block_qg=block_qg)[0] == block_qg // 4
+    )
+    check(segs, H=8, K=2, D=64, P=16, kernel_kw={"block_qg": block_qg})
+    args, cu, _ = make_step(segs, H=8, K=2, D=64, P=16)
+    with pytest.raises(ValueError, match="block_qg 96"):
+        paged_attention(*args, scale=1.0, cu_q_lens=cu, block_qg=96, interpret=True)
+
+
 def test_query_blocks_cover_every_row_once():
     cu = jnp.asarray([0, 21, 30, 31, 31, 36], jnp.int32)  # includes an empty segment
     meta = np.asarray(query_blocks(cu, T=40, block_q=4))
