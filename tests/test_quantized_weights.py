@@ -58,10 +58,11 @@ def load(path, quantized):
 def test_a_q4_k_m_file_keeps_its_types_and_its_size(files):
     f, _, params = load(files["q4-k-m"], True)
     layers = params["layers"]
-    # q, k, v of one type fuse into one block matrix; a Q6_K v keeps them apart
+    # q, k, v of one type fuse into one block matrix; beside a Q6_K v, q and k still fuse
     assert isinstance(layers[0]["wqkv"], QuantWeight) and layers[0]["wqkv"].qtype == "q4_k"
     assert layers[0]["wqkv"].shape == (4 * 64 + 2 * 2 * 64, 256)
-    assert [w.qtype for w in layers[2]["wqkv"]] == ["q4_k", "q4_k", "q6_k"]
+    qk, v = layers[2]["wqkv"]
+    assert (qk.qtype, qk.shape, v.qtype, v.shape) == ("q4_k", (6 * 64, 256), "q6_k", (2 * 64, 256))
     assert [layers[i]["w_down"].qtype for i in range(4)] == ["q4_k", "q4_k", "q6_k", "q6_k"]
     assert layers[0]["w_gu"].shape == (2 * 512, 256) and params["lm_head"].qtype == "q6_k"
     assert params["embed"].qtype == "q4_k"

@@ -212,8 +212,9 @@ _LINEAR_IN = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alp
 def fuse(parts: list, experts: bool = False):
     """Projections that share an input as one weight: dense [in, out] parts concatenated along
     their outputs, QuantWeights of one type along their rows; otherwise a tuple (models/linear.py
-    concatenates the outputs). Stacked experts must fuse: a tuple of QuantWeights of different
-    types is dequantized, with a warning."""
+    concatenates the outputs) in which neighbours of one type are still one weight (a Q4_K_M
+    layer's q and k, beside its Q6_K v: one matmul call fewer). Stacked experts must fuse: a
+    tuple of QuantWeights of different types is dequantized, with a warning."""
     import jax.numpy as jnp
 
     from pallas_kernels.quant_weight import QuantWeight, concat_rows, dequantize_weight
@@ -226,7 +227,14 @@ def fuse(parts: list, experts: bool = False):
     if len(quant) == len(parts) and len({p.qtype for p in quant}) == 1:
         return concat_rows(quant)
     if not experts:
-        return tuple(parts)
+        runs = []  # neighbours of one quantized type, in order
+        for p in parts:
+            same = runs and isinstance(p, QuantWeight) and isinstance(runs[-1][-1], QuantWeight)
+            if same and runs[-1][-1].qtype == p.qtype:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return tuple(concat_rows(r) if len(r) > 1 else r[0] for r in runs)
     log.warning(
         "expert tensors of types %s cannot share one grouped matmul; dequantized",
         [p.qtype if isinstance(p, QuantWeight) else str(p.dtype) for p in parts],
