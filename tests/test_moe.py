@@ -75,6 +75,16 @@ def test_grouping_is_stable_and_counts_empty_and_full_experts():
     )
 
 
+def test_every_layers_counts_come_from_one_call():
+    """expert_counts over a step's layers [L, P] at once equals each layer counted alone;
+    padding pairs (expert E) count nowhere."""
+    pairs = jnp.asarray([[3, 1, 5, 3], [0, 0, 2, 5]], jnp.int32)
+    counts = np.asarray(moe.expert_counts(pairs, 5))
+    assert counts.tolist() == [[0, 1, 0, 2, 0], [2, 0, 1, 0, 0]]
+    for layer in range(2):
+        assert np.asarray(moe.expert_counts(pairs[layer], 5)).tolist() == counts[layer].tolist()
+
+
 def test_padding_rows_sort_last_and_join_no_expert():
     experts = jnp.asarray([[3, 1], [3, 0], [1, 3]], jnp.int32)
     order, sizes = moe.group(experts, 5, real=jnp.asarray([True, False, True]))
@@ -87,8 +97,9 @@ def test_ffn_of_real_rows_ignores_padding_rows():
     cfg, lp = config(True), layer(seed=3)
     h = jnp.asarray(np.random.default_rng(3).standard_normal((6, 16)), jnp.float32)
     real = jnp.arange(6) < 4
-    y, sizes = moe.ffn(lp, h, cfg, real=real)
-    y_real, sizes_real = moe.ffn(lp, h[:4], cfg)
+    y, pairs = moe.ffn(lp, h, cfg, real=real)
+    y_real, pairs_real = moe.ffn(lp, h[:4], cfg)
+    sizes, sizes_real = (moe.expert_counts(p, cfg.n_experts) for p in (pairs, pairs_real))
     np.testing.assert_allclose(np.asarray(y[:4]), np.asarray(y_real), atol=1e-6)
     assert not np.asarray(y[4:]).any()
     assert np.asarray(sizes).tolist() == np.asarray(sizes_real).tolist()

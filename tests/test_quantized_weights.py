@@ -160,8 +160,9 @@ def test_quantized_experts_a_pair_at_a_time_compute_what_grouped_ones_do(files):
     qmm = QuantMatmul(functools.partial(quant_matmul, interpret=True), max_pairs=16)
     h = jax.random.normal(jax.random.key(4), (8, cfg.d_model), jnp.float32)
     real = jnp.arange(8) < 5
-    got, sizes = moe.ffn(lp, h, cfg, None, real, qmm)
-    want, want_sizes = moe.ffn(lp, h, cfg, None, real, None)  # XLA's, experts dequantized
+    got, pairs = moe.ffn(lp, h, cfg, None, real, qmm)
+    want, want_pairs = moe.ffn(lp, h, cfg, None, real, None)  # XLA's, experts dequantized
+    sizes, want_sizes = (moe.expert_counts(p, cfg.n_experts) for p in (pairs, want_pairs))
     scale = np.abs(np.asarray(want)).max()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5 * scale)
     assert not np.asarray(got)[5:].any() and int(sizes.sum()) == 5 * cfg.n_experts_used

@@ -85,16 +85,16 @@ def forward(
     with jax.named_scope("embed"):
         x = embed(params["embed"], batch["tokens"])  # residual stream in f32
         cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
-    new_kv, counts = [], []
+    new_kv, pairs = [], []
     live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
     kernels = (attn, grouped_matmul, quant_matmul)
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
-        x, kc, vc, sizes = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
-        if sizes is not None:
-            counts.append(sizes)
+        x, kc, vc, routed = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
+        if routed is not None:
+            pairs.append(routed)
         new_kv.append((kc, vc))
     logits = head(params, x, batch, cfg, quant_matmul)
-    stats = {"expert_counts": jnp.stack(counts)} if counts else {}
+    stats = {"expert_counts": moe.expert_counts(jnp.stack(pairs), cfg.n_experts)} if pairs else {}
     return logits, new_kv, stats
 
 
@@ -112,7 +112,8 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
       cos, sin: rope tables; batch, live: forward's; kernels: (attention_fn, grouped_matmul,
       quant_matmul) as forward takes them (hashable: they are static).
     Returns:
-      (x, kc, vc, expert sizes [E] int32 for an MoE layer or None).
+      (x, kc, vc, the experts of its (token, expert) pairs [T*k] int32 for an MoE layer (moe.ffn)
+       or None).
     """
     attn, grouped_matmul, quant_matmul = kernels
     T = x.shape[0]
@@ -140,15 +141,15 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
     o, kc, vc = write_and_attend(attn, q, k, v, kc, vc, batch, 1.0 / D**0.5, lp["wqkv"])
     with jax.named_scope("attn_out"):
         x = x + linear(o.reshape(T, H * D), lp["wo"], quant_matmul, live)
-    sizes = None
+    routed = None
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
         if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
-            y, sizes = moe.ffn(lp, h, cfg, grouped_matmul, jnp.arange(T) < live, quant_matmul)
+            y, routed = moe.ffn(lp, h, cfg, grouped_matmul, jnp.arange(T) < live, quant_matmul)
             x = x + y
         else:
             x = x + swiglu(lp, h, quant_matmul, live)
-    return x, kc, vc, sizes
+    return x, kc, vc, routed
 
 
 def write_and_attend(attn, q, k, v, kc, vc, batch: dict, scale: float, w_qkv):

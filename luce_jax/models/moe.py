@@ -51,12 +51,17 @@ def group(experts, n_experts: int, real=None):
        per expert).
     """
     flat = pair_experts(experts, n_experts, real)
-    return jnp.argsort(flat, stable=True), expert_sizes(flat, n_experts)
+    return jnp.argsort(flat, stable=True), expert_counts(flat, n_experts)
 
 
-def expert_sizes(flat, n_experts: int):
-    """[E] int32: pairs routed to each expert (flat [T*k]; n_experts, padding, counts nowhere)."""
-    return jnp.zeros((n_experts,), jnp.int32).at[flat].add(1, mode="drop")
+def expert_counts(flat, n_experts: int):
+    """[..., E] int32: the pairs routed to each expert, per leading index, from their experts
+    flat [..., P] (n_experts, padding, counts nowhere). One scatter: dense.forward counts every
+    MoE layer of a step at once, since a scatter a layer had been two kernels of a decode step's
+    graph, which the host updates kernel by kernel every step (models/dense.py)."""
+    lead = jnp.indices(flat.shape, sparse=True)[:-1]
+    out = jnp.zeros((*flat.shape[:-1], n_experts), jnp.int32)
+    return out.at[(*lead, flat)].add(1, mode="drop")
 
 
 def pair_experts(experts, n_experts: int, real=None):
@@ -119,14 +124,14 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None, qmm=None)
     Returns:
       ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
        plus sigmoid(h . shexp_gate) times the shared expert's output where there is one,
-       sizes [E] int32: real tokens routed to each expert, the step's expert statistics).
+       pairs [T*k] int32: each (token, expert) pair's expert, n_experts for padding: the
+       step's routing, which `expert_counts` turns into its statistics).
     """
     gmm = grouped_matmul or grouped_matmul_xla
     T, k = h.shape[0], cfg.n_experts_used
     w, experts = route(h, lp["router"], cfg)
+    flat = pair_experts(experts, cfg.n_experts, real)
     if by_rows(lp["w_gu_exps"], T * k, qmm):
-        flat = pair_experts(experts, cfg.n_experts, real)
-        sizes = expert_sizes(flat, cfg.n_experts)
         y = ffn_rows(lp, h, flat, qmm) * w.reshape(-1)[:, None]  # [T*k, d]
         out = y.reshape(T, k, -1).sum(1)
     else:
@@ -142,4 +147,4 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None, qmm=None)
         gate, up = jnp.split(linear(h, lp["w_gu_shexp"], qmm), 2, axis=-1)
         shared = linear(jax.nn.silu(gate) * up, lp["w_down_shexp"], qmm).astype(jnp.float32)
         out = out + jax.nn.sigmoid(h @ lp["shexp_gate"])[:, None] * shared
-    return out, sizes
+    return out, flat
