@@ -31,10 +31,13 @@ def route(h, router, cfg: ModelConfig):
       (weights [T, k] float32, experts [T, k] int32): softmax over all E, then the top k,
       renormalized to sum to 1 when the architecture says so (expert_weights_norm).
     """
-    probs = jax.nn.softmax(jnp.dot(h, router, preferred_element_type=jnp.float32), axis=-1)
-    w, idx = jax.lax.top_k(probs, cfg.n_experts_used)
+    logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
     if cfg.expert_weights_norm:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
+        # The top k of the softmax, renormalized, is the softmax of the top k logits: no
+        # reduction over all E experts (kernels of every decode step, each layer's)
+        z, idx = jax.lax.top_k(logits, cfg.n_experts_used)
+        return jax.nn.softmax(z, axis=-1), idx.astype(jnp.int32)
+    w, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.n_experts_used)
     return w, idx.astype(jnp.int32)
 
 
