@@ -339,7 +339,9 @@ def quant_matmul(
     # has a weight row for every thread (BN >= threads), so each thread holds whole pieces and
     # sums a group's products without a shuffle (Q4_K's one-row path at BN 128: 712 SASS a
     # loop step with 32-byte pieces, 520 with halves, against 400 for half the rows at BN 64;
-    # bench/kernel_ptx.py). Not yet timed: the default BN stays 64.
+    # bench/kernel_ptx.py). On the H200 BN 128 lost to 64 in 7 of 9 decode cases, gaining only
+    # on the smallest matrix, so the default BN stays 64
+    # (2026-12-02_quant_matmul_units_block_n_h200.md).
     piece = 16 if BN >= 32 * num_warps else 32
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,

@@ -224,16 +224,16 @@ def fuse(parts: list, experts: bool = False):
     quant = [p for p in parts if isinstance(p, QuantWeight)]
     if not quant:
         return jnp.concatenate(parts, axis=-1)
-    if len(quant) == len(parts) and len({p.qtype for p in quant}) == 1:
-        return concat_rows(quant)
+    runs = []  # neighbours of one quantized type, in order
+    for p in parts:
+        same = runs and isinstance(p, QuantWeight) and isinstance(runs[-1][-1], QuantWeight)
+        if same and runs[-1][-1].qtype == p.qtype:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    if len(runs) == 1:  # every part quantized, of one type
+        return concat_rows(runs[0])
     if not experts:
-        runs = []  # neighbours of one quantized type, in order
-        for p in parts:
-            same = runs and isinstance(p, QuantWeight) and isinstance(runs[-1][-1], QuantWeight)
-            if same and runs[-1][-1].qtype == p.qtype:
-                runs[-1].append(p)
-            else:
-                runs.append([p])
         return tuple(concat_rows(r) if len(r) > 1 else r[0] for r in runs)
     log.warning(
         "expert tensors of types %s cannot share one grouped matmul; dequantized",
