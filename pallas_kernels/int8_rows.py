@@ -8,6 +8,12 @@ is prepared on the host in time that grows with its kernels, and the step went f
 15.6 ms (bench/results/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_int8_0b2eb14.md). Here a
 call is one kernel: a program rounds BK values of one row.
 
+`norm_int8_rows` puts the RMSNorm before a projection in the same kernel (a program per row):
+the H200 profile of the 8B Q4_K_M's C1 decode step (777 kernels, 21 a layer; bench/results/
+2026-12-02_profile_qwen3-8b-q4_k_m_c1_9345aba.md) ran XLA's norm fusion (2.0 us) then
+int8_rows (1.4 us) twice a layer, each kernel of a step adding its launch and a round trip
+through memory.
+
 Shapes: M rows, K values per row (a multiple of 32).
 """
 
@@ -57,21 +63,58 @@ def int8_rows_reference(x):
     return q, d, s16, s16.reshape(M, K // 32, 2).sum(-1)
 
 
+def _round_groups(x, m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx, ok=None):
+    """Round row m's groups g [G] of 32 values x [G, 2, 16] (halves of 16 at `half` [G, 2],
+    values at `ks`) and store their codes, scales and sums; `ok` [G] masks groups past K."""
+    d, inv = _scales(jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1))  # [G]
+    q = _rint(x * inv[:, None, None], ptx)
+    s = jnp.sum(q, axis=2).astype(jnp.float32)  # [G, 2]
+    ok3, ok2 = (None, None) if ok is None else (ok[:, None, None], ok[:, None])
+    plgpu.store(q_ref.at[m, ks], q.astype(jnp.int8), mask=ok3)
+    plgpu.store(d_ref.at[m, g], d, mask=ok)
+    plgpu.store(s16_ref.at[m, half], s, mask=ok2)
+    plgpu.store(s32_ref.at[m, g], jnp.sum(s, axis=1), mask=ok)
+
+
+def _groups(first, G):
+    """Groups first .. first + G - 1: their indices [G], halves [G, 2] and values [G, 2, 16]."""
+    g = first + jnp.arange(G)
+    half = g[:, None] * 2 + jnp.arange(2)[None, :]
+    return g, half, half[:, :, None] * 16 + jnp.arange(16)[None, None, :]
+
+
 def _kernel(x_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
     """Program (m, c): row m's groups c * G .. c * G + G - 1 of 32 values, each as two halves
     of 16 ([G, 2, 16]) so the sums per 16 need no reshape."""
     m, c = pl.program_id(0), pl.program_id(1)
-    g = c * G + jnp.arange(G)
-    half = g[:, None] * 2 + jnp.arange(2)[None, :]  # [G, 2]
-    ks = half[:, :, None] * 16 + jnp.arange(16)[None, None, :]  # [G, 2, 16]
+    g, half, ks = _groups(c * G, G)
     x = plgpu.load(x_ref.at[m, ks]).astype(jnp.float32)
-    d, inv = _scales(jnp.max(jnp.max(jnp.abs(x), axis=2), axis=1))  # [G]
-    q = _rint(x * inv[:, None, None], ptx)
-    plgpu.store(q_ref.at[m, ks], q.astype(jnp.int8))
-    plgpu.store(d_ref.at[m, g], d)
-    s = jnp.sum(q, axis=2).astype(jnp.float32)  # [G, 2]
-    plgpu.store(s16_ref.at[m, half], s)
-    plgpu.store(s32_ref.at[m, g], jnp.sum(s, axis=1))
+    _round_groups(x, m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
+
+
+def _norm_kernel(x_ref, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, eps, ptx):
+    """Program m: row m whole (its RMS needs every value), G groups a power of two, those past
+    K masked."""
+    m = pl.program_id(0)
+    K = x_ref.shape[1]
+    g, half, ks = _groups(0, G)
+    ok = g < K // 32
+    x = plgpu.load(x_ref.at[m, ks], mask=ok[:, None, None], other=0).astype(jnp.float32)
+    w = plgpu.load(w_ref.at[ks], mask=ok[:, None, None], other=0).astype(jnp.float32)
+    ms = jnp.sum(jnp.sum(jnp.sum(x * x, axis=2), axis=1), axis=0) / K
+    h = (x * jax.lax.rsqrt(ms + eps) * w).astype(h_ref.dtype)
+    plgpu.store(h_ref.at[m, ks], h, mask=ok[:, None, None])
+    # the codes round h as the matmul's dots see it: in its dtype
+    _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx, ok)
+
+
+def _outs(M: int, K: int):
+    return (
+        jax.ShapeDtypeStruct((M, K), jnp.int8),
+        jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
+        jax.ShapeDtypeStruct((M, K // 16), jnp.float32),
+        jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("ptx", "interpret"))
@@ -94,12 +137,7 @@ def int8_rows(x, *, ptx: bool | None = None, interpret: bool | None = None):
     if K % 32:
         raise ValueError(f"int8 rows need K a multiple of 32, got x {x.shape}")
     BK = next(b for b in (1024, 512, 256, 128, 64, 32) if K % b == 0)
-    out = (
-        jax.ShapeDtypeStruct((M, K), jnp.int8),
-        jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
-        jax.ShapeDtypeStruct((M, K // 16), jnp.float32),
-        jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
-    )
+    out = _outs(M, K)
     ptx = uses_ptx(interpret) if ptx is None else ptx
     return pl.pallas_call(
         functools.partial(_kernel, G=BK // 32, ptx=ptx),
@@ -109,3 +147,45 @@ def int8_rows(x, *, ptx: bool | None = None, interpret: bool | None = None):
         out_shape=out,
         **call_options(interpret, num_warps=4, num_stages=1),
     )(x)
+
+
+def rms_norm(x, w, eps):
+    """x [..., K] * rsqrt(mean(x^2) + eps) * w [K], in float32 (the models' RMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * w
+
+
+def norm_int8_rows_reference(x, w, eps: float, dtype):
+    """(h, int8_rows_reference(h)) for h = rms_norm(x, w, eps) in dtype."""
+    h = rms_norm(x, w, eps).astype(dtype)
+    return h, int8_rows_reference(h)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "ptx", "interpret"))
+def norm_int8_rows(x, w, *, eps: float, dtype, ptx: bool | None = None, interpret=None):
+    """RMSNorm then int8 rounding in one kernel (norm_int8_rows_reference): a decode step's
+    normed residual both as the matmul's activations h and as its int8 rows, where XLA's norm
+    and int8_rows were two kernels.
+
+    Args:
+      x: [M, K] float32 rows (the residual stream), K a multiple of 32; w: [K] norm weights;
+      eps: the norm's epsilon; dtype: h's dtype (the weights' compute dtype).
+      ptx, interpret: as int8_rows'.
+    Returns:
+      (h [M, K] dtype, (q, d, s16, s32) as int8_rows returns them for h).
+    """
+    M, K = x.shape
+    if K % 32 or w.shape != (K,):
+        raise ValueError(f"norm_int8_rows needs K a multiple of 32 and w [K]: {x.shape}, {w.shape}")
+    G = 1 << max(K // 32 - 1, 0).bit_length()  # a power of two for Triton's tensors
+    out = (jax.ShapeDtypeStruct((M, K), dtype), *_outs(M, K))
+    ptx = uses_ptx(interpret) if ptx is None else ptx
+    h, *x8 = pl.pallas_call(
+        functools.partial(_norm_kernel, G=G, eps=eps, ptx=ptx),
+        grid=(M,),
+        in_specs=[whole(x), whole(w)],
+        out_specs=[whole(o) for o in out],
+        out_shape=out,
+        **call_options(interpret, num_warps=4, num_stages=1),
+    )(x, w)
+    return h, tuple(x8)

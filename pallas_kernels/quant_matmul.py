@@ -258,6 +258,7 @@ def quant_matmul(
     live=None,
     *,
     experts=None,
+    x8=None,
     out_dtype=jnp.float32,
     block_m: int = 64,
     block_n: int = 64,
@@ -285,6 +286,8 @@ def quant_matmul(
         alone on the vector path, every loop step its own program (a decode step's live rows
         are a token's k experts of the bucket's M rows, so the grid is split for those);
         rows whose expert is not in [0, E) (padding) give zeros.
+      x8: x's int8 rows (q, d, s16, s32) as int8_rows gives them, where the caller has them
+        (int8_rows.norm_int8_rows rounds a normed x in the norm's kernel); None: rounded here.
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows). The defaults
         (64 weight rows, 256 values per step, 4 warps, 2 stages) were the fastest of six
@@ -348,7 +351,7 @@ def quant_matmul(
                                ptx=ptx, piece=piece)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
-        xw, dx, s16, s32 = int8_rows(x, ptx=ptx, interpret=interpret)
+        xw, dx, s16, s32 = int8_rows(x, ptx=ptx, interpret=interpret) if x8 is None else x8
         sx = s32 if fmt.group == 32 else s16  # per group: its offset takes one load
     elif unit_codes:
         xw = x.astype(jnp.float32)

@@ -1,11 +1,18 @@
-"""int8_rows: activations rounded to int8 per 32 values in one kernel, equal to its reference."""
+"""int8_rows: activations rounded to int8 per 32 values in one kernel, equal to its reference
+(and norm_int8_rows: the RMSNorm before it in the same kernel)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.int8_rows import int8_rows, int8_rows_reference
+from luce_jax.models.linear import Normed, QuantMatmul, linear
+from pallas_kernels.int8_rows import (
+    int8_rows,
+    int8_rows_reference,
+    norm_int8_rows,
+    norm_int8_rows_reference,
+)
 
 
 def rows(M: int, K: int, dtype, seed: int = 0):
@@ -47,3 +54,52 @@ def test_the_rounding_is_llama_cpps_q8_1():
 def test_a_width_that_is_not_a_whole_group_is_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         int8_rows(jnp.zeros((2, 48), jnp.float32), interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("M, K", [(1, 96), (3, 384), (8, 4096)])
+def test_the_norm_kernel_rounds_the_normed_rows_it_returns(M, K, dtype):
+    """norm_int8_rows: h is the models' RMSNorm in dtype (to float32 rounding: its sum of
+    squares adds in another order than XLA's), and the int8 rows are int8_rows' of that h bit
+    for bit, over widths whose groups are and are not a power of two (96: 3, 384: 12)."""
+    x = rows(M, K, jnp.float32, seed=K)
+    w = jax.random.normal(jax.random.key(1), (K,), jnp.float32)
+    h, x8 = norm_int8_rows(x, w, eps=1e-6, dtype=dtype, interpret=True)
+    want_h, _ = norm_int8_rows_reference(x, w, 1e-6, dtype)
+    assert h.dtype == dtype and h.shape == (M, K)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want_h, np.float32),
+                               rtol=tol, atol=tol)  # fmt: skip
+    for g, want in zip(x8, int8_rows_reference(h), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+
+
+def test_a_normed_input_is_normed_and_rounded_in_one_kernel_where_the_kernel_takes_int8():
+    """A decode step's norm (Normed) and the int8 rows of its result come from one kernel,
+    norm_int8_rows, and reach the kernel as x8 for every part of a tuple weight; a step past
+    the kernel's live-rows bucket norms with XLA and passes none. Either way the product equals
+    the kernel's on rms_norm(x), which rounds its rows itself (interpret mode)."""
+    import functools
+
+    from test_quantized_weights import qweight
+
+    from pallas_kernels.int8_rows import rms_norm
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    qk = functools.partial(quant_matmul, int8_x=True, interpret=True)
+    seen = []
+
+    def kernel(x, w, live, **kw):
+        seen.append((x.shape[0], sorted(kw)))
+        return qk(x, w, live, **kw)
+
+    norm = functools.partial(norm_int8_rows, interpret=True)
+    qmm = QuantMatmul(kernel, max_rows=64, live_rows_max=8, norm_int8=norm)
+    w, nw = (qweight(N=24), qweight(N=16, seed=1)), jax.random.normal(jax.random.key(9), (64,))
+    for T, live in ((8, 2), (16, 3)):
+        x = jax.random.normal(jax.random.key(T), (T, 64), jnp.float32) * 3
+        got = linear(Normed(x, nw, 1e-6), w, qmm, jnp.int32(live))
+        h = rms_norm(x, nw, 1e-6)
+        want = jnp.concatenate([qk(h, p, jnp.int32(live) if T <= 8 else None) for p in w], -1)
+        np.testing.assert_allclose(got[:live], want[:live], rtol=1e-3, atol=1e-3)
+    assert seen == [(8, ["x8"])] * 2 + [(16, [])] * 2

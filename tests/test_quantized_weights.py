@@ -379,6 +379,7 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     from jax import export
 
     from luce_jax.device.runner import Runner
+    from pallas_kernels.int8_rows import norm_int8_rows
     from pallas_kernels.moe_grouping import grouped_matmul
     from pallas_kernels.paged_attention import paged_attention
     from pallas_kernels.quant_matmul import quant_matmul
@@ -388,7 +389,8 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     runner = Runner(
         cfg, params, 9, 16, 4, 8, (jnp.bfloat16, jnp.bfloat16),
         gpu(paged_attention, interpret=False), gpu(grouped_matmul, interpret=False),
-        QuantMatmul(gpu(quant_matmul, interpret=False, int8_x=True)),
+        QuantMatmul(gpu(quant_matmul, interpret=False, int8_x=True),
+                    norm_int8=gpu(norm_int8_rows, interpret=False)),
     )  # fmt: skip
     fn, args = runner.step_function(8, 4)
     triton = "__gpu$xla.gpu.triton"

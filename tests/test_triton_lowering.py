@@ -15,7 +15,7 @@ from pallas_kernels import kv_cache
 from pallas_kernels.dequantize import dequantize
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS
-from pallas_kernels.int8_rows import int8_rows
+from pallas_kernels.int8_rows import int8_rows, norm_int8_rows
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
@@ -114,6 +114,17 @@ def test_the_vector_path_lowers_with_its_ptx(verified, option, qtype, instructio
 def test_int8_rows_lower_with_their_rounding(verified):
     """The activation rounding of int8_x, one kernel, its rounding PTX's cvt.rni."""
     lower_for_cuda(lambda x: int8_rows(x, interpret=False), jnp.zeros((64, 768), jnp.bfloat16))
+    assert len(verified) == 1
+    assert "cvt.rni.s32.f32" in str(verified[0].module)
+
+
+@pytest.mark.parametrize("K", [4096, 384])
+def test_the_norm_and_its_int8_rows_lower_as_one_kernel(verified, K):
+    """norm_int8_rows: a row's RMSNorm and rounding in one module, groups padded to a power of
+    two where K / 32 is not one (384: 12 of 16)."""
+    w = jnp.ones((K,), jnp.float32)
+    f = lambda x: norm_int8_rows(x, w, eps=1e-6, dtype=jnp.bfloat16, interpret=False)  # noqa: E731
+    lower_for_cuda(f, jnp.zeros((8, K), jnp.float32))
     assert len(verified) == 1
     assert "cvt.rni.s32.f32" in str(verified[0].module)
 

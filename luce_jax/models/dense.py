@@ -13,18 +13,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_cache
+from pallas_kernels.int8_rows import rms_norm
 
 from ..config import ModelConfig
 from . import moe
 from .attention import paged_attention_xla
-from .linear import QuantMatmul, embed, linear, unembed, weight_dtype
+from .linear import Normed, QuantMatmul, embed, linear, unembed, weight_dtype
 
 KV = list[tuple]  # per layer (k, v): [NB, P, K, D] arrays or kv_cache.Quantized
-
-
-def rms_norm(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * w
 
 
 def rope_tables(positions, cfg: ModelConfig, freq_factors=None):
@@ -121,8 +117,7 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
     # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
     # (bench/profile_step.py); they change no computation.
     with jax.named_scope("qkv"):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        qkv = linear(h, lp["wqkv"], quant_matmul, live)
+        qkv = linear(Normed(x, lp["attn_norm"], cfg.rms_eps), lp["wqkv"], quant_matmul, live)
         if "bqkv" in lp:
             qkv = qkv + lp["bqkv"]
         q = qkv[:, : H * D].reshape(T, H, D)
@@ -143,9 +138,10 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
         x = x + linear(o.reshape(T, H * D), lp["wo"], quant_matmul, live)
     routed = None
     with jax.named_scope("mlp"):
-        h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+        h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
         if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
-            y, routed = moe.ffn(lp, h, cfg, grouped_matmul, jnp.arange(T) < live, quant_matmul)
+            live_rows = jnp.arange(T) < live
+            y, routed = moe.ffn(lp, h.array(), cfg, grouped_matmul, live_rows, quant_matmul)
             x = x + y
         else:
             x = x + swiglu(lp, h, quant_matmul, live)
@@ -175,7 +171,7 @@ def write_and_attend(attn, q, k, v, kc, vc, batch: dict, scale: float, w_qkv):
 
 
 def swiglu(lp: dict, h, quant_matmul, live):
-    """The dense FFN: w_down(silu(gate) * up) of the normed residual h [T, d]."""
+    """The dense FFN: w_down(silu(gate) * up) of the normed residual h [T, d] (or Normed)."""
     gate, up = jnp.split(linear(h, lp["w_gu"], quant_matmul, live), 2, axis=-1)
     return linear(jax.nn.silu(gate) * up, lp["w_down"], quant_matmul, live)
 
@@ -183,7 +179,7 @@ def swiglu(lp: dict, h, quant_matmul, live):
 def head(params: dict, x, batch: dict, cfg: ModelConfig, quant_matmul):
     """Logits [R, V] of the wanted rows (batch logit_rows) of the residual stream x [T, d]."""
     with jax.named_scope("lm_head"):
-        h = rms_norm(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
+        h = Normed(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
         # padding logits rows (offset -1) trail the real ones
         live_logits = jnp.sum(batch["logit_off"] >= 0) if "logit_off" in batch else None
         if quant_matmul is not None:  # unlike token buckets, any row bucket can hold one live

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from pallas_kernels.int8_rows import rms_norm
 from pallas_kernels.quant_matmul import quant_matmul_xla
 from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 
@@ -45,25 +46,57 @@ class QuantMatmul(NamedTuple):
     # logits head lifts the limit (dense.head): a row bucket of any size can hold one live row.
     live_rows_max: int = 8  # build.py passes host.batch.SMALLEST_TOKEN_BUCKET
     prefill: object = None  # (x [T, K], w) -> [T, N] float32; None: XLA's dequantize-then-dot
+    # (x [T, K], w [K], eps=, dtype=) -> (h, x8): the norm of a Normed input and the int8 rows
+    # the kernel rounds h to, in one kernel (pallas_kernels/int8_rows.norm_int8_rows), where
+    # the kernel takes int8 activations; None: XLA's norm, and the kernel rounds h itself.
+    norm_int8: object = None
 
 
-def linear(x, w, qmm: QuantMatmul | None = None, live=None):
+class Normed(NamedTuple):
+    """rms_norm(x, w, eps) of x [T, K], computed by the linear() that takes it: a decode step's
+    norm and the kernel's int8 rounding of its result are then one kernel, not two (XLA's norm
+    fusion and int8_rows), for each norm of a layer."""
+
+    x: object
+    w: object
+    eps: float
+
+    def array(self):
+        return rms_norm(self.x, self.w, self.eps)
+
+    def rows(self, w, qmm: QuantMatmul | None, live):
+        """(h [T, K], its int8 rows or None) for linear(self, w, qmm, live)."""
+        T = self.x.shape[0]
+        parts = w if isinstance(w, tuple) else (w,)
+        fused = qmm is not None and qmm.kernel is not None and qmm.norm_int8 is not None
+        # the rows only serve a kernel call that gets `live` (its int8 vector path)
+        fused = fused and live is not None and T <= min(qmm.max_rows, qmm.live_rows_max)
+        if fused and any(isinstance(p, QuantWeight) for p in parts):
+            return qmm.norm_int8(self.x, self.w, eps=self.eps, dtype=weight_dtype(w))
+        return self.array(), None
+
+
+def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None):
     """x [T, K] @ w -> [T, N] float32.
 
     Args:
-      x: activations (cast to the weight's dtype: the dots run in it).
+      x: activations (cast to the weight's dtype: the dots run in it), or Normed rows.
       w: dense [K, N], QuantWeight [N, K], or a tuple of these (outputs concatenated).
       qmm: how quantized weights run (default: XLA's dequantize-then-dot).
       live: int32 scalar, the leading rows of x that are real (None: all); the Pallas kernel
         may leave the rest unspecified, so a decode step of one token in a bucket of 8 runs
         as a one-row product.
+      x8: x's int8 rows for the kernel (Normed.rows'), or None.
     """
+    if isinstance(x, Normed):
+        x, x8 = x.rows(w, qmm, live)
     if isinstance(w, tuple):
-        return jnp.concatenate([linear(x, p, qmm, live) for p in w], axis=-1)
+        return jnp.concatenate([linear(x, p, qmm, live, x8) for p in w], axis=-1)
     if isinstance(w, QuantWeight):
         x = x.astype(w.dtype)
         if qmm is not None and qmm.kernel is not None and x.shape[0] <= qmm.max_rows:
-            return qmm.kernel(x, w, live if x.shape[0] <= qmm.live_rows_max else None)
+            live = live if x.shape[0] <= qmm.live_rows_max else None
+            return qmm.kernel(x, w, live, **({} if x8 is None or live is None else {"x8": x8}))
         if qmm is not None and qmm.prefill is not None and x.shape[0] > qmm.max_rows:
             return qmm.prefill(x, w)
         return quant_matmul_xla(x, w)
@@ -79,9 +112,11 @@ def embed(table, tokens):
 
 
 def unembed(h, table, qmm: QuantMatmul | None = None, live=None):
-    """Logits h [R, d] @ table^T for tied embeddings (table [V, d], dense or quantized)."""
+    """Logits h [R, d] (or Normed rows) @ table^T for tied embeddings (table [V, d], dense or
+    quantized)."""
     if isinstance(table, QuantWeight):  # [V, d] is a QuantWeight's [N, K] already
         return linear(h, table, qmm, live)
+    h = h.array() if isinstance(h, Normed) else h
     return jnp.einsum("rd,vd->rv", h.astype(table.dtype), table, preferred_element_type=jnp.float32)
 
 
