@@ -37,8 +37,11 @@ from timing import per_call
 log = logging.getLogger("quant_matmul")
 LAYERS = 8
 # (name, K, N): Qwen3-8B's fused gate/up, down, attention output and fused qkv projections.
+# (name, K, N) of Qwen3-8B; the head (vocabulary 151936) is the largest matmul of a decode
+# step, Q6_K in a Q4_K_M file (315 us of a 4.4 ms C1 step on the H200,
+# results/2026-12-02_profile_qwen3-8b-q4_k_m_c1_9345aba.md)
 SHAPES = [("gate/up", 4096, 24576), ("down", 12288, 4096), ("attn_out", 4096, 4096),
-          ("qkv", 4096, 6144)]  # fmt: skip
+          ("qkv", 4096, 6144), ("head", 4096, 151936)]  # fmt: skip
 
 
 def parse_variant(v: str) -> dict:
