@@ -27,7 +27,7 @@ from ..config import ModelConfig
 from . import moe
 from .attention import paged_attention_xla
 from .dense import apply_rope, head, rms_norm, rope_tables, swiglu, write_and_attend
-from .linear import QuantMatmul, embed, linear, weight_dtype
+from .linear import Normed, QuantMatmul, embed, linear, weight_dtype
 
 
 def init_state(cfg: ModelConfig, max_slots: int) -> dict:
@@ -140,7 +140,7 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
       (x, the mixer's new (history, state) or (k, v) caches).
     """
     attn, qmm, delta, grouped_matmul = kernels
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    h = Normed(x, lp["attn_norm"], cfg.rms_eps)  # its projection's kernel may norm it
     if recurrent:
         y, hist, hs = linear_attention(lp, h, *mix, batch, cfg, qmm, live, delta)
         mix = (hist, hs)
@@ -148,10 +148,10 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
         y, kc, vc = gated_attention(lp, h, *mix, cos, sin, batch, cfg, attn, qmm, live)
         mix = (kc, vc)
     x = x + y.astype(x.dtype)
-    h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+    h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
     if "router" in lp:  # qwen35moe: routed experts and the gated shared expert
         real = jnp.arange(x.shape[0]) < live
-        return x + moe.ffn(lp, h, cfg, grouped_matmul, real, qmm)[0], mix
+        return x + moe.ffn(lp, h.array(), cfg, grouped_matmul, real, qmm)[0], mix
     return x + swiglu(lp, h, qmm, live), mix
 
 

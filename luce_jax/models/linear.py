@@ -61,6 +61,10 @@ class Normed(NamedTuple):
     w: object
     eps: float
 
+    @property
+    def shape(self):
+        return self.x.shape
+
     def array(self):
         return rms_norm(self.x, self.w, self.eps)
 
