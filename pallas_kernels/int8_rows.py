@@ -12,7 +12,10 @@ call is one kernel: a program rounds BK values of one row.
 the H200 profile of the 8B Q4_K_M's C1 decode step (777 kernels, 21 a layer; bench/results/
 2026-12-02_profile_qwen3-8b-q4_k_m_c1_9345aba.md) ran XLA's norm fusion (2.0 us) then
 int8_rows (1.4 us) twice a layer, each kernel of a step adding its launch and a round trip
-through memory.
+through memory; that took the device step 5.23 -> 5.17 ms at C1
+(2026-12-02_engine_decode_qwen3-8b-q4_k_m_156141c.md). `glu_int8_rows` does the same for the
+FFN's hidden rows: the gate | up kernel's split partials summed, silu(gate) * up and the
+rounding, where XLA's fusion (2.1 us) and int8_rows (1.5 us) were two kernels (untimed).
 
 Shapes: M rows, K values per row (a multiple of 32).
 """
@@ -108,6 +111,21 @@ def _norm_kernel(x_ref, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, eps,
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx, ok)
 
 
+def _glu_kernel(p_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
+    """Program (m, c): row m's values c * G * 32 .. of silu(gate) * up, gate and up the sums of
+    the S partials of [S, M, 2F] (gate the first F columns)."""
+    m, c = pl.program_id(0), pl.program_id(1)
+    S, F = p_ref.shape[0], h_ref.shape[1]
+    g, half, ks = _groups(c * G, G)
+    gate = up = 0.0
+    for s in range(S):  # in order, as XLA's reduction of a few partials
+        gate = gate + plgpu.load(p_ref.at[s, m, ks])
+        up = up + plgpu.load(p_ref.at[s, m, ks + F])
+    h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(h_ref.dtype)  # silu(gate) * up
+    plgpu.store(h_ref.at[m, ks], h)
+    _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
+
+
 def _outs(M: int, K: int):
     return (
         jax.ShapeDtypeStruct((M, K), jnp.int8),
@@ -188,4 +206,43 @@ def norm_int8_rows(x, w, *, eps: float, dtype, ptx: bool | None = None, interpre
         out_shape=out,
         **call_options(interpret, num_warps=4, num_stages=1),
     )(x, w)
+    return h, tuple(x8)
+
+
+def glu_int8_rows_reference(parts, dtype):
+    """(h, int8_rows_reference(h)) for h = silu(gate) * up in dtype, [gate | up] the sum of the
+    partials parts [S, M, 2F]."""
+    gate, up = jnp.split(parts.sum(0), 2, axis=-1)
+    h = (jax.nn.silu(gate) * up).astype(dtype)
+    return h, int8_rows_reference(h)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "ptx", "interpret"))
+def glu_int8_rows(parts, *, dtype, ptx: bool | None = None, interpret=None):
+    """A SwiGLU FFN's hidden rows and their int8 rounding in one kernel
+    (glu_int8_rows_reference), from the gate | up product's split partials as quant_matmul
+    leaves them (`splits=True`): the partials' sum, silu(gate) * up and int8_rows were two
+    kernels (an XLA fusion and int8_rows).
+
+    Args:
+      parts: [S, M, 2F] float32 partials of [gate | up], F a multiple of 32; dtype: h's dtype
+      (the down projection's compute dtype); ptx, interpret: as int8_rows'.
+    Returns:
+      (h [M, F] dtype, (q, d, s16, s32) as int8_rows returns them for h).
+    """
+    S, M, F2 = parts.shape
+    F = F2 // 2
+    if F2 % 64:
+        raise ValueError(f"glu_int8_rows needs 2F a multiple of 64, got partials {parts.shape}")
+    BK = next(b for b in (1024, 512, 256, 128, 64, 32) if F % b == 0)
+    out = (jax.ShapeDtypeStruct((M, F), dtype), *_outs(M, F))
+    ptx = uses_ptx(interpret) if ptx is None else ptx
+    h, *x8 = pl.pallas_call(
+        functools.partial(_glu_kernel, G=BK // 32, ptx=ptx),
+        grid=(M, F // BK),
+        in_specs=[whole(parts)],
+        out_specs=[whole(o) for o in out],
+        out_shape=out,
+        **call_options(interpret, num_warps=4, num_stages=1),
+    )(parts)
     return h, tuple(x8)

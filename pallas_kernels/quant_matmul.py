@@ -259,6 +259,7 @@ def quant_matmul(
     *,
     experts=None,
     x8=None,
+    splits: bool = False,
     out_dtype=jnp.float32,
     block_m: int = 64,
     block_n: int = 64,
@@ -288,6 +289,9 @@ def quant_matmul(
         rows whose expert is not in [0, E) (padding) give zeros.
       x8: x's int8 rows (q, d, s16, s32) as int8_rows gives them, where the caller has them
         (int8_rows.norm_int8_rows rounds a normed x in the norm's kernel); None: rounded here.
+      splits: return the contraction splits' float32 partials [S, M, N], unsummed (their sum
+        is the product), for a consumer that sums them in its own kernel
+        (int8_rows.glu_int8_rows).
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows). The defaults
         (64 weight rows, 256 values per step, 4 warps, 2 stages) were the fastest of six
@@ -314,7 +318,7 @@ def quant_matmul(
         jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
-      [M, N] in out_dtype.
+      [M, N] in out_dtype (with `splits`, [S, M, N] float32).
     """
     M, K = x.shape
     E = 0 if experts is None else w.shape[0]
@@ -366,4 +370,4 @@ def quant_matmul(
         out_shape=out,
         **call_options(interpret, num_warps, num_stages),
     )(live, ex, x, xw, dx, sx, w.head, w.body)
-    return parts.sum(0).astype(out_dtype)
+    return parts if splits else parts.sum(0).astype(out_dtype)

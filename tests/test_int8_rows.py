@@ -6,8 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from luce_jax.models.linear import Normed, QuantMatmul, linear
+from luce_jax.models.linear import Normed, QuantMatmul, Splits, linear
 from pallas_kernels.int8_rows import (
+    glu_int8_rows,
+    glu_int8_rows_reference,
     int8_rows,
     int8_rows_reference,
     norm_int8_rows,
@@ -103,3 +105,56 @@ def test_a_normed_input_is_normed_and_rounded_in_one_kernel_where_the_kernel_tak
         want = jnp.concatenate([qk(h, p, jnp.int32(live) if T <= 8 else None) for p in w], -1)
         np.testing.assert_allclose(got[:live], want[:live], rtol=1e-3, atol=1e-3)
     assert seen == [(8, ["x8"])] * 2 + [(16, [])] * 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("S, M, F", [(1, 1, 96), (4, 8, 960), (3, 2, 2048)])
+def test_the_glu_kernel_sums_the_partials_and_rounds_the_rows_it_returns(S, M, F, dtype):
+    """glu_int8_rows: h is silu(gate) * up of the partials' sum in dtype (to float32 rounding:
+    its sigmoid is 1 / (1 + exp(-x)), XLA's its own), and the int8 rows are int8_rows' of that
+    h bit for bit, over F of 3, 30 and 64 groups of 32."""
+    parts = jax.random.normal(jax.random.key(F), (S, M, 2 * F), jnp.float32) * 2
+    h, x8 = glu_int8_rows(parts, dtype=dtype, interpret=True)
+    want_h, _ = glu_int8_rows_reference(parts, dtype)
+    assert h.dtype == dtype and h.shape == (M, F)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want_h, np.float32),
+                               rtol=tol, atol=tol)  # fmt: skip
+    for g, want in zip(x8, int8_rows_reference(h), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+
+
+def test_a_decode_step_ffn_takes_the_gate_up_partials_to_the_glu_kernel():
+    """models/dense.swiglu in a decode step on the int8 kernel: gate | up comes back as its
+    split partials (Splits), one glu_int8_rows call sums them, takes silu(gate) * up and rounds
+    it, and the down projection gets those rows as x8; the live rows equal the FFN's with XLA's
+    norm, glu and the kernel's own rounding (interpret mode)."""
+    import functools
+
+    from test_quantized_weights import qweight
+
+    from luce_jax.models.dense import swiglu
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    qk = functools.partial(quant_matmul, int8_x=True, interpret=True)
+    seen = []
+
+    def kernel(x, w, live, **kw):
+        out = qk(x, w, live, **kw)
+        seen.append((w.shape, sorted(kw), isinstance(out, tuple) or out.ndim))
+        return out
+
+    fused = QuantMatmul(kernel, max_rows=64, live_rows_max=8,
+                        norm_int8=functools.partial(norm_int8_rows, interpret=True),
+                        glu_int8=functools.partial(glu_int8_rows, interpret=True))  # fmt: skip
+    apart = QuantMatmul(qk, max_rows=64, live_rows_max=8)
+    lp = {"w_gu": qweight(N=128, K=64), "w_down": qweight(N=64, K=64, seed=1)}
+    nw = jax.random.normal(jax.random.key(9), (64,))
+    x = jax.random.normal(jax.random.key(3), (8, 64), jnp.float32) * 3
+    live = jnp.int32(2)
+    got = swiglu(lp, Normed(x, nw, 1e-6), fused, live)
+    want = swiglu(lp, Normed(x, nw, 1e-6), apart, live)
+    assert seen == [((128, 64), ["splits", "x8"], 3), ((64, 64), ["x8"], 2)]
+    np.testing.assert_allclose(got[:2], want[:2], rtol=2e-2, atol=2e-2 * np.abs(want[:2]).max())
+    assert isinstance(linear(x, lp["w_gu"], fused, live, splits=True), Splits)
+    assert not isinstance(linear(x, lp["w_gu"], fused, None, splits=True), Splits)  # no live

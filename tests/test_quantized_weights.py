@@ -379,7 +379,7 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     from jax import export
 
     from luce_jax.device.runner import Runner
-    from pallas_kernels.int8_rows import norm_int8_rows
+    from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
     from pallas_kernels.moe_grouping import grouped_matmul
     from pallas_kernels.paged_attention import paged_attention
     from pallas_kernels.quant_matmul import quant_matmul
@@ -390,7 +390,8 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
         cfg, params, 9, 16, 4, 8, (jnp.bfloat16, jnp.bfloat16),
         gpu(paged_attention, interpret=False), gpu(grouped_matmul, interpret=False),
         QuantMatmul(gpu(quant_matmul, interpret=False, int8_x=True),
-                    norm_int8=gpu(norm_int8_rows, interpret=False)),
+                    norm_int8=gpu(norm_int8_rows, interpret=False),
+                    glu_int8=gpu(glu_int8_rows, interpret=False)),
     )  # fmt: skip
     fn, args = runner.step_function(8, 4)
     triton = "__gpu$xla.gpu.triton"

@@ -15,7 +15,7 @@ from pallas_kernels import kv_cache
 from pallas_kernels.dequantize import dequantize
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS
-from pallas_kernels.int8_rows import int8_rows, norm_int8_rows
+from pallas_kernels.int8_rows import glu_int8_rows, int8_rows, norm_int8_rows
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
@@ -125,6 +125,14 @@ def test_the_norm_and_its_int8_rows_lower_as_one_kernel(verified, K):
     w = jnp.ones((K,), jnp.float32)
     f = lambda x: norm_int8_rows(x, w, eps=1e-6, dtype=jnp.bfloat16, interpret=False)  # noqa: E731
     lower_for_cuda(f, jnp.zeros((8, K), jnp.float32))
+    assert len(verified) == 1
+    assert "cvt.rni.s32.f32" in str(verified[0].module)
+
+
+def test_the_glu_and_its_int8_rows_lower_as_one_kernel(verified):
+    """glu_int8_rows on the 8B's gate | up partials (4 splits of 8 rows x 2 x 12288)."""
+    f = lambda p: glu_int8_rows(p, dtype=jnp.bfloat16, interpret=False)  # noqa: E731
+    lower_for_cuda(f, jnp.zeros((4, 8, 2 * 12288), jnp.float32))
     assert len(verified) == 1
     assert "cvt.rni.s32.f32" in str(verified[0].module)
 

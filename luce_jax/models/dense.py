@@ -18,7 +18,7 @@ from pallas_kernels.int8_rows import rms_norm
 from ..config import ModelConfig
 from . import moe
 from .attention import paged_attention_xla
-from .linear import Normed, QuantMatmul, embed, linear, unembed, weight_dtype
+from .linear import Gated, Normed, QuantMatmul, embed, linear, unembed, weight_dtype
 
 KV = list[tuple]  # per layer (k, v): [NB, P, K, D] arrays or kv_cache.Quantized
 
@@ -171,9 +171,11 @@ def write_and_attend(attn, q, k, v, kc, vc, batch: dict, scale: float, w_qkv):
 
 
 def swiglu(lp: dict, h, quant_matmul, live):
-    """The dense FFN: w_down(silu(gate) * up) of the normed residual h [T, d] (or Normed)."""
-    gate, up = jnp.split(linear(h, lp["w_gu"], quant_matmul, live), 2, axis=-1)
-    return linear(jax.nn.silu(gate) * up, lp["w_down"], quant_matmul, live)
+    """The dense FFN: w_down(silu(gate) * up) of the normed residual h [T, d] (or Normed); in a
+    decode step on the int8 kernel, the gate | up partials go to the glu's kernel unsummed."""
+    glu = quant_matmul is not None and quant_matmul.glu_int8 is not None
+    gu = linear(h, lp["w_gu"], quant_matmul, live, splits=glu)
+    return linear(Gated(gu), lp["w_down"], quant_matmul, live)
 
 
 def head(params: dict, x, batch: dict, cfg: ModelConfig, quant_matmul):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.int8_rows import rms_norm
@@ -50,6 +51,28 @@ class QuantMatmul(NamedTuple):
     # the kernel rounds h to, in one kernel (pallas_kernels/int8_rows.norm_int8_rows), where
     # the kernel takes int8 activations; None: XLA's norm, and the kernel rounds h itself.
     norm_int8: object = None
+    # (parts [S, T, 2F], dtype=) -> (h, x8): a Gated input's silu(gate) * up from the gate | up
+    # kernel's split partials and its int8 rows, in one kernel (int8_rows.glu_int8_rows).
+    glu_int8: object = None
+
+
+def _int8_rows_call(T: int, w, qmm: QuantMatmul | None, live) -> bool:
+    """Whether linear(x [T, K], w, qmm, live) runs the kernel on int8 rows of x: a quantized
+    weight in a call that gets `live` (its vector path)."""
+    if qmm is None or qmm.kernel is None or live is None:
+        return False
+    parts = w if isinstance(w, tuple) else (w,)
+    on = T <= min(qmm.max_rows, qmm.live_rows_max)
+    return on and any(isinstance(p, QuantWeight) for p in parts)
+
+
+class Splits(NamedTuple):
+    """The kernel's split-contraction partials [S, T, N] float32 of a product, unsummed."""
+
+    parts: object
+
+    def array(self):
+        return self.parts.sum(0)
 
 
 class Normed(NamedTuple):
@@ -70,29 +93,52 @@ class Normed(NamedTuple):
 
     def rows(self, w, qmm: QuantMatmul | None, live):
         """(h [T, K], its int8 rows or None) for linear(self, w, qmm, live)."""
-        T = self.x.shape[0]
-        parts = w if isinstance(w, tuple) else (w,)
-        fused = qmm is not None and qmm.kernel is not None and qmm.norm_int8 is not None
-        # the rows only serve a kernel call that gets `live` (its int8 vector path)
-        fused = fused and live is not None and T <= min(qmm.max_rows, qmm.live_rows_max)
-        if fused and any(isinstance(p, QuantWeight) for p in parts):
+        if _int8_rows_call(self.shape[0], w, qmm, live) and qmm.norm_int8 is not None:
             return qmm.norm_int8(self.x, self.w, eps=self.eps, dtype=weight_dtype(w))
         return self.array(), None
 
 
-def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None):
+class Gated(NamedTuple):
+    """silu(gate) * up [T, F] of a gate | up product gu [T, 2F] (an array, or the kernel's
+    Splits), computed by the linear() that takes it: in a decode step the partials' sum, the
+    product and the int8 rounding the next kernel takes are then one kernel, not two (XLA's
+    fusion and int8_rows)."""
+
+    gu: object
+
+    @property
+    def shape(self):
+        T, F2 = self.gu.parts.shape[1:] if isinstance(self.gu, Splits) else self.gu.shape
+        return (T, F2 // 2)
+
+    def array(self):
+        gu = self.gu.array() if isinstance(self.gu, Splits) else self.gu
+        gate, up = jnp.split(gu, 2, axis=-1)
+        return jax.nn.silu(gate) * up
+
+    def rows(self, w, qmm: QuantMatmul | None, live):
+        """(h [T, F], its int8 rows or None) for linear(self, w, qmm, live)."""
+        fused = isinstance(self.gu, Splits) and _int8_rows_call(self.shape[0], w, qmm, live)
+        if fused and qmm.glu_int8 is not None:
+            return qmm.glu_int8(self.gu.parts, dtype=weight_dtype(w))
+        return self.array(), None
+
+
+def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None, splits=False):
     """x [T, K] @ w -> [T, N] float32.
 
     Args:
-      x: activations (cast to the weight's dtype: the dots run in it), or Normed rows.
+      x: activations (cast to the weight's dtype: the dots run in it), or Normed / Gated rows.
       w: dense [K, N], QuantWeight [N, K], or a tuple of these (outputs concatenated).
       qmm: how quantized weights run (default: XLA's dequantize-then-dot).
       live: int32 scalar, the leading rows of x that are real (None: all); the Pallas kernel
         may leave the rest unspecified, so a decode step of one token in a bucket of 8 runs
         as a one-row product.
       x8: x's int8 rows for the kernel (Normed.rows'), or None.
+      splits: where one quantized w runs on the kernel's int8 rows, return its partials as
+        Splits, unsummed (for Gated); elsewhere the product as always.
     """
-    if isinstance(x, Normed):
+    if isinstance(x, (Normed, Gated)):
         x, x8 = x.rows(w, qmm, live)
     if isinstance(w, tuple):
         return jnp.concatenate([linear(x, p, qmm, live, x8) for p in w], axis=-1)
@@ -100,7 +146,10 @@ def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None):
         x = x.astype(w.dtype)
         if qmm is not None and qmm.kernel is not None and x.shape[0] <= qmm.max_rows:
             live = live if x.shape[0] <= qmm.live_rows_max else None
-            return qmm.kernel(x, w, live, **({} if x8 is None or live is None else {"x8": x8}))
+            kw = {} if x8 is None or live is None else {"x8": x8}
+            if splits and _int8_rows_call(x.shape[0], w, qmm, live):
+                return Splits(qmm.kernel(x, w, live, splits=True, **kw))
+            return qmm.kernel(x, w, live, **kw)
         if qmm is not None and qmm.prefill is not None and x.shape[0] > qmm.max_rows:
             return qmm.prefill(x, w)
         return quant_matmul_xla(x, w)
