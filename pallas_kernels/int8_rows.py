@@ -118,7 +118,7 @@ def _glu_kernel(p_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
     S, F = p_ref.shape[0], h_ref.shape[1]
     g, half, ks = _groups(c * G, G)
     gate = up = 0.0
-    for s in range(S):  # in order, as XLA's reduction of a few partials
+    for s in range(S):  # S is static and small (the kernel's contraction splits)
         gate = gate + plgpu.load(p_ref.at[s, m, ks])
         up = up + plgpu.load(p_ref.at[s, m, ks + F])
     h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(h_ref.dtype)  # silu(gate) * up
@@ -126,13 +126,30 @@ def _glu_kernel(p_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
 
 
-def _outs(M: int, K: int):
-    return (
+def _call(kernel, grid, inputs, M: int, K: int, dtype=None, *, interpret):
+    """The pallas_call of a kernel that writes int8 rows of [M, K] values (q, d, s16, s32), and
+    first those values [M, K] in dtype where dtype is given."""
+    out = (
         jax.ShapeDtypeStruct((M, K), jnp.int8),
         jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
         jax.ShapeDtypeStruct((M, K // 16), jnp.float32),
         jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
     )
+    out = out if dtype is None else (jax.ShapeDtypeStruct((M, K), dtype), *out)
+    res = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole(a) for a in inputs],
+        out_specs=[whole(o) for o in out],
+        out_shape=out,
+        **call_options(interpret, num_warps=4, num_stages=1),
+    )(*inputs)
+    return tuple(res) if dtype is None else (res[0], tuple(res[1:]))
+
+
+def _block(K: int) -> int:
+    """Values per program of a row: the largest of 1024 .. 32 that divides K."""
+    return next(b for b in (1024, 512, 256, 128, 64, 32) if K % b == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("ptx", "interpret"))
@@ -154,17 +171,9 @@ def int8_rows(x, *, ptx: bool | None = None, interpret: bool | None = None):
     M, K = x.shape
     if K % 32:
         raise ValueError(f"int8 rows need K a multiple of 32, got x {x.shape}")
-    BK = next(b for b in (1024, 512, 256, 128, 64, 32) if K % b == 0)
-    out = _outs(M, K)
-    ptx = uses_ptx(interpret) if ptx is None else ptx
-    return pl.pallas_call(
-        functools.partial(_kernel, G=BK // 32, ptx=ptx),
-        grid=(M, K // BK),
-        in_specs=[whole(x)],
-        out_specs=[whole(o) for o in out],
-        out_shape=out,
-        **call_options(interpret, num_warps=4, num_stages=1),
-    )(x)
+    BK, ptx = _block(K), uses_ptx(interpret) if ptx is None else ptx
+    kernel = functools.partial(_kernel, G=BK // 32, ptx=ptx)
+    return _call(kernel, (M, K // BK), (x,), M, K, interpret=interpret)
 
 
 def rms_norm(x, w, eps):
@@ -196,17 +205,9 @@ def norm_int8_rows(x, w, *, eps: float, dtype, ptx: bool | None = None, interpre
     if K % 32 or w.shape != (K,):
         raise ValueError(f"norm_int8_rows needs K a multiple of 32 and w [K]: {x.shape}, {w.shape}")
     G = 1 << max(K // 32 - 1, 0).bit_length()  # a power of two for Triton's tensors
-    out = (jax.ShapeDtypeStruct((M, K), dtype), *_outs(M, K))
     ptx = uses_ptx(interpret) if ptx is None else ptx
-    h, *x8 = pl.pallas_call(
-        functools.partial(_norm_kernel, G=G, eps=eps, ptx=ptx),
-        grid=(M,),
-        in_specs=[whole(x), whole(w)],
-        out_specs=[whole(o) for o in out],
-        out_shape=out,
-        **call_options(interpret, num_warps=4, num_stages=1),
-    )(x, w)
-    return h, tuple(x8)
+    kernel = functools.partial(_norm_kernel, G=G, eps=eps, ptx=ptx)
+    return _call(kernel, (M,), (x, w), M, K, dtype, interpret=interpret)
 
 
 def glu_int8_rows_reference(parts, dtype):
@@ -234,15 +235,6 @@ def glu_int8_rows(parts, *, dtype, ptx: bool | None = None, interpret=None):
     F = F2 // 2
     if F2 % 64:
         raise ValueError(f"glu_int8_rows needs 2F a multiple of 64, got partials {parts.shape}")
-    BK = next(b for b in (1024, 512, 256, 128, 64, 32) if F % b == 0)
-    out = (jax.ShapeDtypeStruct((M, F), dtype), *_outs(M, F))
-    ptx = uses_ptx(interpret) if ptx is None else ptx
-    h, *x8 = pl.pallas_call(
-        functools.partial(_glu_kernel, G=BK // 32, ptx=ptx),
-        grid=(M, F // BK),
-        in_specs=[whole(parts)],
-        out_specs=[whole(o) for o in out],
-        out_shape=out,
-        **call_options(interpret, num_warps=4, num_stages=1),
-    )(parts)
-    return h, tuple(x8)
+    BK, ptx = _block(F), uses_ptx(interpret) if ptx is None else ptx
+    kernel = functools.partial(_glu_kernel, G=BK // 32, ptx=ptx)
+    return _call(kernel, (M, F // BK), (parts,), M, F, dtype, interpret=interpret)
