@@ -2,7 +2,10 @@
 
 A weight is a dense array [in, out], a QuantWeight [out, in] (the file's blocks, kept on the
 device), or a tuple of these whose outputs are concatenated (q / k / v or gate / up stored in
-different GGML types, which cannot share one block matrix).
+different GGML types, which cannot share one block matrix). An input is an array, or rows
+linear() computes itself: Normed (an RMSNorm) and Gated (a SwiGLU's silu(gate) * up), so that
+a decode step on the quantized kernel's int8 rows computes them and their rounding in one
+kernel (pallas_kernels/int8_rows.py).
 
 Shapes: T tokens, K input width, N output width, V vocabulary, d model width.
 """
@@ -134,7 +137,7 @@ def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None, splits=Fals
       live: int32 scalar, the leading rows of x that are real (None: all); the Pallas kernel
         may leave the rest unspecified, so a decode step of one token in a bucket of 8 runs
         as a one-row product.
-      x8: x's int8 rows for the kernel (Normed.rows'), or None.
+      x8: x's int8 rows for the kernel (Normed / Gated rows'), or None.
       splits: where one quantized w runs on the kernel's int8 rows, return its partials as
         Splits, unsummed (for Gated); elsewhere the product as always.
     """

@@ -19,7 +19,7 @@ from pallas_kernels.moe_grouping import expert_weights
 from pallas_kernels.quant_weight import QuantWeight
 
 from ..config import ModelConfig
-from .linear import linear
+from .linear import Gated, linear
 
 
 def route(h, router, cfg: ModelConfig):
@@ -147,7 +147,7 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None, qmm=None)
         y = y * w.reshape(-1)[order][:, None]
         out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)
     if "w_gu_shexp" in lp:  # qwen35moe: every token also takes the shared expert, gated
-        gate, up = jnp.split(linear(h, lp["w_gu_shexp"], qmm), 2, axis=-1)
-        shared = linear(jax.nn.silu(gate) * up, lp["w_down_shexp"], qmm).astype(jnp.float32)
+        gu = linear(h, lp["w_gu_shexp"], qmm)
+        shared = linear(Gated(gu), lp["w_down_shexp"], qmm).astype(jnp.float32)
         out = out + jax.nn.sigmoid(h @ lp["shexp_gate"])[:, None] * shared
     return out, flat
