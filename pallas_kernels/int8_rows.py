@@ -16,6 +16,11 @@ through memory; that took the device step 5.23 -> 5.17 ms at C1
 (2026-12-02_engine_decode_qwen3-8b-q4_k_m_156141c.md). `glu_int8_rows` does the same for the
 FFN's hidden rows: the gate | up kernel's split partials summed, silu(gate) * up and the
 rounding, where XLA's fusion (2.1 us) and int8_rows (1.5 us) were two kernels (untimed).
+`add_norm_int8_rows` takes a projection's split partials into the residual and norms the sum
+for the next projection, where XLA's reduce-and-add fusion and norm_int8_rows were two. Both
+read the partials of live rows only: in a decode step at C1 one row of a bucket of 8 is live,
+and the split kernels' partials were 17% of the bytes a step moves (the 8B's S of 16 to 24
+splits x 8 rows x N x 4 bytes, written and read again, 0.8 GB against 4.7 GB of weights).
 
 Shapes: M rows, K values per row (a multiple of 32).
 """
@@ -99,43 +104,72 @@ def _norm_kernel(x_ref, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, eps,
     """Program m: row m whole (its RMS needs every value), G groups a power of two, those past
     K masked."""
     m = pl.program_id(0)
-    K = x_ref.shape[1]
+    g, half, ks, ok = _row(x_ref.shape[1], G)
+    x = plgpu.load(x_ref.at[m, ks], mask=ok, other=0).astype(jnp.float32)
+    _norm_rows(x, m, g, half, ks, ok, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, eps, ptx)
+
+
+def _add_norm_kernel(x_ref, p_ref, live_ref, w_ref, xo_ref, h_ref, q_ref, d_ref, s16_ref,
+                     s32_ref, *, G, eps, ptx):  # fmt: skip
+    """Program m: row m of x plus the sum of the S partials [S, M, K] (a live row's only: a
+    padding row's partials are not written, quant_matmul's `splits`), stored, then normed."""
+    m = pl.program_id(0)
+    g, half, ks, ok = _row(x_ref.shape[1], G)
+    real = ok & (m < live_ref[0])
+    y = 0.0
+    for s in range(p_ref.shape[0]):  # S is static and small (the kernel's contraction splits)
+        y = y + plgpu.load(p_ref.at[s, m, ks], mask=real, other=0)
+    x = plgpu.load(x_ref.at[m, ks], mask=ok, other=0).astype(jnp.float32) + y
+    plgpu.store(xo_ref.at[m, ks], x.astype(xo_ref.dtype), mask=ok)
+    _norm_rows(x, m, g, half, ks, ok, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, eps, ptx)
+
+
+def _row(K: int, G: int):
+    """A whole row's groups (G a power of two, at least K / 32): _groups' (g, half, ks) and
+    the mask [G, 2, 16] of the values inside K."""
     g, half, ks = _groups(0, G)
-    ok = g < K // 32
-    x = plgpu.load(x_ref.at[m, ks], mask=ok[:, None, None], other=0).astype(jnp.float32)
-    w = plgpu.load(w_ref.at[ks], mask=ok[:, None, None], other=0).astype(jnp.float32)
+    return g, half, ks, (g < K // 32)[:, None, None] & (ks >= 0)
+
+
+def _norm_rows(x, m, g, half, ks, ok, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, eps, ptx):
+    """Row m's RMSNorm h of x [G, 2, 16] (zeros where ok is False) stored, then its rounding."""
+    K = h_ref.shape[1]
+    w = plgpu.load(w_ref.at[ks], mask=ok, other=0).astype(jnp.float32)
     ms = jnp.sum(jnp.sum(jnp.sum(x * x, axis=2), axis=1), axis=0) / K
     h = (x * jax.lax.rsqrt(ms + eps) * w).astype(h_ref.dtype)
-    plgpu.store(h_ref.at[m, ks], h, mask=ok[:, None, None])
+    plgpu.store(h_ref.at[m, ks], h, mask=ok)
     # the codes round h as the matmul's dots see it: in its dtype
-    _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx, ok)
+    gok = g < K // 32
+    _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx, gok)
 
 
-def _glu_kernel(p_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
+def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
     """Program (m, c): row m's values c * G * 32 .. of silu(gate) * up, gate and up the sums of
-    the S partials of [S, M, 2F] (gate the first F columns)."""
+    the S partials of [S, M, 2F] (gate the first F columns); a padding row (m >= live) reads no
+    partials (quant_matmul's `splits` does not write them) and gives zeros."""
     m, c = pl.program_id(0), pl.program_id(1)
     S, F = p_ref.shape[0], h_ref.shape[1]
     g, half, ks = _groups(c * G, G)
+    real = (m < live_ref[0]) & (ks >= 0)
     gate = up = 0.0
     for s in range(S):  # S is static and small (the kernel's contraction splits)
-        gate = gate + plgpu.load(p_ref.at[s, m, ks])
-        up = up + plgpu.load(p_ref.at[s, m, ks + F])
+        gate = gate + plgpu.load(p_ref.at[s, m, ks], mask=real, other=0)
+        up = up + plgpu.load(p_ref.at[s, m, ks + F], mask=real, other=0)
     h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(h_ref.dtype)  # silu(gate) * up
     plgpu.store(h_ref.at[m, ks], h)
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
 
 
-def _call(kernel, grid, inputs, M: int, K: int, dtype=None, *, interpret):
-    """The pallas_call of a kernel that writes int8 rows of [M, K] values (q, d, s16, s32), and
-    first those values [M, K] in dtype where dtype is given."""
+def _call(kernel, grid, inputs, M: int, K: int, dtypes=(), *, interpret):
+    """The pallas_call of a kernel that writes int8 rows of [M, K] values (q, d, s16, s32),
+    after [M, K] arrays of `dtypes` (the values themselves, ...); returns (*those, rows)."""
     out = (
+        *(jax.ShapeDtypeStruct((M, K), dt) for dt in dtypes),
         jax.ShapeDtypeStruct((M, K), jnp.int8),
         jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
         jax.ShapeDtypeStruct((M, K // 16), jnp.float32),
         jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
     )
-    out = out if dtype is None else (jax.ShapeDtypeStruct((M, K), dtype), *out)
     res = pl.pallas_call(
         kernel,
         grid=grid,
@@ -144,7 +178,8 @@ def _call(kernel, grid, inputs, M: int, K: int, dtype=None, *, interpret):
         out_shape=out,
         **call_options(interpret, num_warps=4, num_stages=1),
     )(*inputs)
-    return tuple(res) if dtype is None else (res[0], tuple(res[1:]))
+    n = len(dtypes)
+    return (*res[:n], tuple(res[n:])) if n else tuple(res)
 
 
 def _block(K: int) -> int:
@@ -207,26 +242,33 @@ def norm_int8_rows(x, w, *, eps: float, dtype, ptx: bool | None = None, interpre
     G = 1 << max(K // 32 - 1, 0).bit_length()  # a power of two for Triton's tensors
     ptx = uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_norm_kernel, G=G, eps=eps, ptx=ptx)
-    return _call(kernel, (M,), (x, w), M, K, dtype, interpret=interpret)
+    return _call(kernel, (M,), (x, w), M, K, (dtype,), interpret=interpret)
 
 
-def glu_int8_rows_reference(parts, dtype):
+def live_sum(parts, live):
+    """The sum over S of split partials [S, M, N] in the live rows (< live), zeros below them
+    (where quant_matmul's `splits` wrote nothing)."""
+    return jnp.where(jnp.arange(parts.shape[1])[:, None] < live, parts.sum(0), 0.0)
+
+
+def glu_int8_rows_reference(parts, live, dtype):
     """(h, int8_rows_reference(h)) for h = silu(gate) * up in dtype, [gate | up] the sum of the
-    partials parts [S, M, 2F]."""
-    gate, up = jnp.split(parts.sum(0), 2, axis=-1)
+    partials parts [S, M, 2F] (live_sum's)."""
+    gate, up = jnp.split(live_sum(parts, live), 2, axis=-1)
     h = (jax.nn.silu(gate) * up).astype(dtype)
     return h, int8_rows_reference(h)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "ptx", "interpret"))
-def glu_int8_rows(parts, *, dtype, ptx: bool | None = None, interpret=None):
+def glu_int8_rows(parts, live, *, dtype, ptx: bool | None = None, interpret=None):
     """A SwiGLU FFN's hidden rows and their int8 rounding in one kernel
     (glu_int8_rows_reference), from the gate | up product's split partials as quant_matmul
     leaves them (`splits=True`): the partials' sum, silu(gate) * up and int8_rows were two
     kernels (an XLA fusion and int8_rows).
 
     Args:
-      parts: [S, M, 2F] float32 partials of [gate | up], F a multiple of 32; dtype: h's dtype
+      parts: [S, M, 2F] float32 partials of [gate | up], F a multiple of 32; live: int32
+      scalar, the rows whose partials were written (the rest give zeros); dtype: h's dtype
       (the down projection's compute dtype); ptx, interpret: as int8_rows'.
     Returns:
       (h [M, F] dtype, (q, d, s16, s32) as int8_rows returns them for h).
@@ -237,4 +279,40 @@ def glu_int8_rows(parts, *, dtype, ptx: bool | None = None, interpret=None):
         raise ValueError(f"glu_int8_rows needs 2F a multiple of 64, got partials {parts.shape}")
     BK, ptx = _block(F), uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_glu_kernel, G=BK // 32, ptx=ptx)
-    return _call(kernel, (M, F // BK), (parts,), M, F, dtype, interpret=interpret)
+    live = jnp.full((1,), live, jnp.int32)
+    return _call(kernel, (M, F // BK), (parts, live), M, F, (dtype,), interpret=interpret)
+
+
+def add_norm_int8_rows_reference(x, parts, live, w, eps: float, dtype):
+    """(x + live_sum(parts, live), then norm_int8_rows_reference's (h, rows) of that sum)."""
+    xn = x + live_sum(parts, live)
+    return (xn, *norm_int8_rows_reference(xn, w, eps, dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "ptx", "interpret"))
+def add_norm_int8_rows(x, parts, live, w, *, eps: float, dtype, ptx=None, interpret=None):
+    """A residual add of a projection's split partials and the RMSNorm after it, with the int8
+    rounding of the normed rows, in one kernel (add_norm_int8_rows_reference): in a decode
+    step the partials' sum and the add were an XLA fusion, the norm and rounding another
+    kernel, and the partials' padding rows were written and read for nothing.
+
+    Args:
+      x: [M, K] float32 residual rows, K a multiple of 32; parts: [S, M, K] float32 partials
+      of the projection (quant_matmul's `splits`); live: int32 scalar, the rows whose
+      partials were written (a padding row keeps x); w: [K] norm weights; eps: the norm's
+      epsilon; dtype: h's dtype; ptx, interpret: as int8_rows'.
+    Returns:
+      (the new residual [M, K] float32, h [M, K] dtype, (q, d, s16, s32) of h as int8_rows'.)
+    """
+    M, K = x.shape
+    if K % 32 or w.shape != (K,) or parts.shape[1:] != (M, K):
+        raise ValueError(
+            f"add_norm_int8_rows needs K a multiple of 32, parts [S, M, K] and w [K]: "
+            f"x {x.shape}, parts {parts.shape}, w {w.shape}"
+        )
+    G = 1 << max(K // 32 - 1, 0).bit_length()
+    ptx = uses_ptx(interpret) if ptx is None else ptx
+    kernel = functools.partial(_add_norm_kernel, G=G, eps=eps, ptx=ptx)
+    live = jnp.full((1,), live, jnp.int32)
+    inputs = (x, parts, live, w)
+    return _call(kernel, (M,), inputs, M, K, (jnp.float32, dtype), interpret=interpret)

@@ -93,7 +93,7 @@ def dot_nn(x, w):
 
 
 def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref, *, fmt, BM,
-            BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece):  # fmt: skip
+            BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece, live_only):  # fmt: skip
     """Program (i, j, s); with E (a stack of E experts' weights), row i alone times the weights
     of expert ex_ref[i] on the vector path (BM 1), zeros where that is not in [0, E)."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -227,9 +227,10 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                                 functools.partial(vectors, 1, i), zero)  # fmt: skip
     out = out()
     # The partials hold M rows, not NI * BM: a tile's rows past M are not stored (at M 8 the
-    # padded tile doubled the partials' traffic, which a decode call writes and reads again).
+    # padded tile doubled the partials' traffic, which a decode call writes and reads again),
+    # and with `live_only` (unsummed splits) nor are the padding rows past live.
     rows = i * BM + jnp.arange(BM)
-    ok = (rows < M)[:, None] & col_ok[None, :]
+    ok = (rows < (jnp.minimum(live_ref[0], M) if live_only else M))[:, None] & col_ok[None, :]
     plgpu.store(o_ref.at[s, rows[:, None], cols[None, :]], out, mask=ok)
 
 
@@ -290,8 +291,9 @@ def quant_matmul(
       x8: x's int8 rows (q, d, s16, s32) as int8_rows gives them, where the caller has them
         (int8_rows.norm_int8_rows rounds a normed x in the norm's kernel); None: rounded here.
       splits: return the contraction splits' float32 partials [S, M, N], unsummed (their sum
-        is the product), for a consumer that sums them in its own kernel
-        (int8_rows.glu_int8_rows).
+        is the product), for a consumer that sums them in its own kernel (int8_rows'
+        glu_int8_rows and add_norm_int8_rows); rows at or past `live` are not written (their
+        partials are whatever the buffer held), so a consumer reads the live rows only.
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows). The defaults
         (64 weight rows, 256 values per step, 4 warps, 2 stages) were the fastest of six
@@ -352,7 +354,7 @@ def quant_matmul(
     piece = 16 if BN >= 32 * num_warps else 32
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
-                               ptx=ptx, piece=piece)  # fmt: skip
+                               ptx=ptx, piece=piece, live_only=splits)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
         xw, dx, s16, s32 = int8_rows(x, ptx=ptx, interpret=interpret) if x8 is None else x8

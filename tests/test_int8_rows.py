@@ -8,6 +8,8 @@ import pytest
 
 from luce_jax.models.linear import Normed, QuantMatmul, Splits, linear
 from pallas_kernels.int8_rows import (
+    add_norm_int8_rows,
+    add_norm_int8_rows_reference,
     glu_int8_rows,
     glu_int8_rows_reference,
     int8_rows,
@@ -113,16 +115,50 @@ def test_a_normed_input_is_normed_and_rounded_in_one_kernel_where_the_kernel_tak
     assert seen == [(8, ["x8"])] * 2 + [(16, [])] * 2
 
 
+def padded_parts(S: int, M: int, N: int, live: int, seed: int):
+    """Split partials [S, M, N] whose rows past live are NaN: quant_matmul's `splits` leaves
+    them unwritten, so a consumer that read them would show it."""
+    parts = jax.random.normal(jax.random.key(seed), (S, M, N), jnp.float32) * 2
+    return jnp.where(jnp.arange(M)[:, None] < live, parts, jnp.nan)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("S, M, F", [(1, 1, 96), (4, 8, 960), (3, 2, 2048)])
-def test_the_glu_kernel_sums_the_partials_and_rounds_the_rows_it_returns(S, M, F, dtype):
-    """glu_int8_rows: h is silu(gate) * up of the partials' sum in dtype (to float32 rounding:
-    its sigmoid is 1 / (1 + exp(-x)), XLA's its own), and the int8 rows are int8_rows' of that
-    h bit for bit, over F of 3, 30 and 64 groups of 32."""
-    parts = jax.random.normal(jax.random.key(F), (S, M, 2 * F), jnp.float32) * 2
-    got = glu_int8_rows(parts, dtype=dtype, interpret=True)
+@pytest.mark.parametrize("S, M, F, live", [(1, 1, 96, 1), (4, 8, 960, 2), (3, 2, 2048, 2)])
+def test_the_glu_kernel_sums_the_partials_and_rounds_the_rows_it_returns(S, M, F, live, dtype):
+    """glu_int8_rows: h is silu(gate) * up of the live rows' partial sums in dtype (to float32
+    rounding: its sigmoid is 1 / (1 + exp(-x)), XLA's its own), zeros in padding rows, whose
+    partials (NaN here) are not read; the int8 rows are int8_rows' of that h bit for bit, over
+    F of 3, 30 and 64 groups of 32."""
+    parts = padded_parts(S, M, 2 * F, live, seed=F)
+    got = glu_int8_rows(parts, jnp.int32(live), dtype=dtype, interpret=True)
     assert got[0].shape == (M, F)
-    check_rows(got, glu_int8_rows_reference(parts, dtype)[0], 1e-5)
+    want = glu_int8_rows_reference(parts, jnp.int32(live), dtype)[0]
+    assert np.all(np.asarray(want[live:], np.float32) == 0)
+    check_rows(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("S, M, K, live", [(1, 1, 96, 1), (16, 8, 4096, 1), (5, 3, 384, 2)])
+def test_the_add_norm_kernel_adds_the_live_partials_then_norms_and_rounds(S, M, K, live, dtype):
+    """add_norm_int8_rows: the new residual is x plus the live rows' partial sums (x itself in
+    padding rows, whose partials, NaN here, are not read), to float32 rounding; h is its RMSNorm
+    and the int8 rows are int8_rows' of h bit for bit."""
+    x = rows(M, K, jnp.float32, seed=K)
+    parts = padded_parts(S, M, K, live, seed=S)
+    w = jax.random.normal(jax.random.key(1), (K,), jnp.float32)
+    xn, *got = add_norm_int8_rows(x, parts, jnp.int32(live), w, eps=1e-6, dtype=dtype,
+                                  interpret=True)  # fmt: skip
+    want = add_norm_int8_rows_reference(x, parts, jnp.int32(live), w, 1e-6, dtype)
+    assert xn.dtype == jnp.float32
+    np.testing.assert_allclose(xn, want[0], rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(xn[live:], x[live:])
+    check_rows(got, want[1], 1e-5)
+
+
+def test_the_add_norm_kernel_refuses_partials_of_another_shape():
+    x, w = jnp.zeros((2, 64), jnp.float32), jnp.ones((64,), jnp.float32)
+    with pytest.raises(ValueError, match=r"parts \(3, 2, 32\)"):
+        add_norm_int8_rows(x, jnp.zeros((3, 2, 32)), 1, w, eps=1e-6, dtype=jnp.float32)
 
 
 def test_a_decode_step_ffn_takes_the_gate_up_partials_to_the_glu_kernel():

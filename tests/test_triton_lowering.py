@@ -15,7 +15,7 @@ from pallas_kernels import kv_cache
 from pallas_kernels.dequantize import dequantize
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS
-from pallas_kernels.int8_rows import glu_int8_rows, int8_rows, norm_int8_rows
+from pallas_kernels.int8_rows import add_norm_int8_rows, glu_int8_rows, int8_rows, norm_int8_rows
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
@@ -131,8 +131,18 @@ def test_the_norm_and_its_int8_rows_lower_as_one_kernel(verified, K):
 
 def test_the_glu_and_its_int8_rows_lower_as_one_kernel(verified):
     """glu_int8_rows on the 8B's gate | up partials (4 splits of 8 rows x 2 x 12288)."""
-    f = lambda p: glu_int8_rows(p, dtype=jnp.bfloat16, interpret=False)  # noqa: E731
-    lower_for_cuda(f, jnp.zeros((4, 8, 2 * 12288), jnp.float32))
+    f = lambda p, n: glu_int8_rows(p, n, dtype=jnp.bfloat16, interpret=False)  # noqa: E731
+    lower_for_cuda(f, jnp.zeros((4, 8, 2 * 12288), jnp.float32), jnp.int32(1))
+    assert len(verified) == 1
+    assert "cvt.rni.s32.f32" in str(verified[0].module)
+
+
+def test_the_residual_add_norm_and_int8_rows_lower_as_one_kernel(verified):
+    """add_norm_int8_rows on the 8B's down projection partials (24 splits of 8 rows x 4096)."""
+    w = jnp.ones((4096,), jnp.float32)
+    f = lambda x, p, n: add_norm_int8_rows(x, p, n, w, eps=1e-6, dtype=jnp.bfloat16,
+                                           interpret=False)  # noqa: E731  # fmt: skip
+    lower_for_cuda(f, jnp.zeros((8, 4096), jnp.float32), jnp.zeros((24, 8, 4096)), jnp.int32(1))
     assert len(verified) == 1
     assert "cvt.rni.s32.f32" in str(verified[0].module)
 

@@ -5,7 +5,8 @@ device), or a tuple of these whose outputs are concatenated (q / k / v or gate /
 different GGML types, which cannot share one block matrix). An input is an array, or rows
 linear() computes itself: Normed (an RMSNorm) and Gated (a SwiGLU's silu(gate) * up), so that
 a decode step on the quantized kernel's int8 rows computes them and their rounding in one
-kernel (pallas_kernels/int8_rows.py).
+kernel (pallas_kernels/int8_rows.py), or Rows that add_norm computed so (a residual add of a
+projection's unsummed partials, Splits, and the norm after it).
 
 Shapes: T tokens, K input width, N output width, V vocabulary, d model width.
 """
@@ -17,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.int8_rows import rms_norm
+from pallas_kernels.int8_rows import live_sum, rms_norm
 from pallas_kernels.quant_matmul import quant_matmul_xla
 from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 
@@ -57,6 +58,10 @@ class QuantMatmul(NamedTuple):
     # (parts [S, T, 2F], dtype=) -> (h, x8): a Gated input's silu(gate) * up from the gate | up
     # kernel's split partials and its int8 rows, in one kernel (int8_rows.glu_int8_rows).
     glu_int8: object = None
+    # (x [T, K], parts [S, T, K], live, w [K], eps=, dtype=) -> (x + the parts' sum, h, x8): a
+    # residual add of a projection's Splits and the norm after it, in one kernel
+    # (int8_rows.add_norm_int8_rows).
+    add_norm_int8: object = None
 
 
 def _int8_rows_call(T: int, w, qmm: QuantMatmul | None, live) -> bool:
@@ -70,12 +75,14 @@ def _int8_rows_call(T: int, w, qmm: QuantMatmul | None, live) -> bool:
 
 
 class Splits(NamedTuple):
-    """The kernel's split-contraction partials [S, T, N] float32 of a product, unsummed."""
+    """The kernel's split-contraction partials [S, T, N] float32 of a product, unsummed, of
+    which rows at or past `live` were not written (quant_matmul's `splits`)."""
 
     parts: object
+    live: object
 
     def array(self):
-        return self.parts.sum(0)
+        return live_sum(self.parts, self.live)
 
 
 class Normed(NamedTuple):
@@ -123,15 +130,53 @@ class Gated(NamedTuple):
         """(h [T, F], its int8 rows or None) for linear(self, w, qmm, live)."""
         fused = isinstance(self.gu, Splits) and _int8_rows_call(self.shape[0], w, qmm, live)
         if fused and qmm.glu_int8 is not None:
-            return qmm.glu_int8(self.gu.parts, dtype=weight_dtype(w))
+            return qmm.glu_int8(self.gu.parts, self.gu.live, dtype=weight_dtype(w))
         return self.array(), None
+
+
+class Rows(NamedTuple):
+    """Activations h [T, K] with the int8 rows the kernel takes for them (x8), computed
+    beforehand (add_norm's)."""
+
+    h: object
+    x8: object
+
+    @property
+    def shape(self):
+        return self.h.shape
+
+    def array(self):
+        return self.h
+
+    def rows(self, w, qmm: QuantMatmul | None, live):
+        return self.h, (self.x8 if _int8_rows_call(self.shape[0], w, qmm, live) else None)
+
+
+def add_norm(x, y, w, eps: float, wt, qmm: QuantMatmul | None, live):
+    """The residual x [T, K] plus a layer's output y, and the RMSNorm (w, eps) of that sum as
+    the input of linear(., wt, qmm, live).
+
+    y is an array, Splits or None (nothing to add). Splits before a projection on the int8
+    kernel take one kernel for the sum, the add, the norm and the rounding (qmm.add_norm_int8);
+    otherwise XLA adds them and the norm is left to linear (Normed).
+    Returns:
+      (x + y [T, K] float32, Rows or Normed).
+    """
+    if isinstance(y, Splits):
+        if _int8_rows_call(x.shape[0], wt, qmm, live) and qmm.add_norm_int8 is not None:
+            x, h, x8 = qmm.add_norm_int8(x, y.parts, y.live, w, eps=eps, dtype=weight_dtype(wt))
+            return x, Rows(h, x8)
+        y = y.array()
+    x = x if y is None else x + y
+    return x, Normed(x, w, eps)
 
 
 def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None, splits=False):
     """x [T, K] @ w -> [T, N] float32.
 
     Args:
-      x: activations (cast to the weight's dtype: the dots run in it), or Normed / Gated rows.
+      x: activations (cast to the weight's dtype: the dots run in it), or Normed / Gated /
+        Rows.
       w: dense [K, N], QuantWeight [N, K], or a tuple of these (outputs concatenated).
       qmm: how quantized weights run (default: XLA's dequantize-then-dot).
       live: int32 scalar, the leading rows of x that are real (None: all); the Pallas kernel
@@ -139,9 +184,9 @@ def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None, splits=Fals
         as a one-row product.
       x8: x's int8 rows for the kernel (Normed / Gated rows'), or None.
       splits: where one quantized w runs on the kernel's int8 rows, return its partials as
-        Splits, unsummed (for Gated); elsewhere the product as always.
+        Splits, unsummed (for Gated and add_norm); elsewhere the product as always.
     """
-    if isinstance(x, (Normed, Gated)):
+    if isinstance(x, (Normed, Gated, Rows)):
         x, x8 = x.rows(w, qmm, live)
     if isinstance(w, tuple):
         return jnp.concatenate([linear(x, p, qmm, live, x8) for p in w], axis=-1)
@@ -151,7 +196,7 @@ def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None, splits=Fals
             live = live if x.shape[0] <= qmm.live_rows_max else None
             kw = {} if x8 is None or live is None else {"x8": x8}
             if splits and _int8_rows_call(x.shape[0], w, qmm, live):
-                return Splits(qmm.kernel(x, w, live, splits=True, **kw))
+                return Splits(qmm.kernel(x, w, live, splits=True, **kw), live)
             return qmm.kernel(x, w, live, **kw)
         if qmm is not None and qmm.prefill is not None and x.shape[0] > qmm.max_rows:
             return qmm.prefill(x, w)
