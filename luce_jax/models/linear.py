@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.int8_rows import live_sum, rms_norm
+from pallas_kernels.int8_rows import live_sum, rms_norm, rms_scale
 from pallas_kernels.quant_matmul import quant_matmul_xla
 from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 
@@ -58,9 +58,9 @@ class QuantMatmul(NamedTuple):
     # (parts [S, T, 2F], dtype=) -> (h, x8): a Gated input's silu(gate) * up from the gate | up
     # kernel's split partials and its int8 rows, in one kernel (int8_rows.glu_int8_rows).
     glu_int8: object = None
-    # (x [T, K], parts [S, T, K], live, w [K], eps=, dtype=) -> (x + the parts' sum, h, x8): a
-    # residual add of a projection's Splits and the norm after it, in one kernel
-    # (int8_rows.add_norm_int8_rows).
+    # (x [T, K], parts [S, T, K], live, w [K], dtype=) -> (x + the parts' sum, u, x8, ss): a
+    # residual add of a projection's Splits and the int8 rows of the norm after it, in one
+    # kernel (int8_rows.add_int8_rows; Rows).
     add_norm_int8: object = None
 
 
@@ -135,21 +135,22 @@ class Gated(NamedTuple):
 
 
 class Rows(NamedTuple):
-    """Activations h [T, K] with the int8 rows the kernel takes for them (x8), computed
-    beforehand (add_norm's)."""
+    """A norm's rows as add_norm's kernel leaves them: u [T, K] (the rows times the norm's
+    weights), its int8 rows x8 and rms (ss [T, C], eps); the normed rows are u times
+    int8_rows.rms_scale(ss, K, eps), a factor the kernel's product takes (quant_matmul's
+    `rms`)."""
 
-    h: object
+    u: object
     x8: object
+    rms: tuple
 
     @property
     def shape(self):
-        return self.h.shape
+        return self.u.shape
 
     def array(self):
-        return self.h
-
-    def rows(self, w, qmm: QuantMatmul | None, live):
-        return self.h, (self.x8 if _int8_rows_call(self.shape[0], w, qmm, live) else None)
+        ss, eps = self.rms
+        return self.u.astype(jnp.float32) * rms_scale(ss, self.shape[1], eps)[:, None]
 
 
 def add_norm(x, y, w, eps: float, wt, qmm: QuantMatmul | None, live):
@@ -157,15 +158,16 @@ def add_norm(x, y, w, eps: float, wt, qmm: QuantMatmul | None, live):
     the input of linear(., wt, qmm, live).
 
     y is an array, Splits or None (nothing to add). Splits before a projection on the int8
-    kernel take one kernel for the sum, the add, the norm and the rounding (qmm.add_norm_int8);
-    otherwise XLA adds them and the norm is left to linear (Normed).
+    kernel take one kernel for the sum, the add and the rounding of the normed rows
+    (qmm.add_norm_int8), and the norm's factor goes to the projection (Rows); otherwise XLA
+    adds them and the norm is left to linear (Normed).
     Returns:
       (x + y [T, K] float32, Rows or Normed).
     """
     if isinstance(y, Splits):
         if _int8_rows_call(x.shape[0], wt, qmm, live) and qmm.add_norm_int8 is not None:
-            x, h, x8 = qmm.add_norm_int8(x, y.parts, y.live, w, eps=eps, dtype=weight_dtype(wt))
-            return x, Rows(h, x8)
+            x, u, x8, ss = qmm.add_norm_int8(x, y.parts, y.live, w, dtype=weight_dtype(wt))
+            return x, Rows(u, x8, (ss, eps))
         y = y.array()
     x = x if y is None else x + y
     return x, Normed(x, w, eps)
@@ -186,15 +188,20 @@ def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None, splits=Fals
       splits: where one quantized w runs on the kernel's int8 rows, return its partials as
         Splits, unsummed (for Gated and add_norm); elsewhere the product as always.
     """
-    if isinstance(x, (Normed, Gated, Rows)):
+    if isinstance(x, (Normed, Gated)):
         x, x8 = x.rows(w, qmm, live)
     if isinstance(w, tuple):
         return jnp.concatenate([linear(x, p, qmm, live, x8) for p in w], axis=-1)
+    if isinstance(x, Rows):  # a kernel call takes u, its int8 rows and the norm's factor
+        on = isinstance(w, QuantWeight) and _int8_rows_call(x.shape[0], w, qmm, live)
+        x, kw = (x.u, {"x8": x.x8, "rms": x.rms}) if on else (x.array(), {})
+    else:
+        kw = {} if x8 is None or live is None else {"x8": x8}
     if isinstance(w, QuantWeight):
         x = x.astype(w.dtype)
         if qmm is not None and qmm.kernel is not None and x.shape[0] <= qmm.max_rows:
             live = live if x.shape[0] <= qmm.live_rows_max else None
-            kw = {} if x8 is None or live is None else {"x8": x8}
+            kw = kw if live is not None else {}
             if splits and _int8_rows_call(x.shape[0], w, qmm, live):
                 return Splits(qmm.kernel(x, w, live, splits=True, **kw), live)
             return qmm.kernel(x, w, live, **kw)
