@@ -177,9 +177,17 @@ def _call(kernel, grid, inputs, M: int, K: int, dtypes=(), extra=(), *, interpre
     return (*res[:n], tuple(res[n:])) if n else tuple(res)
 
 
-def _block(K: int) -> int:
-    """Values per program of a row: the largest of 1024 .. 32 that divides K."""
-    return next(b for b in (1024, 512, 256, 128, 64, 32) if K % b == 0)
+def _block(K: int, most: int = 1024) -> int:
+    """Values per program of a row: the largest of `most` .. 32 that divides K."""
+    return next(b for b in (1024, 512, 256, 128, 64, 32) if b <= most and K % b == 0)
+
+
+# Values per program of the kernels that sum split partials: S loads of a chunk each, which a
+# program issues one after another, so many small programs keep more of them in flight. At
+# 1024 a program (4 of a live 8B row) read 24 x 4 KB of the down projection's partials, and
+# the decode step with add_int8_rows ran 0.2 ms slower at C1 than with XLA's sum
+# (2026-12-02_engine_decode_qwen3-8b-q4_k_m_262e413.md).
+PARTS_BLOCK = 128
 
 
 @functools.partial(jax.jit, static_argnames=("ptx", "interpret"))
@@ -272,7 +280,7 @@ def glu_int8_rows(parts, live, *, dtype, ptx: bool | None = None, interpret=None
     F = F2 // 2
     if F2 % 64:
         raise ValueError(f"glu_int8_rows needs 2F a multiple of 64, got partials {parts.shape}")
-    BK, ptx = _block(F), uses_ptx(interpret) if ptx is None else ptx
+    BK, ptx = _block(F, PARTS_BLOCK), uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_glu_kernel, G=BK // 32, ptx=ptx)
     live = jnp.full((1,), live, jnp.int32)
     return _call(kernel, (M, F // BK), (parts, live), M, F, (dtype,), interpret=interpret)
@@ -321,7 +329,7 @@ def add_int8_rows(x, parts, live, w, *, dtype, ptx: bool | None = None, interpre
             f"add_int8_rows needs K a multiple of 32, parts [S, M, K] and w [K]: "
             f"x {x.shape}, parts {parts.shape}, w {w.shape}"
         )
-    BK, ptx = _block(K), uses_ptx(interpret) if ptx is None else ptx
+    BK, ptx = _block(K, PARTS_BLOCK), uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_add_rows_kernel, G=BK // 32, ptx=ptx)
     live = jnp.full((1,), live, jnp.int32)
     ss = jax.ShapeDtypeStruct((M, K // BK), jnp.float32)

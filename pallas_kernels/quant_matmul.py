@@ -231,9 +231,13 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, ss_ref, h_ref, b_re
     if eps is not None:  # rms_scale's factor of each row, from its chunks' sums of squares
         C = ss_ref.shape[1]
         c = jnp.arange(1 << max(C - 1, 0).bit_length())  # a power of two, those past C masked
-        rr = jnp.minimum(i * BM + jnp.arange(BM), M - 1)
-        ss = plgpu.load(ss_ref.at[rr[:, None], c[None, :]], mask=(c < C)[None, :], other=0)
-        out = out * jax.lax.rsqrt(jnp.sum(ss, axis=1) / K + eps)[:, None]
+        rr = i * BM + jnp.arange(BM)
+        real = rr < jnp.minimum(live_ref[0], M)  # live rows' factors only; padding rows: 0
+        ok = real[:, None] & (c < C)[None, :]
+        rr = jnp.minimum(rr, M - 1)
+        ss = plgpu.load(ss_ref.at[rr[:, None], c[None, :]], mask=ok, other=0)
+        r = jnp.where(real, jax.lax.rsqrt(jnp.sum(ss, axis=1) / K + eps), 0.0)
+        out = out * r[:, None]
     # The partials hold M rows, not NI * BM: a tile's rows past M are not stored (at M 8 the
     # padded tile doubled the partials' traffic, which a decode call writes and reads again),
     # and with `live_only` (unsummed splits) nor are the padding rows past live.
@@ -301,7 +305,7 @@ def quant_matmul(
         (int8_rows.norm_int8_rows rounds a normed x in the norm's kernel); None: rounded here.
       rms: (ss [M, C], eps): x is a row's values before its RMSNorm's factor, which the
         product takes instead: int8_rows.rms_scale(ss, K, eps) (int8_rows.add_int8_rows leaves
-        a norm so); None: x as it is.
+        a norm so), in live rows (padding rows give zeros); None: x as it is.
       splits: return the contraction splits' float32 partials [S, M, N], unsummed (their sum
         is the product), for a consumer that sums them in its own kernel (int8_rows'
         glu_int8_rows and add_int8_rows); rows at or past `live` are not written (their
