@@ -61,7 +61,7 @@ def quant_matmul_fn(backend: str, activations: str = "int8"):
 
     if backend == "pallas":
         from pallas_kernels.dequantize import dequantized_matmul
-        from pallas_kernels.int8_rows import add_int8_rows, glu_int8_rows, norm_int8_rows
+        from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
         from pallas_kernels.quant_matmul import quant_matmul
 
         from .host.batch import SMALLEST_TOKEN_BUCKET
@@ -70,6 +70,5 @@ def quant_matmul_fn(backend: str, activations: str = "int8"):
         kernel = functools.partial(quant_matmul, int8_x=int8)
         return QuantMatmul(kernel, live_rows_max=SMALLEST_TOKEN_BUCKET, prefill=dequantized_matmul,
                            norm_int8=norm_int8_rows if int8 else None,
-                           glu_int8=glu_int8_rows if int8 else None,
-                           add_norm_int8=add_int8_rows if int8 else None)  # fmt: skip
+                           glu_int8=glu_int8_rows if int8 else None)  # fmt: skip
     return QuantMatmul()

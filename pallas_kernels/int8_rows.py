@@ -15,13 +15,15 @@ int8_rows (1.4 us) twice a layer, each kernel of a step adding its launch and a 
 through memory; that took the device step 5.23 -> 5.17 ms at C1
 (2026-12-02_engine_decode_qwen3-8b-q4_k_m_156141c.md). `glu_int8_rows` does the same for the
 FFN's hidden rows: the gate | up kernel's split partials summed, silu(gate) * up and the
-rounding, where XLA's fusion (2.1 us) and int8_rows (1.5 us) were two kernels (untimed).
-`add_int8_rows` takes a projection's split partials into the residual and rounds the sum's
-normed rows for the next projection, where XLA's reduce-and-add fusion and norm_int8_rows were
-two kernels; the norm's factor goes to that projection (its docstring says why). It and
-glu_int8_rows read the partials of live rows only: at C1 one row of a bucket of 8 is live, and
-the split kernels' partials (the 8B's 16 to 24 splits x 8 rows x N x 4 bytes) were written and
-read again, 0.8 GB a step against 4.7 GB of Q4_K_M weights.
+rounding, where XLA's fusion (2.1 us) and int8_rows (1.5 us) were two kernels. quant_matmul's
+`splits` writes the partials of live rows only (at C1 one row of a bucket of 8 is live) and
+glu_int8_rows reads no others; with the gate | up, attention output and down projections'
+partials so and glu_int8_rows' programs at 128 values (PARTS_BLOCK), the device step went 5.17
+-> 4.97 ms at C1 (2026-12-02_engine_decode_qwen3-8b-q4_k_m_5c5faaf.md).
+A kernel for the residual add of the attention output's and the down projection's partials
+and the norm after it was tried the same way and dropped: a program per row (the norm needs
+the whole row) was 0.2 ms a step slower than XLA's sum and norm_int8_rows, and chunks of a row
+with the norm's factor moved into the next product were no faster (4.98 against 4.97 ms).
 
 Shapes: M rows, K values per row (a multiple of 32).
 """
@@ -117,25 +119,6 @@ def _norm_kernel(x_ref, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, eps,
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx, ok)
 
 
-def _add_rows_kernel(x_ref, p_ref, live_ref, w_ref, xo_ref, u_ref, q_ref, d_ref, s16_ref,
-                     s32_ref, ss_ref, *, G, ptx):  # fmt: skip
-    """Program (m, c): row m's values c * G * 32 .. of x plus the S partials' sum [S, M, K] (a
-    live row's only: a padding row's partials are not written, quant_matmul's `splits`),
-    stored; that sum times w, stored in u's dtype and rounded; and its sum of squares."""
-    m, c = pl.program_id(0), pl.program_id(1)
-    g, half, ks = _groups(c * G, G)
-    real = (m < live_ref[0]) & (ks >= 0)
-    y = 0.0
-    for s in range(p_ref.shape[0]):  # S is static and small (the kernel's contraction splits)
-        y = y + plgpu.load(p_ref.at[s, m, ks], mask=real, other=0)
-    x = plgpu.load(x_ref.at[m, ks]).astype(jnp.float32) + y
-    plgpu.store(xo_ref.at[m, ks], x.astype(xo_ref.dtype))
-    u = (x * plgpu.load(w_ref.at[ks]).astype(jnp.float32)).astype(u_ref.dtype)
-    plgpu.store(u_ref.at[m, ks], u)
-    ss_ref[m, c] = jnp.sum(jnp.sum(jnp.sum(x * x, axis=2), axis=1), axis=0)
-    _round_groups(u.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
-
-
 def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
     """Program (m, c): row m's values c * G * 32 .. of silu(gate) * up, gate and up the sums of
     the S partials of [S, M, 2F] (gate the first F columns); a padding row (m >= live) reads no
@@ -153,17 +136,15 @@ def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, pt
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
 
 
-def _call(kernel, grid, inputs, M: int, K: int, dtypes=(), extra=(), *, interpret):
+def _call(kernel, grid, inputs, M: int, K: int, dtypes=(), *, interpret):
     """The pallas_call of a kernel that writes int8 rows of [M, K] values (q, d, s16, s32),
-    after [M, K] arrays of `dtypes` (the values themselves, ...) and before `extra` outputs;
-    returns (*those arrays, (*rows, *extra))."""
+    after [M, K] arrays of `dtypes` (the values themselves); returns (*those, rows)."""
     out = (
         *(jax.ShapeDtypeStruct((M, K), dt) for dt in dtypes),
         jax.ShapeDtypeStruct((M, K), jnp.int8),
         jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
         jax.ShapeDtypeStruct((M, K // 16), jnp.float32),
         jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
-        *extra,
     )
     res = pl.pallas_call(
         kernel,
@@ -182,11 +163,11 @@ def _block(K: int, most: int = 1024) -> int:
     return next(b for b in (1024, 512, 256, 128, 64, 32) if b <= most and K % b == 0)
 
 
-# Values per program of the kernels that sum split partials: S loads of a chunk each, which a
-# program issues one after another, so many small programs keep more of them in flight. At
-# 1024 a program (4 of a live 8B row) read 24 x 4 KB of the down projection's partials, and
-# the decode step with add_int8_rows ran 0.2 ms slower at C1 than with XLA's sum
-# (2026-12-02_engine_decode_qwen3-8b-q4_k_m_262e413.md).
+# Values per program of glu_int8_rows, which sums S split partials of each chunk: many small
+# programs keep more of those loads in flight than a few large ones. At 1024 values the 8B's
+# gate | up (F 12288) took 12 programs a live row, each reading 4 splits x 2 x 4 KB; a kernel
+# of the same shape over the down projection's 24 splits made the decode step slower
+# (2026-12-02_engine_decode_qwen3-8b-q4_k_m_5c5faaf.md).
 PARTS_BLOCK = 128
 
 
@@ -284,56 +265,3 @@ def glu_int8_rows(parts, live, *, dtype, ptx: bool | None = None, interpret=None
     kernel = functools.partial(_glu_kernel, G=BK // 32, ptx=ptx)
     live = jnp.full((1,), live, jnp.int32)
     return _call(kernel, (M, F // BK), (parts, live), M, F, (dtype,), interpret=interpret)
-
-
-def rms_scale(ss, K: int, eps: float):
-    """[M] float32: each row's RMSNorm factor rsqrt(mean(x^2) + eps), from its sums of squares
-    by chunk ss [M, C] (add_int8_rows') over K values."""
-    return jax.lax.rsqrt(ss.sum(1) / K + eps)
-
-
-def add_int8_rows_reference(x, parts, live, w, dtype):
-    """(x + live_sum(parts, live), u = that times w in dtype, int8_rows_reference(u), the
-    sum's sums of squares per row [M, 1])."""
-    xn = x + live_sum(parts, live)
-    u = (xn * w).astype(dtype)
-    return xn, u, int8_rows_reference(u), jnp.sum(xn * xn, axis=1, keepdims=True)
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "ptx", "interpret"))
-def add_int8_rows(x, parts, live, w, *, dtype, ptx: bool | None = None, interpret=None):
-    """A residual add of a projection's split partials and the RMSNorm after it, with the int8
-    rows the next projection takes, in one kernel (add_int8_rows_reference), the norm's factor
-    left to that projection (quant_matmul's `rms`).
-
-    The norm needs a row's every value, so norming here would take a program per row, and one
-    program reading a row's partials was slower than XLA's sum (the 8B's down projection: 24
-    splits of 16 KB; an H200 decode step at C1 5.13 -> 5.35 ms,
-    2026-12-02_engine_decode_qwen3-8b-q4_k_m_b7475a1.md). Scaled by a row's positive factor,
-    a group's int8 codes stay the same and its scale takes the factor, and a product row does,
-    so the programs here take chunks of a row and the product is scaled by its row's factor.
-
-    Args:
-      x: [M, K] float32 residual rows, K a multiple of 32; parts: [S, M, K] float32 partials
-      of the projection (quant_matmul's `splits`); live: int32 scalar, the rows whose
-      partials were written (a padding row keeps x); w: [K] norm weights; dtype: u's dtype
-      (the next projection's); ptx, interpret: as int8_rows'.
-    Returns:
-      (the new residual x' [M, K] float32, u = x' * w [M, K] dtype, (q, d, s16, s32) of u as
-      int8_rows', ss [M, C] float32: x''s sums of squares by chunks of K): the norm is
-      u * rms_scale(ss, K, eps).
-    """
-    M, K = x.shape
-    if K % 32 or w.shape != (K,) or parts.shape[1:] != (M, K):
-        raise ValueError(
-            f"add_int8_rows needs K a multiple of 32, parts [S, M, K] and w [K]: "
-            f"x {x.shape}, parts {parts.shape}, w {w.shape}"
-        )
-    BK, ptx = _block(K, PARTS_BLOCK), uses_ptx(interpret) if ptx is None else ptx
-    kernel = functools.partial(_add_rows_kernel, G=BK // 32, ptx=ptx)
-    live = jnp.full((1,), live, jnp.int32)
-    ss = jax.ShapeDtypeStruct((M, K // BK), jnp.float32)
-    out = _call(kernel, (M, K // BK), (x, parts, live, w), M, K, (jnp.float32, dtype), (ss,),
-                interpret=interpret)  # fmt: skip
-    xn, u, (*x8, ss) = out
-    return xn, u, tuple(x8), ss

@@ -92,12 +92,10 @@ def dot_nn(x, w):
     )
 
 
-def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, ss_ref, h_ref, b_ref, o_ref, *,
-            fmt, BM, BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece, live_only,
-            eps):  # fmt: skip
+def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref, *, fmt, BM,
+            BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece, live_only):  # fmt: skip
     """Program (i, j, s); with E (a stack of E experts' weights), row i alone times the weights
-    of expert ex_ref[i] on the vector path (BM 1), zeros where that is not in [0, E); with eps
-    (quant_matmul's `rms`) each row's product times its RMSNorm factor from ss_ref."""
+    of expert ex_ref[i] on the vector path (BM 1), zeros where that is not in [0, E)."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     float_decode = FLOAT_DECODERS.get(QTYPES[fmt.qtype]) if unit else None
     int_decode = INT_DECODERS[QTYPES[fmt.qtype]] if int8 else None
@@ -228,16 +226,6 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, ss_ref, h_ref, b_re
         out = functools.partial(jax.lax.cond, (0 <= ex_ref[i]) & (ex_ref[i] < E),
                                 functools.partial(vectors, 1, i), zero)  # fmt: skip
     out = out()
-    if eps is not None:  # rms_scale's factor of each row, from its chunks' sums of squares
-        C = ss_ref.shape[1]
-        c = jnp.arange(1 << max(C - 1, 0).bit_length())  # a power of two, those past C masked
-        rr = i * BM + jnp.arange(BM)
-        real = rr < jnp.minimum(live_ref[0], M)  # live rows' factors only; padding rows: 0
-        ok = real[:, None] & (c < C)[None, :]
-        rr = jnp.minimum(rr, M - 1)
-        ss = plgpu.load(ss_ref.at[rr[:, None], c[None, :]], mask=ok, other=0)
-        r = jnp.where(real, jax.lax.rsqrt(jnp.sum(ss, axis=1) / K + eps), 0.0)
-        out = out * r[:, None]
     # The partials hold M rows, not NI * BM: a tile's rows past M are not stored (at M 8 the
     # padded tile doubled the partials' traffic, which a decode call writes and reads again),
     # and with `live_only` (unsummed splits) nor are the padding rows past live.
@@ -272,7 +260,6 @@ def quant_matmul(
     *,
     experts=None,
     x8=None,
-    rms=None,
     splits: bool = False,
     out_dtype=jnp.float32,
     block_m: int = 64,
@@ -303,13 +290,11 @@ def quant_matmul(
         rows whose expert is not in [0, E) (padding) give zeros.
       x8: x's int8 rows (q, d, s16, s32) as int8_rows gives them, where the caller has them
         (int8_rows.norm_int8_rows rounds a normed x in the norm's kernel); None: rounded here.
-      rms: (ss [M, C], eps): x is a row's values before its RMSNorm's factor, which the
-        product takes instead: int8_rows.rms_scale(ss, K, eps) (int8_rows.add_int8_rows leaves
-        a norm so), in live rows (padding rows give zeros); None: x as it is.
       splits: return the contraction splits' float32 partials [S, M, N], unsummed (their sum
-        is the product), for a consumer that sums them in its own kernel (int8_rows'
-        glu_int8_rows and add_int8_rows); rows at or past `live` are not written (their
-        partials are whatever the buffer held), so a consumer reads the live rows only.
+        is the product), for a consumer that sums them in its own kernel
+        (int8_rows.glu_int8_rows) or with int8_rows.live_sum: rows at or past `live` are not
+        written (their partials are whatever the buffer held), so a consumer reads the live
+        rows only.
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows). The defaults
         (64 weight rows, 256 values per step, 4 warps, 2 stages) were the fastest of six
@@ -370,24 +355,22 @@ def quant_matmul(
     piece = 16 if BN >= 32 * num_warps else 32
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
-                               ptx=ptx, piece=piece, live_only=splits,
-                               eps=None if rms is None else float(rms[1]))  # fmt: skip
+                               ptx=ptx, piece=piece, live_only=splits)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
         xw, dx, s16, s32 = int8_rows(x, ptx=ptx, interpret=interpret) if x8 is None else x8
         sx = s32 if fmt.group == 32 else s16  # per group: its offset takes one load
     elif unit_codes:
         xw = x.astype(jnp.float32)
-    ss = jnp.zeros((1, 1), jnp.float32) if rms is None else rms[0]
     live = jnp.full((1,), M if live is None else live, jnp.int32)
     ex = jnp.zeros((1,), jnp.int32) if experts is None else experts.astype(jnp.int32)
     out = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
     parts = pl.pallas_call(
         kernel,
         grid=(NI, NJ, S),
-        in_specs=[whole(a) for a in (live, ex, x, xw, dx, sx, ss, w.head, w.body)],
+        in_specs=[whole(a) for a in (live, ex, x, xw, dx, sx, w.head, w.body)],
         out_specs=whole(out),
         out_shape=out,
         **call_options(interpret, num_warps, num_stages),
-    )(live, ex, x, xw, dx, sx, ss, w.head, w.body)
+    )(live, ex, x, xw, dx, sx, w.head, w.body)
     return parts if splits else parts.sum(0).astype(out_dtype)

@@ -8,15 +8,12 @@ import pytest
 
 from luce_jax.models.linear import Normed, QuantMatmul, Splits, linear
 from pallas_kernels.int8_rows import (
-    add_int8_rows,
-    add_int8_rows_reference,
     glu_int8_rows,
     glu_int8_rows_reference,
     int8_rows,
     int8_rows_reference,
     norm_int8_rows,
     norm_int8_rows_reference,
-    rms_scale,
 )
 
 
@@ -136,61 +133,6 @@ def test_the_glu_kernel_sums_the_partials_and_rounds_the_rows_it_returns(S, M, F
     want = glu_int8_rows_reference(parts, jnp.int32(live), dtype)[0]
     assert np.all(np.asarray(want[live:], np.float32) == 0)
     check_rows(got, want, 1e-5)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("S, M, K, live", [(1, 1, 96, 1), (16, 8, 4096, 1), (5, 3, 384, 2)])
-def test_the_add_kernel_adds_the_live_partials_and_rounds_the_weighted_sum(S, M, K, live, dtype):
-    """add_int8_rows: the new residual is x plus the live rows' partial sums (x itself in
-    padding rows, whose partials, NaN here, are not read), to float32 rounding; u is it times
-    the norm's weights in dtype, its int8 rows are int8_rows' of u bit for bit, and the chunks'
-    sums of squares add up to the row's, which rms_scale makes the norm's factor."""
-    x = rows(M, K, jnp.float32, seed=K)
-    parts = padded_parts(S, M, K, live, seed=S)
-    w = jax.random.normal(jax.random.key(1), (K,), jnp.float32)
-    xn, u, x8, ss = add_int8_rows(x, parts, jnp.int32(live), w, dtype=dtype, interpret=True)
-    want = add_int8_rows_reference(x, parts, jnp.int32(live), w, dtype)
-    assert xn.dtype == jnp.float32 and ss.shape[0] == M
-    np.testing.assert_allclose(xn, want[0], rtol=1e-6, atol=1e-5)
-    np.testing.assert_array_equal(xn[live:], x[live:])
-    check_rows((u, x8), want[1], 1e-5)
-    np.testing.assert_allclose(ss.sum(1, keepdims=True), want[3], rtol=1e-5)
-    normed = u.astype(jnp.float32) * rms_scale(ss, K, 1e-6)[:, None]
-    want_h = norm_int8_rows_reference(xn, w, 1e-6, jnp.float32)[0]
-    tol = 1e-5 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(normed, want_h, rtol=tol, atol=tol)
-
-
-def test_the_add_kernel_refuses_partials_of_another_shape():
-    x, w = jnp.zeros((2, 64), jnp.float32), jnp.ones((64,), jnp.float32)
-    with pytest.raises(ValueError, match=r"parts \(3, 2, 32\)"):
-        add_int8_rows(x, jnp.zeros((3, 2, 32)), 1, w, dtype=jnp.float32)
-
-
-def test_a_product_takes_the_norm_s_factor_from_the_sums_of_squares():
-    """quant_matmul's `rms`: x before its norm's factor, times W, each row times rms_scale's
-    factor, equals x normed first times W (float activations, the dots and the vector path,
-    unsummed splits too); on int8 rows the codes of x and of x normed are the same, so the
-    product does too, to the rounding of the scales."""
-    import functools
-
-    from test_quantized_weights import qweight
-
-    from pallas_kernels.quant_matmul import quant_matmul
-
-    w = qweight(N=64, K=256)
-    x = jax.random.normal(jax.random.key(5), (8, 256), jnp.float32) * 3
-    ss = jnp.stack([jnp.sum(x[:, :128] ** 2, 1), jnp.sum(x[:, 128:] ** 2, 1)], 1)  # 2 chunks
-    normed = x * rms_scale(ss, 256, 1e-6)[:, None]
-    for live, int8 in ((8, False), (2, False), (2, True)):
-        qk = functools.partial(quant_matmul, w=w, live=jnp.int32(live), int8_x=int8,
-                               interpret=True)  # fmt: skip
-        got = qk(x, rms=(ss, 1e-6))
-        want = qk(normed)
-        tol = 1e-5 if not int8 else 1e-3
-        np.testing.assert_allclose(got[:live], want[:live], rtol=tol, atol=tol)
-        parts = qk(x, rms=(ss, 1e-6), splits=True)
-        np.testing.assert_allclose(parts[:, :live].sum(0), got[:live], rtol=1e-5, atol=1e-5)
 
 
 def test_a_decode_step_ffn_takes_the_gate_up_partials_to_the_glu_kernel():

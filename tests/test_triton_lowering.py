@@ -15,7 +15,7 @@ from pallas_kernels import kv_cache
 from pallas_kernels.dequantize import dequantize
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS
-from pallas_kernels.int8_rows import add_int8_rows, glu_int8_rows, int8_rows, norm_int8_rows
+from pallas_kernels.int8_rows import glu_int8_rows, int8_rows, norm_int8_rows
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
@@ -135,22 +135,6 @@ def test_the_glu_and_its_int8_rows_lower_as_one_kernel(verified):
     lower_for_cuda(f, jnp.zeros((4, 8, 2 * 12288), jnp.float32), jnp.int32(1))
     assert len(verified) == 1
     assert "cvt.rni.s32.f32" in str(verified[0].module)
-
-
-def test_the_residual_add_norm_and_int8_rows_lower_as_one_kernel(verified):
-    """add_int8_rows on the 8B's down projection partials (24 splits of 8 rows x 4096); and
-    the kernel that takes its rows, with the norm's factor (`rms`)."""
-    w = jnp.ones((4096,), jnp.float32)
-    f = lambda x, p, n: add_int8_rows(x, p, n, w, dtype=jnp.bfloat16, interpret=False)  # noqa: E731
-    lower_for_cuda(f, jnp.zeros((8, 4096), jnp.float32), jnp.zeros((24, 8, 4096)), jnp.int32(1))
-    assert len(verified) == 1
-    assert "cvt.rni.s32.f32" in str(verified[0].module)
-    wq = zero_weight("q4_k", 4096, 4096)
-    x8 = int8_rows(jnp.zeros((8, 4096), jnp.bfloat16), interpret=True)
-    g = lambda x, n, ss: quant_matmul(x, wq, n, x8=x8, rms=(ss, 1e-6), int8_x=True,  # noqa: E731
-                                      splits=True, interpret=False)  # fmt: skip
-    lower_for_cuda(g, jnp.zeros((8, 4096), jnp.bfloat16), jnp.int32(1), jnp.ones((8, 4)))
-    assert len(verified) == 2 and "rsqrt" in str(verified[1].module)
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])

@@ -18,17 +18,7 @@ from pallas_kernels.int8_rows import rms_norm
 from ..config import ModelConfig
 from . import moe
 from .attention import paged_attention_xla
-from .linear import (
-    Gated,
-    Normed,
-    QuantMatmul,
-    Splits,
-    add_norm,
-    embed,
-    linear,
-    unembed,
-    weight_dtype,
-)
+from .linear import Gated, Normed, QuantMatmul, embed, linear, summed, unembed, weight_dtype
 
 KV = list[tuple]  # per layer (k, v): [NB, P, K, D] arrays or kv_cache.Quantized
 
@@ -94,14 +84,11 @@ def forward(
     new_kv, pairs = [], []
     live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
     kernels = (attn, grouped_matmul, quant_matmul)
-    y = None  # a layer's FFN output, added to x by the next layer with its norm (add_norm)
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
-        x, y, kc, vc, routed = layer(lp, x, y, kc, vc, cos, sin, batch, live, cfg=cfg,
-                                     kernels=kernels)  # fmt: skip
+        x, kc, vc, routed = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
         if routed is not None:
             pairs.append(routed)
         new_kv.append((kc, vc))
-    x = x + (y.array() if isinstance(y, Splits) else y)
     logits = head(params, x, batch, cfg, quant_matmul)
     stats = {"expert_counts": moe.expert_counts(jnp.stack(pairs), cfg.n_experts)} if pairs else {}
     return logits, new_kv, stats
@@ -113,21 +100,16 @@ def forward(
 # took 1.7 s to trace and lower per bucket (Triton modules included) and a warm start's
 # compile-cache lookups waited on it: 22 s of the H200's 30 s warm start for 6 buckets.
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
-def layer(lp: dict, x, y, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig, kernels):
+def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig, kernels):
     """One decoder layer: attention (writing this step's K/V) then the FFN, both residual.
 
-    The FFN's output is returned, not added: the next layer adds it with its first norm, in
-    one kernel where it is the down projection's unsummed partials (linear.add_norm), as this
-    layer adds its attention output with the FFN's norm.
-
     Args:
-      lp: the layer's params; x: residual stream [T, d] float32; y: the previous layer's FFN
-      output [T, d] (array or Splits; None for the first layer), not yet in x; kc, vc: its
-      caches; cos, sin: rope tables; batch, live: forward's; kernels: (attention_fn,
-      grouped_matmul, quant_matmul) as forward takes them (hashable: they are static).
+      lp: the layer's params; x: residual stream [T, d] float32; kc, vc: its caches;
+      cos, sin: rope tables; batch, live: forward's; kernels: (attention_fn, grouped_matmul,
+      quant_matmul) as forward takes them (hashable: they are static).
     Returns:
-      (x + y + attention's output, the FFN's output (array or Splits), kc, vc, the experts of
-       its (token, expert) pairs [T*k] int32 for an MoE layer (moe.ffn) or None).
+      (x, kc, vc, the experts of its (token, expert) pairs [T*k] int32 for an MoE layer (moe.ffn)
+       or None).
     """
     attn, grouped_matmul, quant_matmul = kernels
     T = x.shape[0]
@@ -135,8 +117,7 @@ def layer(lp: dict, x, y, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConf
     # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
     # (bench/profile_step.py); they change no computation.
     with jax.named_scope("qkv"):
-        x, h = add_norm(x, y, lp["attn_norm"], cfg.rms_eps, lp["wqkv"], quant_matmul, live)
-        qkv = linear(h, lp["wqkv"], quant_matmul, live)
+        qkv = linear(Normed(x, lp["attn_norm"], cfg.rms_eps), lp["wqkv"], quant_matmul, live)
         if "bqkv" in lp:
             qkv = qkv + lp["bqkv"]
         q = qkv[:, : H * D].reshape(T, H, D)
@@ -153,19 +134,21 @@ def layer(lp: dict, x, y, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConf
     # and a fused write would have to land before other programs of the same sequence read
     # it, an ordering Triton programs of one grid do not have.
     o, kc, vc = write_and_attend(attn, q, k, v, kc, vc, batch, 1.0 / D**0.5, lp["wqkv"])
+    # In a decode step on the int8 kernel the attention output's and the FFN's products come
+    # back as split partials of live rows only (the kernel writes no others: at C1 one row of
+    # a bucket of 8 is live), which XLA sums with the residual add.
     with jax.named_scope("attn_out"):
-        y = linear(o.reshape(T, H * D), lp["wo"], quant_matmul, live, splits=True)
+        x = x + summed(linear(o.reshape(T, H * D), lp["wo"], quant_matmul, live, splits=True))
     routed = None
     with jax.named_scope("mlp"):
-        experts = "router" in lp  # a mixture-of-experts layer (qwen3moe)
-        w_in = None if experts else lp["w_gu"]  # what takes the normed rows (None: XLA's norm)
-        x, h = add_norm(x, y, lp["ffn_norm"], cfg.rms_eps, w_in, quant_matmul, live)
-        if experts:
+        h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
+        if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
             live_rows = jnp.arange(T) < live
             y, routed = moe.ffn(lp, h.array(), cfg, grouped_matmul, live_rows, quant_matmul)
+            x = x + y
         else:
-            y = swiglu(lp, h, quant_matmul, live, splits=True)
-    return x, y, kc, vc, routed
+            x = x + summed(swiglu(lp, h, quant_matmul, live, splits=True))
+    return x, kc, vc, routed
 
 
 def write_and_attend(attn, q, k, v, kc, vc, batch: dict, scale: float, w_qkv):
@@ -191,9 +174,9 @@ def write_and_attend(attn, q, k, v, kc, vc, batch: dict, scale: float, w_qkv):
 
 
 def swiglu(lp: dict, h, quant_matmul, live, splits=False):
-    """The dense FFN: w_down(silu(gate) * up) of the normed residual h [T, d] (or Normed /
-    Rows); in a decode step on the int8 kernel, the gate | up partials go to the glu's kernel
-    unsummed, and with `splits` the down projection's come back so (linear's `splits`)."""
+    """The dense FFN: w_down(silu(gate) * up) of the normed residual h [T, d] (or Normed); in a
+    decode step on the int8 kernel, the gate | up partials go to the glu's kernel unsummed, and
+    with `splits` the down projection's come back so (linear's `splits`)."""
     glu = quant_matmul is not None and quant_matmul.glu_int8 is not None
     gu = linear(h, lp["w_gu"], quant_matmul, live, splits=glu)
     return linear(Gated(gu), lp["w_down"], quant_matmul, live, splits=splits)

@@ -5,8 +5,7 @@ device), or a tuple of these whose outputs are concatenated (q / k / v or gate /
 different GGML types, which cannot share one block matrix). An input is an array, or rows
 linear() computes itself: Normed (an RMSNorm) and Gated (a SwiGLU's silu(gate) * up), so that
 a decode step on the quantized kernel's int8 rows computes them and their rounding in one
-kernel (pallas_kernels/int8_rows.py), or Rows that add_norm computed so (a residual add of a
-projection's unsummed partials, Splits, and the norm after it).
+kernel (pallas_kernels/int8_rows.py).
 
 Shapes: T tokens, K input width, N output width, V vocabulary, d model width.
 """
@@ -18,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.int8_rows import live_sum, rms_norm, rms_scale
+from pallas_kernels.int8_rows import live_sum, rms_norm
 from pallas_kernels.quant_matmul import quant_matmul_xla
 from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 
@@ -58,10 +57,6 @@ class QuantMatmul(NamedTuple):
     # (parts [S, T, 2F], dtype=) -> (h, x8): a Gated input's silu(gate) * up from the gate | up
     # kernel's split partials and its int8 rows, in one kernel (int8_rows.glu_int8_rows).
     glu_int8: object = None
-    # (x [T, K], parts [S, T, K], live, w [K], dtype=) -> (x + the parts' sum, u, x8, ss): a
-    # residual add of a projection's Splits and the int8 rows of the norm after it, in one
-    # kernel (int8_rows.add_int8_rows; Rows).
-    add_norm_int8: object = None
 
 
 def _int8_rows_call(T: int, w, qmm: QuantMatmul | None, live) -> bool:
@@ -134,51 +129,16 @@ class Gated(NamedTuple):
         return self.array(), None
 
 
-class Rows(NamedTuple):
-    """A norm's rows as add_norm's kernel leaves them: u [T, K] (the rows times the norm's
-    weights), its int8 rows x8 and rms (ss [T, C], eps); the normed rows are u times
-    int8_rows.rms_scale(ss, K, eps), a factor the kernel's product takes (quant_matmul's
-    `rms`)."""
-
-    u: object
-    x8: object
-    rms: tuple
-
-    @property
-    def shape(self):
-        return self.u.shape
-
-    def array(self):
-        ss, eps = self.rms
-        return self.u.astype(jnp.float32) * rms_scale(ss, self.shape[1], eps)[:, None]
-
-
-def add_norm(x, y, w, eps: float, wt, qmm: QuantMatmul | None, live):
-    """The residual x [T, K] plus a layer's output y, and the RMSNorm (w, eps) of that sum as
-    the input of linear(., wt, qmm, live).
-
-    y is an array, Splits or None (nothing to add). Splits before a projection on the int8
-    kernel take one kernel for the sum, the add and the rounding of the normed rows
-    (qmm.add_norm_int8), and the norm's factor goes to the projection (Rows); otherwise XLA
-    adds them and the norm is left to linear (Normed).
-    Returns:
-      (x + y [T, K] float32, Rows or Normed).
-    """
-    if isinstance(y, Splits):
-        if _int8_rows_call(x.shape[0], wt, qmm, live) and qmm.add_norm_int8 is not None:
-            x, u, x8, ss = qmm.add_norm_int8(x, y.parts, y.live, w, dtype=weight_dtype(wt))
-            return x, Rows(u, x8, (ss, eps))
-        y = y.array()
-    x = x if y is None else x + y
-    return x, Normed(x, w, eps)
+def summed(y):
+    """y [T, N] as an array: a Splits' live rows summed (zeros in its padding rows), else y."""
+    return y.array() if isinstance(y, Splits) else y
 
 
 def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None, splits=False):
     """x [T, K] @ w -> [T, N] float32.
 
     Args:
-      x: activations (cast to the weight's dtype: the dots run in it), or Normed / Gated /
-        Rows.
+      x: activations (cast to the weight's dtype: the dots run in it), or Normed / Gated rows.
       w: dense [K, N], QuantWeight [N, K], or a tuple of these (outputs concatenated).
       qmm: how quantized weights run (default: XLA's dequantize-then-dot).
       live: int32 scalar, the leading rows of x that are real (None: all); the Pallas kernel
@@ -186,22 +146,18 @@ def linear(x, w, qmm: QuantMatmul | None = None, live=None, x8=None, splits=Fals
         as a one-row product.
       x8: x's int8 rows for the kernel (Normed / Gated rows'), or None.
       splits: where one quantized w runs on the kernel's int8 rows, return its partials as
-        Splits, unsummed (for Gated and add_norm); elsewhere the product as always.
+        Splits, unsummed, of live rows only (for Gated, or `summed`); elsewhere the product as
+        always.
     """
     if isinstance(x, (Normed, Gated)):
         x, x8 = x.rows(w, qmm, live)
     if isinstance(w, tuple):
         return jnp.concatenate([linear(x, p, qmm, live, x8) for p in w], axis=-1)
-    if isinstance(x, Rows):  # a kernel call takes u, its int8 rows and the norm's factor
-        on = isinstance(w, QuantWeight) and _int8_rows_call(x.shape[0], w, qmm, live)
-        x, kw = (x.u, {"x8": x.x8, "rms": x.rms}) if on else (x.array(), {})
-    else:
-        kw = {} if x8 is None or live is None else {"x8": x8}
     if isinstance(w, QuantWeight):
         x = x.astype(w.dtype)
         if qmm is not None and qmm.kernel is not None and x.shape[0] <= qmm.max_rows:
             live = live if x.shape[0] <= qmm.live_rows_max else None
-            kw = kw if live is not None else {}
+            kw = {} if x8 is None or live is None else {"x8": x8}
             if splits and _int8_rows_call(x.shape[0], w, qmm, live):
                 return Splits(qmm.kernel(x, w, live, splits=True, **kw), live)
             return qmm.kernel(x, w, live, **kw)
