@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from luce_jax.models.linear import Normed, QuantMatmul, Splits, linear
+from luce_jax.models.linear import Normed, QuantMatmul, Splits, linear, summed
 from pallas_kernels.int8_rows import (
     glu_int8_rows,
     glu_int8_rows_reference,
@@ -169,3 +169,29 @@ def test_a_decode_step_ffn_takes_the_gate_up_partials_to_the_glu_kernel():
     np.testing.assert_allclose(got[:2], want[:2], rtol=2e-2, atol=2e-2 * np.abs(want[:2]).max())
     assert isinstance(linear(x, lp["w_gu"], fused, live, splits=True), Splits)
     assert not isinstance(linear(x, lp["w_gu"], fused, None, splits=True), Splits)  # no live
+
+
+def test_split_partials_hold_live_rows_only_and_sum_to_the_product():
+    """linear(..., splits=True) on the kernel's live-rows path (dense.layer asks it of the
+    attention output and the FFN): the kernel writes the partials of live rows only (the rest
+    stay NaN in interpret mode), and `summed` adds them over live rows, zeros in padding rows,
+    equal to the unsplit call's live rows; the engine's tests (test_quantized_weights) run a
+    whole model so."""
+    import functools
+
+    from test_quantized_weights import qweight
+
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    qk = functools.partial(quant_matmul, int8_x=True, interpret=True)
+    qmm = QuantMatmul(qk, max_rows=64, live_rows_max=8)
+    w, live = qweight(N=64, K=256), jnp.int32(2)
+    x = jax.random.normal(jax.random.key(4), (8, 256), jnp.float32) * 3
+    y = linear(x, w, qmm, live, splits=True)
+    assert isinstance(y, Splits) and y.parts.shape[1:] == (8, 64)
+    assert (
+        np.isnan(np.asarray(y.parts[:, 2:])).all() and np.isfinite(np.asarray(y.parts[:, :2])).all()
+    )
+    got, want = np.asarray(summed(y)), np.asarray(linear(x, w, qmm, live))
+    np.testing.assert_allclose(got[:2], want[:2], rtol=1e-5, atol=1e-5)
+    assert not got[2:].any()

@@ -120,45 +120,6 @@ def test_the_moe_model_with_its_kernels_computes_what_the_dequantized_one_does(f
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
-def test_a_decode_step_on_the_fused_int8_kernels_computes_what_the_dequantized_model_does(files):
-    """The Q4_K_M mix's decode step (2 live rows of 4) on the int8 vector path (interpret mode):
-    each norm and its int8 rows come from norm_int8_rows, gate | up goes to glu_int8_rows
-    unsummed, and the attention output and down projection come back unsummed too, all with
-    their padding rows unwritten (NaN in interpret mode) and summed over live rows only. The
-    logits equal the dequantized model's to the activations' int8 rounding, and no padding
-    row's NaN reaches them."""
-
-    from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
-    from pallas_kernels.quant_matmul import quant_matmul
-
-    calls, splits = [], []
-
-    def fused(fn):
-        def call(*a, **k):
-            calls.append(fn.__name__)
-            return fn(*a, interpret=True, **k)
-
-        return call
-
-    def kernel(x, w, live, **kw):
-        splits.append(kw.get("splits", False))
-        return quant_matmul(x, w, live, int8_x=True, interpret=True, **kw)
-
-    qmm = QuantMatmul(kernel, max_rows=8, live_rows_max=4, norm_int8=fused(norm_int8_rows),
-                      glu_int8=fused(glu_int8_rows))  # fmt: skip
-    got, want = two_steps(files["q4-k-m"], True, qmm), two_steps(files["q4-k-m"], False)
-    # the prefill step's head norms its logits rows (any row bucket takes the kernel); then the
-    # decode step, traced once per distinct layer (dense.layer is jitted: the first two, then
-    # the two with a Q6_K v and down), then its head
-    layer_calls = ["norm_int8_rows", "norm_int8_rows", "glu_int8_rows"]
-    assert calls == ["norm_int8_rows"] + layer_calls * 2 + ["norm_int8_rows"]
-    # per layer: q | k | v (with a Q6_K v, q | k and v) whole; attn_out, gate | up, down split
-    assert splits[1:] == [False, True, True, True] + [False, False, True, True, True] + [False]
-    assert np.isfinite(got).all()
-    # Measured: 0.8% of the largest logit at most.
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
-
-
 def test_prefill_steps_through_the_dequantizing_kernel_compute_what_dequantized_weights_do(
     files,
 ):
