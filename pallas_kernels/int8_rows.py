@@ -136,16 +136,16 @@ def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, pt
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
 
 
-def _call(kernel, grid, inputs, M: int, K: int, dtypes=(), *, interpret):
-    """The pallas_call of a kernel that writes int8 rows of [M, K] values (q, d, s16, s32),
-    after [M, K] arrays of `dtypes` (the values themselves); returns (*those, rows)."""
+def _call(kernel, grid, inputs, M: int, K: int, dtype=None, *, interpret):
+    """The pallas_call of a kernel that writes int8 rows of [M, K] values (q, d, s16, s32), and
+    first those values [M, K] in dtype where dtype is given."""
     out = (
-        *(jax.ShapeDtypeStruct((M, K), dt) for dt in dtypes),
         jax.ShapeDtypeStruct((M, K), jnp.int8),
         jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
         jax.ShapeDtypeStruct((M, K // 16), jnp.float32),
         jax.ShapeDtypeStruct((M, K // 32), jnp.float32),
     )
+    out = out if dtype is None else (jax.ShapeDtypeStruct((M, K), dtype), *out)
     res = pl.pallas_call(
         kernel,
         grid=grid,
@@ -154,8 +154,7 @@ def _call(kernel, grid, inputs, M: int, K: int, dtypes=(), *, interpret):
         out_shape=out,
         **call_options(interpret, num_warps=4, num_stages=1),
     )(*inputs)
-    n = len(dtypes)
-    return (*res[:n], tuple(res[n:])) if n else tuple(res)
+    return tuple(res) if dtype is None else (res[0], tuple(res[1:]))
 
 
 def _block(K: int, most: int = 1024) -> int:
@@ -226,7 +225,7 @@ def norm_int8_rows(x, w, *, eps: float, dtype, ptx: bool | None = None, interpre
     G = 1 << max(K // 32 - 1, 0).bit_length()  # a power of two for Triton's tensors
     ptx = uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_norm_kernel, G=G, eps=eps, ptx=ptx)
-    return _call(kernel, (M,), (x, w), M, K, (dtype,), interpret=interpret)
+    return _call(kernel, (M,), (x, w), M, K, dtype, interpret=interpret)
 
 
 def live_sum(parts, live):
@@ -264,4 +263,4 @@ def glu_int8_rows(parts, live, *, dtype, ptx: bool | None = None, interpret=None
     BK, ptx = _block(F, PARTS_BLOCK), uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_glu_kernel, G=BK // 32, ptx=ptx)
     live = jnp.full((1,), live, jnp.int32)
-    return _call(kernel, (M, F // BK), (parts, live), M, F, (dtype,), interpret=interpret)
+    return _call(kernel, (M, F // BK), (parts, live), M, F, dtype, interpret=interpret)
