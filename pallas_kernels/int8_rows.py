@@ -126,7 +126,7 @@ def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, pt
     m, c = pl.program_id(0), pl.program_id(1)
     S, F = p_ref.shape[0], h_ref.shape[1]
     g, half, ks = _groups(c * G, G)
-    real = (m < live_ref[0]) & (ks >= 0)
+    real = (m < live_ref[0]) & (ks >= 0)  # the row's liveness as a mask of the chunk's shape
     gate = up = 0.0
     for s in range(S):  # S is static and small (the kernel's contraction splits)
         gate = gate + plgpu.load(p_ref.at[s, m, ks], mask=real, other=0)

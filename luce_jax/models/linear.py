@@ -117,8 +117,7 @@ class Gated(NamedTuple):
         return (T, F2 // 2)
 
     def array(self):
-        gu = self.gu.array() if isinstance(self.gu, Splits) else self.gu
-        gate, up = jnp.split(gu, 2, axis=-1)
+        gate, up = jnp.split(summed(self.gu), 2, axis=-1)
         return jax.nn.silu(gate) * up
 
     def rows(self, w, qmm: QuantMatmul | None, live):
