@@ -52,13 +52,15 @@ def parse_variant(v: str) -> dict:
 
 
 def parse_vector(v: str) -> dict:
-    """block_n:values_per_step:warps:stages:vector_programs[:unit[:int8]] of the vector path
-    (unit 1: codes as the floats 1 + q / 128 four bytes at a time, ggml_asm.py; int8 1: x as
-    int8 and codes dotted with it by dp4a; 0, the default: a code at a time in float32)."""
+    """block_n:values_per_step:warps:stages:vector_programs[:unit[:int8[:prefetch]]] of the
+    vector path (unit 1: codes as the floats 1 + q / 128 four bytes at a time, ggml_asm.py;
+    int8 1: x as int8 and codes dotted with it by dp4a; 0, the default: a code at a time in
+    float32; prefetch 1: weight loads a loop step ahead)."""
     bn, vps, warps, stages, vp, *flags = (int(t) for t in v.split(":"))
-    flags += [0] * (2 - len(flags))
+    flags += [0] * (3 - len(flags))
     return dict(block_n=bn, values_per_step=vps, num_warps=warps, num_stages=stages,
-                vector_programs=vp, unit_codes=bool(flags[0]), int8_x=bool(flags[1]))  # fmt: skip
+                vector_programs=vp, unit_codes=bool(flags[0]), int8_x=bool(flags[1]),
+                prefetch=bool(flags[2]))  # fmt: skip
 
 
 def parse_dequant(v: str) -> dict:

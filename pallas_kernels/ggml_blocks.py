@@ -284,7 +284,7 @@ FORMATS = {
 QTYPES = {f.qtype: name for name, f in FORMATS.items()}  # GGML type -> FORMATS key
 
 
-def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
+def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk, loaded=None):
     """load(off, n) -> code bytes and load1(off) -> head bytes of block `blk` of weight rows
     `cols` [BN] (BlockFormat.decode's loaders; off is a file-block offset); rows where `ok` is
     False give zeros. The head is loaded a unit at a time (BlockFormat.head_unit bytes) and
@@ -295,6 +295,8 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     blk is one block index (load gives [BN, n], load1 [BN], ok is [BN]) or U block indices
     [U] (load gives [BN, U, n], load1 [BN, U], ok is [BN, U]): the vector path decodes U
     blocks at once, so a piece of every block comes in one wide load.
+    loaded: the dict the loads go to, keyed ("body", off, n) and ("head", unit); a key already
+    in it is not loaded again (the vector path passes in the loads it issued a step earlier).
     """
     h0, hs = fmt.head
     many = jnp.ndim(blk) == 1
@@ -306,7 +308,7 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
     # A block's groups share bytes (Q4_K's groups 2r and 2r + 1 are the two nibbles of one
     # run; every group reads the same d, dmin and packed scales), and a load is not merged with
     # an equal one by the compiler: each distinct load is issued once per block and reused.
-    loaded: dict[tuple, jax.Array] = {}
+    loaded: dict[tuple, jax.Array] = {} if loaded is None else loaded
 
     def load(off: int, n: int):
         if ("body", off, n) not in loaded:
@@ -330,6 +332,15 @@ def block_loaders(fmt: BlockFormat, body_at, head_at, cols, ok, blk):
         return ((loaded["head", unit] >> (8 * byte)) & 0xFF).astype(jnp.uint8)
 
     return load, load1
+
+
+def issue_loads(fmt: BlockFormat, load, load1, keys) -> None:
+    """Issue block_loaders' loads of `keys` (keys of its `loaded` dict) through load, load1."""
+    for key in keys:
+        if key[0] == "body":
+            load(*key[1:])
+        else:
+            load1(fmt.head[0] + key[1] * fmt.head_unit)
 
 
 def contract_block(fmt: BlockFormat, load, load1, load_x, acc, dot):

@@ -58,7 +58,7 @@ from jax.experimental.pallas import triton as plgpu
 from .call_options import call_options, uses_ptx, whole
 from .ggml_asm import DECODERS as FLOAT_DECODERS
 from .ggml_asm import INT_DECODERS, dots4
-from .ggml_blocks import QTYPES, block_loaders, codes_as, contract_block, exact_f32
+from .ggml_blocks import QTYPES, block_loaders, codes_as, contract_block, exact_f32, issue_loads
 from .int8_rows import int8_rows
 from .quant_weight import QuantWeight, dequantize_weight
 
@@ -93,7 +93,8 @@ def dot_nn(x, w):
 
 
 def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref, *, fmt, BM,
-            BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece, live_only):  # fmt: skip
+            BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece, live_only,
+            prefetch):  # fmt: skip
     """Program (i, j, s); with E (a stack of E experts' weights), row i alone times the weights
     of expert ex_ref[i] on the vector path (BM 1), zeros where that is not in [0, E)."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -112,12 +113,12 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
 
-    def block(c, u, unmasked=False):
+    def block(c, u, unmasked=False, loaded=None):
         blk = (s * steps + c) * U + u
         ok = blk < n_blocks  # the last split's tail is past K: it adds zeros
         w_ok = (col_ok[:, None] & ok[None, :]) if jnp.ndim(blk) else col_ok & ok
         w_ok = None if unmasked else w_ok  # every load in bounds: no masks to set up
-        loaders = block_loaders(fmt, body_at, head_at, cols, w_ok, blk)
+        loaders = block_loaders(fmt, body_at, head_at, cols, w_ok, blk, loaded)
         return blk, ok, loaders
 
     def dots():
@@ -143,11 +144,36 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
         """Rows row0 .. row0 + R - 1 on the vector units: per row, codes times activations
         summed. A loop step decodes its U blocks together ([BN, U, n] codes per piece) and the
         partial sums stay [BN, U] until the loop ends, so each step has few wide loads and no
-        reduction across U."""
+        reduction across U.
+        With `prefetch`, step c issues the weight loads of step c + 1 before it decodes its
+        own (they ride in the loop's carry), so a block's load latency overlaps the decoding
+        of the one before it."""
+        us = jnp.arange(U)
 
-        def body(c, accs):
-            accs = list(accs)
-            blk, ok, (load, load1) = block(c, jnp.arange(U), exact)
+        def decode(load, load1, g):
+            if int_decode is not None:
+                return int_decode(load, load1, g, piece)
+            return (fmt.decode if float_decode is None else
+                    functools.partial(float_decode, ptx=ptx))(load, load1, g)  # fmt: skip
+
+        keys, first = (), ()
+        if prefetch:  # step 0's loads, issued by decoding it once (the decoding is dead code)
+            loaded = {}
+            _, _, (load, load1) = block(0, us, exact, loaded)
+            for g in range(fmt.groups):
+                decode(load, load1, g)
+            keys = tuple(loaded)
+            first = tuple(loaded[k] for k in keys)
+
+        def body(c, carry):
+            accs, pre = list(carry[:R]), carry[R:]
+            loaded = dict(zip(keys, pre, strict=True)) if prefetch else None
+            if prefetch:  # the last step reloads its own block (clamped: in bounds, cached)
+                nxt = {}
+                _, _, (load, load1) = block(jnp.minimum(c + 1, steps - 1), us, exact, nxt)
+                issue_loads(fmt, load, load1, keys)
+                pre = tuple(nxt[k] for k in keys)
+            blk, ok, (load, load1) = block(c, us, exact, loaded)
             dxs = {}  # x's scales by (row, 32 values): Q6_K's groups of 16 share one
             for g in range(fmt.groups):
                 if int_decode is not None:
@@ -173,7 +199,7 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                         if b is not None:
                             xsum += jnp.sum(xm, axis=-1)[None, :]
                     accs[m] = accs[m] + a * part + (0.0 if b is None else xsum * b)
-            return tuple(accs)
+            return tuple(accs) + tuple(pre)
 
         def int_group(accs, g, blk, ok, load, load1, dxs):
             """Group g against int8 activations: per piece, dots4's products summed as int32,
@@ -204,7 +230,7 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
             return accs
 
         zero = jnp.zeros((BN, U), jnp.float32)
-        return rows_out(jax.lax.fori_loop(0, steps, body, (zero,) * R))
+        return rows_out(jax.lax.fori_loop(0, steps, body, (zero,) * R + first)[:R])
 
     def rows_out(accs):  # r accumulators [BN, U] -> rows 0 .. r-1 of the [BM, BN] tile
         r = jnp.arange(BM)[:, None]
@@ -270,6 +296,7 @@ def quant_matmul(
     vector_programs: int = 2112,
     unit_codes: bool = False,
     int8_x: bool = False,
+    prefetch: bool = False,
     ptx: bool | None = None,
     interpret: bool | None = None,
     num_warps: int = 4,
@@ -317,6 +344,7 @@ def quant_matmul(
         it four at a time (dp4a); other types ignore it. On the H200 one live row: Q4_K gate/up
         54 -> 43 us, Q8_0 46 -> 42 (2026-12-01_quant_matmul_int8_x_h200.md); the engine turns
         it on for dense models (EngineConfig.quant_activations).
+      prefetch: the vector path issues a loop step's weight loads one step ahead.
       ptx: unit codes, dp4a and int8_rows' rounding through PTX (else the same arithmetic in
         jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
@@ -355,7 +383,8 @@ def quant_matmul(
     piece = 16 if BN >= 32 * num_warps else 32
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
-                               ptx=ptx, piece=piece, live_only=splits)  # fmt: skip
+                               ptx=ptx, piece=piece, live_only=splits,
+                               prefetch=prefetch)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
         xw, dx, s16, s32 = int8_rows(x, ptx=ptx, interpret=interpret) if x8 is None else x8

@@ -145,6 +145,30 @@ def test_the_int8_activation_path_matches_the_reference_on_its_rounded_x(qtype, 
     assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
 
 
+@pytest.mark.parametrize(
+    "qtype, int8", [(q, False) for q in TYPES] + [(q, True) for q in INT_DECODERS]
+)
+def test_weight_loads_a_step_ahead_give_the_same_bits(qtype, int8):
+    """prefetch: the vector path's loop step issues the next step's weight loads before it
+    decodes its own; over 4 steps of a split (the last one partial, so its loads are masked)
+    and an N inside a tile, the live rows equal those of loads in their own step (bit for bit
+    with integer sums; float sums to float32 rounding, as interpret mode's XLA may order
+    them differently)."""
+    B = FORMATS[qtype].block
+    step = max(B, 256)
+    w = weight(qtype, 40, 3 * step + B, seed=11)
+    x = jax.random.normal(jax.random.key(11), (8, w.shape[1]), jnp.float32)
+    run = functools.partial(quant_matmul, x, w, jnp.int32(2), block_n=32, values_per_step=step,
+                            vector_programs=1, int8_x=int8, interpret=True)  # fmt: skip
+    got = np.asarray(run(prefetch=True))[:2]
+    same = np.asarray(run(prefetch=False))[:2]
+    if int8 and qtype in INT_DECODERS:
+        np.testing.assert_array_equal(got, same)
+    np.testing.assert_allclose(got, same, rtol=1e-6, atol=1e-6 * np.abs(same).max())
+    ref = np.asarray(quant_matmul_reference(rounded_rows(x) if int8 else x, w))[:2]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q5_k"])
 def test_a_tile_of_a_row_per_thread_loads_runs_as_halves_with_the_same_bits(qtype):
     """At 128 weight rows a tile (a row for each of 4 warps' threads) the int8 path loads each

@@ -6,6 +6,8 @@ lowered to different integer types). Lowering for the cuda platform works withou
 the Triton module of each pallas_call is verified as it is built.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +111,19 @@ def test_the_vector_path_lowers_with_its_ptx(verified, option, qtype, instructio
     lower_for_cuda(f, x, jnp.int32(1))
     assert len(verified) == 1 + (option == "int8_x")  # int8_x: int8_rows' kernel first
     assert instruction in str(verified[-1].module)  # the codes go through ggml_asm's PTX
+
+
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
+def test_weight_loads_a_step_ahead_lower_with_the_loads_in_the_loop_carry(verified, qtype):
+    """prefetch: the loop carries a step's weight bytes (uint8 / uint32 tensors) into the next."""
+    w = zero_weight(qtype, 4096, 4096)
+    x = jnp.zeros((8, 4096), jnp.bfloat16)
+    f = lambda x, n, p: quant_matmul(x, w, n, interpret=False, int8_x=True, prefetch=p)  # noqa: E731
+    lower_for_cuda(functools.partial(f, p=False), x, jnp.int32(1))
+    lower_for_cuda(functools.partial(f, p=True), x, jnp.int32(1))
+    plain, ahead = (str(v.module) for v in verified[1::2])
+    assert ahead.count("scf.for") == plain.count("scf.for")
+    assert ahead.count("tensor<64x1x") > plain.count("tensor<64x1x")
 
 
 def test_int8_rows_lower_with_their_rounding(verified):
