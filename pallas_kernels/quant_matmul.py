@@ -296,7 +296,7 @@ def quant_matmul(
     vector_programs: int = 2112,
     unit_codes: bool = False,
     int8_x: bool = False,
-    prefetch: bool = False,
+    prefetch: bool | None = None,
     ptx: bool | None = None,
     interpret: bool | None = None,
     num_warps: int = 4,
@@ -344,7 +344,11 @@ def quant_matmul(
         it four at a time (dp4a); other types ignore it. On the H200 one live row: Q4_K gate/up
         54 -> 43 us, Q8_0 46 -> 42 (2026-12-01_quant_matmul_int8_x_h200.md); the engine turns
         it on for dense models (EngineConfig.quant_activations).
-      prefetch: the vector path issues a loop step's weight loads one step ahead.
+      prefetch: the vector path issues a loop step's weight loads one step ahead. Default:
+        for Q6_K only. On the H200, one live row (2026-12-02_quant_matmul_prefetch_h200.md):
+        Q6_K gate/up 67.9 -> 58.6 us; Q4_K gate/up 34.3 -> 41.4 and down 20.2 -> 32.1, Q8_0
+        gate/up 38.5 -> 40.3; with it on for every type the engine's C1 step went 4.95 ->
+        5.40 ms.
       ptx: unit codes, dp4a and int8_rows' rounding through PTX (else the same arithmetic in
         jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
@@ -381,6 +385,7 @@ def quant_matmul(
     # on the smallest matrix, so the default BN stays 64
     # (2026-12-02_quant_matmul_units_block_n_h200.md).
     piece = 16 if BN >= 32 * num_warps else 32
+    prefetch = QTYPES[fmt.qtype] == "q6_k" if prefetch is None else prefetch
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
                                ptx=ptx, piece=piece, live_only=splits,
