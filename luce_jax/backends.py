@@ -31,6 +31,16 @@ def gated_delta_fn(backend: str):
     return gated_delta_reference
 
 
+def rope_write_fn(backend: str):
+    """q and k's norms, rope and the KV write in one kernel with the Pallas attention backend
+    (pallas_kernels/rope_write.py), else None: XLA's ops."""
+    if backend == "pallas":
+        from pallas_kernels.rope_write import rope_write
+
+        return rope_write
+    return None
+
+
 def grouped_matmul_fn(backend: str):
     """The grouped expert matmul of a resolved moe_backend."""
     if backend == "pallas":

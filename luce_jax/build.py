@@ -46,6 +46,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         grouped_matmul_fn,
         quant_activations_for,
         quant_matmul_fn,
+        rope_write_fn,
     )
     from .device.programs import enable_compile_cache
     from .device.runner import Runner
@@ -117,8 +118,9 @@ def _load(config: EngineConfig, clock: StartupClock):
 
     spec_k = config.draft_tokens if config.spec_mode != "off" else 0
     runner = runner_for(
-        Runner, mc, shapes, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend)
-    )
+        Runner, mc, shapes, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend),
+        rope_write_fn=rope_write_fn(config.attention_backend),
+    )  # fmt: skip
     engine = DenseEngine(config, runner, num_blocks)
     # structured output: xgrammar loads on the first request that asks for it
     engine.grammars = Grammars(tokenizer.token_bytes, tokenizer.eog_ids, mc.vocab_size)

@@ -159,12 +159,20 @@ def test_jit_compiles_once_per_shape():
     assert f._cache_size() == 1
 
 
-def test_engine_greedy_tokens_equal_with_pallas_and_xla(tiny_gguf, compile_cache):
-    """The whole engine on the tiny model: the kernel (interpret mode) changes no token."""
+def test_engine_greedy_tokens_equal_with_pallas_and_xla(tiny_gguf, compile_cache, monkeypatch):
+    """The whole engine on the tiny model: the kernels (interpret mode) change no token. The
+    pallas backend runs q and k's norms, rope and the KV write as rope_write's kernel in every
+    layer (counted as the step traces it)."""
     from luce_jax import LLM, SamplingParams
+    from pallas_kernels import rope_write
 
     from conftest import TINY_ENGINE
 
+    traced = []
+    kernel = rope_write.rope_write
+    monkeypatch.setattr(
+        rope_write, "rope_write", lambda *a, **k: traced.append(1) or kernel(*a, **k)
+    )
     prompts = ["def add(a, b):", "import os\n", "x = [1, 2, 3]\nfor i in x:"]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     out = {}
@@ -172,6 +180,7 @@ def test_engine_greedy_tokens_equal_with_pallas_and_xla(tiny_gguf, compile_cache
         kw = dict(TINY_ENGINE, attention_backend=backend, compile_cache_dir=compile_cache)
         with LLM(tiny_gguf, **kw) as llm:
             out[backend] = [c.token_ids for c in llm.generate(prompts, sp)]
+        assert bool(traced) == (backend == "pallas")
     assert out["pallas"] == out["xla"]
 
 

@@ -383,6 +383,7 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     from pallas_kernels.moe_grouping import grouped_matmul
     from pallas_kernels.paged_attention import paged_attention
     from pallas_kernels.quant_matmul import quant_matmul
+    from pallas_kernels.rope_write import rope_write
 
     _, cfg, params = load(files[name], True)
     gpu = functools.partial  # the kernels as on a GPU: Triton, not interpret mode
@@ -392,6 +393,7 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
         QuantMatmul(gpu(quant_matmul, interpret=False, int8_x=True),
                     norm_int8=gpu(norm_int8_rows, interpret=False),
                     glu_int8=gpu(glu_int8_rows, interpret=False)),
+        rope_write_fn=gpu(rope_write, interpret=False),
     )  # fmt: skip
     fn, args = runner.step_function(8, 4)
     triton = "__gpu$xla.gpu.triton"
@@ -405,7 +407,8 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     # every layer is a call of a layer function, one per distinct weight-type mix (dense.layer)
     assert len(re.findall(r"call @layer(?:_\d+)?\(", module)) == cfg.n_layers
     layer_fns = len(re.findall(r"func\.func private @layer(?:_\d+)?\(", module))
-    kernels_per_layer = 2 + (2 if name == "moe" else 2)  # attention, qkv / out, gate-up / down
+    # attention, rope_write, qkv / out, gate-up / down
+    kernels_per_layer = 3 + (2 if name == "moe" else 2)
     # every distinct Triton module was lowered here and verified (a call whose module equals
     # one lowered before, such as int8_rows of one x for two matmuls, reuses it)
     modules = set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', module))

@@ -22,6 +22,7 @@ from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
 from pallas_kernels.quant_weight import QuantWeight
+from pallas_kernels.rope_write import rope_write
 
 
 def lower_for_cuda(f, *args):
@@ -59,6 +60,22 @@ def test_grouped_matmul_lowers_to_a_valid_triton_module(verified, swiglu, M, K, 
     w = jnp.zeros((8, K, 2 * N if swiglu else N), jnp.bfloat16)
     sizes = jnp.full((8,), M // 8, jnp.int32)
     lower_for_cuda(lambda *a: grouped_matmul(*a, swiglu=swiglu, interpret=False), x, w, sizes)
+    assert len(verified) == 1
+
+
+@pytest.mark.parametrize("neox, norm", [(True, True), (False, False)])
+@pytest.mark.parametrize("H, K", [(32, 8), (28, 4)])
+def test_rope_write_lowers_to_a_valid_triton_module(verified, neox, norm, H, K):
+    """The qkv rows' norm, rope and KV write in one kernel, its caches aliased to its outputs."""
+    D, T, NB, P = 128, 8, 64, 16
+    ws = (jnp.ones((D,), jnp.float32),) * 2 if norm else (None, None)
+    cache = jnp.zeros((NB, P, K, D), jnp.bfloat16)
+    f = lambda qkv, cos, idx, kc, vc: rope_write(  # noqa: E731
+        qkv, *ws, cos, cos, idx, kc, vc, heads=H, kv_heads=K, eps=1e-6, neox=neox,
+        out_dtype=jnp.bfloat16, interpret=False)  # fmt: skip
+    qkv = jnp.zeros((T, (H + 2 * K) * D), jnp.float32)
+    cos = jnp.zeros((T, D // 2), jnp.float32)
+    lower_for_cuda(f, qkv, cos, jnp.zeros((T,), jnp.int32), cache, cache)
     assert len(verified) == 1
 
 

@@ -70,6 +70,8 @@ class Runner:
       max_proposals: K, the most speculative proposals a verify row carries (0: no
         speculation, one logits row per row).
       delta_fn: a hybrid model's gated delta rule (pallas_kernels/gated_delta.py).
+      rope_write_fn: a dense model's q, k norms, rope and KV write in one kernel
+        (pallas_kernels/rope_write.py), or None (XLA's ops).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Runner:
         quant_matmul=None,
         max_proposals: int = 0,
         delta_fn=None,
+        rope_write_fn=None,
     ):
         self.cfg = cfg
         self.k = max_proposals
@@ -114,6 +117,7 @@ class Runner:
         self._grouped_matmul = grouped_matmul_fn
         self._quant_matmul = quant_matmul
         self._delta = delta_fn
+        self._rope_write = rope_write_fn
         self.programs = BucketPrograms(self.step_function, donate=(1, 2, 3), name="step")
         # keyed by (R, S, filtered, logprobs): the sampling program reads no [T] array, and the
         # host picks its variant (sampling.py says why it is no lax.cond)
@@ -155,7 +159,7 @@ class Runner:
         if model_state is None:
             logits, kv, stats = dense.forward(
                 params, kv, batch, self.cfg, self._attention, self._grouped_matmul,
-                self._quant_matmul,
+                self._quant_matmul, self._rope_write,
             )  # fmt: skip
         else:
             logits, kv, model_state = hybrid.forward(

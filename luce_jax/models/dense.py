@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_cache
 from pallas_kernels.int8_rows import rms_norm
+from pallas_kernels.rope_write import fits as fits_rope_write
 
 from ..config import ModelConfig
 from . import moe
@@ -58,6 +59,7 @@ def forward(
     attention_fn=None,
     grouped_matmul=None,
     quant_matmul: QuantMatmul | None = None,
+    rope_write=None,
 ):
     """One model step over packed tokens; writes this step's K/V and returns requested logits.
 
@@ -73,6 +75,8 @@ def forward(
       attention_fn: paged attention with paged_attention_xla's signature.
       grouped_matmul: MoE layers' grouped expert matmul (moe.grouped_matmul_xla's signature).
       quant_matmul: how projections with quantized weights run (models/linear.py).
+      rope_write: q and k's norms, rope and the KV write in one kernel
+        (pallas_kernels/rope_write.py's signature), for the layers it fits; None: XLA's ops.
     Returns:
       (logits [R, V] float32, new kv, stats): stats holds expert_counts [L_moe, E] int32
       (real tokens routed to each expert in each MoE layer) for MoE models, else nothing.
@@ -83,7 +87,7 @@ def forward(
         cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
     new_kv, pairs = [], []
     live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
-    kernels = (attn, grouped_matmul, quant_matmul)
+    kernels = (attn, grouped_matmul, quant_matmul, rope_write)
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
         x, kc, vc, routed = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
         if routed is not None:
@@ -106,12 +110,12 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
     Args:
       lp: the layer's params; x: residual stream [T, d] float32; kc, vc: its caches;
       cos, sin: rope tables; batch, live: forward's; kernels: (attention_fn, grouped_matmul,
-      quant_matmul) as forward takes them (hashable: they are static).
+      quant_matmul, rope_write) as forward takes them (hashable: they are static).
     Returns:
       (x, kc, vc, the experts of its (token, expert) pairs [T*k] int32 for an MoE layer (moe.ffn)
        or None).
     """
-    attn, grouped_matmul, quant_matmul = kernels
+    attn, grouped_matmul, quant_matmul, rope_write = kernels
     T = x.shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
@@ -120,20 +124,27 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
         qkv = linear(Normed(x, lp["attn_norm"], cfg.rms_eps), lp["wqkv"], quant_matmul, live)
         if "bqkv" in lp:
             qkv = qkv + lp["bqkv"]
-        q = qkv[:, : H * D].reshape(T, H, D)
-        k = qkv[:, H * D : (H + K) * D].reshape(T, K, D)
-        v = qkv[:, (H + K) * D :].reshape(T, K, D)
-        if "q_norm" in lp:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
-        q = apply_rope(q, cos, sin, cfg)
-        k = apply_rope(k, cos, sin, cfg)
-    # The KV write stays a separate scatter rather than fused into the attention kernel: it
-    # took 1.6% (C1) and 1.8% (C8) of a Qwen3-8B step in the H200 profile
-    # (bench/results/2026-11-30_profile_qwen3-8b-bf16.md), which bounds what fusing saves,
-    # and a fused write would have to land before other programs of the same sequence read
-    # it, an ordering Triton programs of one grid do not have.
-    o, kc, vc = write_and_attend(attn, q, k, v, kc, vc, batch, 1.0 / D**0.5, lp["wqkv"])
+    # The KV write stays apart from the attention kernel: a fused write would have to land
+    # before other programs of the same sequence read it, an ordering Triton programs of one
+    # grid do not have. It goes with q and k's norms and rope instead (rope_write).
+    if rope_write is not None and fits_rope_write(D, cfg.rope_dim or D, kc, vc):
+        with jax.named_scope("kv_write"):
+            norms = lp.get("q_norm"), lp.get("k_norm")
+            q, kc, vc = rope_write(qkv, *norms, cos, sin, batch["write_idx"], kc, vc, heads=H,
+                                   kv_heads=K, eps=cfg.rms_eps, neox=cfg.rope_neox,
+                                   out_dtype=kc.dtype)  # fmt: skip
+        o = attend(attn, q, kc, vc, batch, 1.0 / D**0.5, lp["wqkv"])
+    else:
+        with jax.named_scope("qkv"):
+            q = qkv[:, : H * D].reshape(T, H, D)
+            k = qkv[:, H * D : (H + K) * D].reshape(T, K, D)
+            v = qkv[:, (H + K) * D :].reshape(T, K, D)
+            if "q_norm" in lp:
+                q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
+                k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
+            q = apply_rope(q, cos, sin, cfg)
+            k = apply_rope(k, cos, sin, cfg)
+        o, kc, vc = write_and_attend(attn, q, k, v, kc, vc, batch, 1.0 / D**0.5, lp["wqkv"])
     # In a decode step on the int8 kernel the attention output's and the FFN's products come
     # back as split partials of live rows only (the kernel writes no others: at C1 one row of
     # a bucket of 8 is live), which XLA sums with the residual add.
@@ -158,8 +169,13 @@ def write_and_attend(attn, q, k, v, kc, vc, batch: dict, scale: float, w_qkv):
     with jax.named_scope("kv_write"):
         kc = kv_cache.write(kc, batch["write_idx"], k)
         vc = kv_cache.write(vc, batch["write_idx"], v)
+    return attend(attn, q, kc, vc, batch, scale, w_qkv), kc, vc
+
+
+def attend(attn, q, kc, vc, batch: dict, scale: float, w_qkv):
+    """Attention of q [T, H, D] over the caches that hold this step's K/V: o [T, H, D]."""
     with jax.named_scope("attention"):
-        o = attn(
+        return attn(
             q.astype(kv_cache.compute_dtype(kc, weight_dtype(w_qkv))),
             kc,
             vc,
@@ -170,7 +186,6 @@ def write_and_attend(attn, q, k, v, kc, vc, batch: dict, scale: float, w_qkv):
             scale=scale,
             cu_q_lens=batch["cu_q_lens"],
         )
-    return o, kc, vc
 
 
 def swiglu(lp: dict, h, quant_matmul, live, splits=False):
