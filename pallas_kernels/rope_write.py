@@ -3,14 +3,16 @@ embedding, and k, v written into the paged caches in place.
 
 Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas ops.
 
-Why: in XLA a decode layer ran these as five small kernels (q norm, k norm + rope, q rope into
-attention's layout, a scatter for k and one for v), 1.5 to 2.1 us each on the H200, about
-0.35 ms of a 4.4 ms step of the 8B at C1 (results/2026-12-02_profile_qwen3-8b-q4_k_m_c1_9345aba.md).
-Here a program takes one token row: it loads the row's q and k heads as two halves (NEOX
-rotates the halves of a head, llama adjacent pairs: the halves are then its even and odd
+In XLA a decode layer ran these as five small kernels (q norm, k norm + rope, q rope into
+attention's layout, a scatter for k and one for v), 1.5 to 2.1 us each on the H200
+(results/2026-12-02_profile_qwen3-8b-q4_k_m_c1_9345aba.md). Program (t, g) takes token row t's
+kv heads g * KP .. (g + 1) * KP - 1 and their query heads: it loads each head as two halves
+(NEOX rotates the halves of a head, llama adjacent pairs: the halves are then its even and odd
 values), norms each head over both halves, rotates, stores q and writes k and v at the row's
 KV slot. Padding rows write the sink slot their write_idx points at (block 0), as the XLA
-scatter does.
+scatter does. With a program a row (KP = K) the 8B's decode step on the H200 took as long as
+with XLA's kernels (4.82 against 4.83 ms at C1), 4 kernels a layer fewer
+(results/2026-12-02_engine_decode_qwen3-8b-q4_k_m_rope_write_6df05ce.md).
 
 Shapes: T rows, H query heads, K kv heads, D head dim, NB blocks of P slots.
 """
@@ -72,15 +74,18 @@ def rope_write_reference(qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads, k
 
 
 def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, idx_ref, _kc, _vc, q_ref, kc_ref, vc_ref,
-            *, H, K, D, P, eps, neox, norm):  # fmt: skip
-    t = pl.program_id(0)
+            *, H, K, D, P, eps, neox, norm, KP):  # fmt: skip
+    """Program (t, g): row t's kv heads g * KP .. (g + 1) * KP - 1 and their query heads."""
+    t, g = pl.program_id(0), pl.program_id(1)
+    QP = KP * H // K  # query heads a program
+    q0, k0 = g * QP, g * KP
     lo, hi = _halves(D, neox)
     c = plgpu.load(cos_ref.at[t, jnp.arange(D // 2)])[None, :]
     s = plgpu.load(sin_ref.at[t, jnp.arange(D // 2)])[None, :]
     slot = idx_ref[t]
     blk, off = slot // P, slot % P
 
-    def heads(first, n):  # [n'] head indices (n' a power of two), their mask, clamped rows
+    def heads(first, n):  # [n'] head offsets (n' a power of two), their mask, clamped rows
         h = jnp.arange(1 << (n - 1).bit_length())
         return h, (h < n)[:, None], (first + jnp.minimum(h, n - 1))[:, None] * D
 
@@ -93,16 +98,16 @@ def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, idx_ref, _kc, _vc, q_ref,
             w1, w2 = plgpu.load(w_ref.at[lo]), plgpu.load(w_ref.at[hi])
         return h[:, None], ok, _norm_rope(x1, x2, w1, w2, c, s, eps, D)
 
-    h, ok, (q1, q2) = rotated(0, H, qw_ref)
-    plgpu.store(q_ref.at[t, h, lo[None, :]], q1.astype(q_ref.dtype), mask=ok)
-    plgpu.store(q_ref.at[t, h, hi[None, :]], q2.astype(q_ref.dtype), mask=ok)
-    h, ok, (k1, k2) = rotated(H, K, kw_ref)
-    plgpu.store(kc_ref.at[blk, off, h, lo[None, :]], k1.astype(kc_ref.dtype), mask=ok)
-    plgpu.store(kc_ref.at[blk, off, h, hi[None, :]], k2.astype(kc_ref.dtype), mask=ok)
-    hv, ok, base = heads(H + K, K)
+    h, ok, (q1, q2) = rotated(q0, QP, qw_ref)
+    plgpu.store(q_ref.at[t, q0 + h, lo[None, :]], q1.astype(q_ref.dtype), mask=ok)
+    plgpu.store(q_ref.at[t, q0 + h, hi[None, :]], q2.astype(q_ref.dtype), mask=ok)
+    h, ok, (k1, k2) = rotated(H + k0, KP, kw_ref)
+    plgpu.store(kc_ref.at[blk, off, k0 + h, lo[None, :]], k1.astype(kc_ref.dtype), mask=ok)
+    plgpu.store(kc_ref.at[blk, off, k0 + h, hi[None, :]], k2.astype(kc_ref.dtype), mask=ok)
+    hv, ok, base = heads(H + K + k0, KP)
     d = jnp.arange(D)[None, :]
     v = plgpu.load(qkv_ref.at[t, base + d])
-    plgpu.store(vc_ref.at[blk, off, hv[:, None], d], v.astype(vc_ref.dtype), mask=ok)
+    plgpu.store(vc_ref.at[blk, off, k0 + hv[:, None], d], v.astype(vc_ref.dtype), mask=ok)
 
 
 def fits(head_dim: int, rope_dim: int, kc, vc) -> bool:
@@ -113,8 +118,8 @@ def fits(head_dim: int, rope_dim: int, kc, vc) -> bool:
 
 
 def rope_write(qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads: int, kv_heads: int,
-               eps: float, neox: bool, out_dtype, interpret: bool | None = None,
-               num_warps: int = 4):  # fmt: skip
+               eps: float, neox: bool, out_dtype, kv_heads_per_program: int | None = None,
+               interpret: bool | None = None, num_warps: int = 4):  # fmt: skip
     """Pallas rope_write_reference: q normed (q_w) and rotated, k likewise and written with v
     into the caches at write_idx, in place (the caches are aliased to the outputs).
 
@@ -126,6 +131,9 @@ def rope_write(qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads: int, kv_hea
       kc, vc: [NB, P, K, D] plain caches.
       heads, kv_heads: H and K; eps: the norm's epsilon; neox: rotate halves (else pairs).
       out_dtype: q's dtype (the attention's compute dtype).
+      kv_heads_per_program: KP, a divisor of K: a program takes one row's KP kv heads and
+        their H / K query heads each (grid T x K / KP). None: all K, a program a row (the
+        form timed on the H200, 2026-12-02_engine_decode_qwen3-8b-q4_k_m_rope_write_6df05ce.md).
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       (q [T, H, D] out_dtype, kc, vc).
@@ -140,17 +148,20 @@ def rope_write(qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads: int, kv_hea
         raise ValueError(f"rope tables {cos.shape} or head dim {D} do not fit the kernel")
     if (q_w is None) != (k_w is None) or write_idx.shape != (T,):
         raise ValueError(f"norm weights ({q_w is None}, {k_w is None}) or slots {write_idx.shape}")
+    KP = K if kv_heads_per_program is None else kv_heads_per_program
+    if K % KP:
+        raise ValueError(f"kv_heads_per_program {KP} does not divide {K} kv heads")
     norm = q_w is not None
     one = jnp.ones((D,), jnp.float32)
     inputs = (qkv.astype(jnp.float32), one if q_w is None else q_w.astype(jnp.float32),
               one if k_w is None else k_w.astype(jnp.float32), cos.astype(jnp.float32),
               sin.astype(jnp.float32), write_idx.astype(jnp.int32), kc, vc)  # fmt: skip
-    kernel = functools.partial(_kernel, H=H, K=K, D=D, P=P, eps=eps, neox=neox, norm=norm)
+    kernel = functools.partial(_kernel, H=H, K=K, D=D, P=P, eps=eps, neox=neox, norm=norm, KP=KP)
     outs = (jax.ShapeDtypeStruct((T, H, D), out_dtype), kc, vc)
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in outs)
     return pl.pallas_call(
         kernel,
-        grid=(T,),
+        grid=(T, K // KP),
         in_specs=[whole(a) for a in inputs],
         out_specs=[whole(a) for a in shapes],
         out_shape=shapes,

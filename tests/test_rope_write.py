@@ -32,18 +32,20 @@ def cfg(neox: bool) -> ModelConfig:
                        rope_dim=D, rope_neox=neox)  # fmt: skip
 
 
+@pytest.mark.parametrize("kp", [None, 1], ids=["row", "kv_head"])
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
 @pytest.mark.parametrize("norm", [True, False], ids=["normed", "unnormed"])
-def test_the_kernel_equals_its_reference_and_the_models_xla_path(neox, norm):
+def test_the_kernel_equals_its_reference_and_the_models_xla_path(neox, norm, kp):
     """q in the attention's dtype and the caches after the write, in interpret mode, equal the
-    reference; the reference equals dense.py's rms_norm, apply_rope and kv_cache.write. The
-    sink block, which both padding rows write, is left out."""
+    reference, with a program a row or a program a row's kv head (and its 3 query heads); the
+    reference equals dense.py's rms_norm, apply_rope and kv_cache.write. The sink block, which
+    both padding rows write, is left out."""
     qkv, q_w, k_w, kc, vc, idx, pos = case(int(neox) + 2 * int(norm))
     c = cfg(neox)
     cos, sin = rope_tables(pos, c)
     ws = (q_w, k_w) if norm else (None, None)
     kw = dict(heads=H, kv_heads=K, eps=1e-6, neox=neox, out_dtype=jnp.bfloat16)
-    got = rope_write(qkv, *ws, cos, sin, idx, kc, vc, interpret=True, **kw)
+    got = rope_write(qkv, *ws, cos, sin, idx, kc, vc, kv_heads_per_program=kp, interpret=True, **kw)
     ref = rope_write_reference(qkv, *ws, cos, sin, idx, kc, vc, **kw)
 
     q = qkv[:, : H * D].reshape(T, H, D)
@@ -91,6 +93,10 @@ def test_layers_the_kernel_cannot_take_are_refused():
     with pytest.raises(ValueError, match="heads"):
         rope_write(qkv, q_w, k_w, cos, sin, idx, kc, vc, heads=H + 1, kv_heads=K, eps=1e-6,
                    neox=True, out_dtype=jnp.bfloat16, interpret=True)  # fmt: skip
+    with pytest.raises(ValueError, match="kv_heads_per_program 3"):
+        rope_write(qkv, q_w, k_w, cos, sin, idx, kc, vc, heads=H, kv_heads=K, eps=1e-6,
+                   neox=True, out_dtype=jnp.bfloat16, kv_heads_per_program=3,
+                   interpret=True)  # fmt: skip
     with pytest.raises(ValueError, match="norm weights"):
         rope_write(qkv, q_w, None, cos, sin, idx, kc, vc, heads=H, kv_heads=K, eps=1e-6,
                    neox=True, out_dtype=jnp.bfloat16, interpret=True)  # fmt: skip
