@@ -52,15 +52,16 @@ def parse_variant(v: str) -> dict:
 
 
 def parse_vector(v: str) -> dict:
-    """block_n:values_per_step:warps:stages:vector_programs[:unit[:int8[:prefetch]]] of the
-    vector path (unit 1: codes as the floats 1 + q / 128 four bytes at a time, ggml_asm.py;
+    """block_n:values_per_step:warps:stages:vector_programs[:unit[:int8[:prefetch[:dots]]]] of
+    the vector path (unit 1: codes as the floats 1 + q / 128 four bytes at a time, ggml_asm.py;
     int8 1: x as int8 and codes dotted with it by dp4a; 0, the default: a code at a time in
-    float32; prefetch 1: weight loads a loop step ahead)."""
+    float32; prefetch 1: weight loads a loop step ahead; dots 1: with int8, a call of more live
+    rows than the vector path takes dots x's int8 rows with int8 codes, int8_dots)."""
     bn, vps, warps, stages, vp, *flags = (int(t) for t in v.split(":"))
-    flags += [0] * (3 - len(flags))
+    flags += [0] * (4 - len(flags))
     return dict(block_n=bn, values_per_step=vps, num_warps=warps, num_stages=stages,
                 vector_programs=vp, unit_codes=bool(flags[0]), int8_x=bool(flags[1]),
-                prefetch=bool(flags[2]))  # fmt: skip
+                prefetch=bool(flags[2]), int8_dots=bool(flags[3]))  # fmt: skip
 
 
 def parse_dequant(v: str) -> dict:
@@ -127,10 +128,14 @@ def run_case(
         live = jnp.int32(n)
         fns += [(f"{v} live {n}", functools.partial(quant_matmul, live=live,
                  out_dtype=jnp.bfloat16, **parse_variant(v))) for v in variants]  # fmt: skip
-        # the vector path itself, for every K and up to n rows
-        fns += [(f"vector {v} live {n}", functools.partial(quant_matmul, live=live,
-                 out_dtype=jnp.bfloat16, vector_rows=n,
-                 **parse_vector(v))) for v in vectors]  # fmt: skip
+        # the vector path itself, for every K and up to n rows; with the dots flag, the dots
+        # branch on int8 rows (the vector path's default 2 rows, so n > 2 takes the dots)
+        for v in vectors:
+            kw = parse_vector(v)
+            rows_v = 2 if kw["int8_dots"] else n
+            fns.append((f"{'dots' if kw['int8_dots'] else 'vector'} {v} live {n}",
+                        functools.partial(quant_matmul, live=live, out_dtype=jnp.bfloat16,
+                                          vector_rows=rows_v, **kw)))  # fmt: skip
     if lives and xla:  # one row as XLA's fused multiply-reduce over the dequantized weight
         fns.append(("xla-reduce live 1", xla_reduce))
     if xla:

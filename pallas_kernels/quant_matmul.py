@@ -94,7 +94,7 @@ def dot_nn(x, w):
 
 def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref, *, fmt, BM,
             BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece, live_only,
-            prefetch):  # fmt: skip
+            prefetch, int8_dots):  # fmt: skip
     """Program (i, j, s); with E (a stack of E experts' weights), row i alone times the weights
     of expert ex_ref[i] on the vector path (BM 1), zeros where that is not in [0, E)."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -136,6 +136,40 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                     return plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=m, other=0)
 
                 acc = contract_block(fmt, load, load1, load_x, acc, dot_nt)
+            return acc
+
+        return jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
+
+    def dots_int8():
+        """The dots on x's int8 rows: per group, x's codes [BM, n] times the weight's [BN, n]
+        as int8 on the matrix units, summed in int32, then scaled by the group's a and x's
+        block scale (plus b times x's group sum), as the vector path's int_group does."""
+        rows = i * BM + jnp.arange(BM)
+        row_ok = rows < M
+        rows = jnp.minimum(rows, M - 1)
+
+        def body(c, acc):
+            for u in range(U):
+                blk, ok, (load, load1) = block(c, u)
+                m = row_ok & ok
+                for g in range(fmt.groups):
+                    a, b, pieces = fmt.decode(load, load1, g)
+                    k0 = blk * fmt.block + g * fmt.group
+                    dot = 0
+                    for first, codes in pieces:
+                        ks = k0 + first + jnp.arange(codes.shape[1])
+                        xq = plgpu.load(xw_ref.at[rows[:, None], ks[None, :]], mask=m[:, None],
+                                        other=0)  # fmt: skip
+                        dot = dot + jax.lax.dot_general(
+                            xq, codes.astype(jnp.int8), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.int32,
+                        )  # fmt: skip
+                    part = exact_f32(dot) * a[None, :]
+                    if b is not None:
+                        xs = plgpu.load(sx_ref.at[rows, k0 // fmt.group], mask=m, other=0)
+                        part = part + xs[:, None] * b[None, :]
+                    dx = plgpu.load(dx_ref.at[rows, k0 // 32], mask=m, other=0)
+                    acc = acc + dx[:, None] * part
             return acc
 
         return jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
@@ -243,7 +277,7 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
     # instruction issue (ncu on the H200: Q4_K gate/up at 0.77 instructions a clock per
     # scheduler, 18% of DRAM bandwidth), and one token in a bucket of 8 (decode at C1) had
     # paid for two rows. The branch is uniform over a program, so only its code is shared.
-    out = dots
+    out = dots_int8 if int8 and int8_dots else dots
     for r in range(1, R + 1)[::-1]:
         path = functools.partial(vectors, r)
         out = functools.partial(jax.lax.cond, (live_ref[0] <= r) & (i == 0), path, out)
@@ -297,6 +331,7 @@ def quant_matmul(
     unit_codes: bool = False,
     int8_x: bool = False,
     prefetch: bool | None = None,
+    int8_dots: bool = False,
     ptx: bool | None = None,
     interpret: bool | None = None,
     num_warps: int = 4,
@@ -349,6 +384,9 @@ def quant_matmul(
         Q6_K gate/up 67.9 -> 58.6 us; Q4_K gate/up 34.3 -> 41.4 and down 20.2 -> 32.1, Q8_0
         gate/up 38.5 -> 40.3; with it on for every type the engine's C1 step went 4.95 ->
         5.40 ms.
+      int8_dots: with int8_x, a call of more live rows than vector_rows (a bucket of at most
+        8 rows: the live count is given) runs its dots on x's int8 rows and the codes as int8
+        (int32 sums a group) rather than on bf16 x and codes.
       ptx: unit codes, dp4a and int8_rows' rounding through PTX (else the same arithmetic in
         jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
@@ -389,7 +427,7 @@ def quant_matmul(
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
                                ptx=ptx, piece=piece, live_only=splits,
-                               prefetch=prefetch)  # fmt: skip
+                               prefetch=prefetch, int8_dots=int8_dots)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
         xw, dx, s16, s32 = int8_rows(x, ptx=ptx, interpret=interpret) if x8 is None else x8

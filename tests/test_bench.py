@@ -278,16 +278,20 @@ def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
 
 
 def test_kernel_bench_vector_variants_select_the_decoding():
-    """bench/quant_matmul.py's --vector-variants: optional sixth and seventh fields turn on the
-    unit codes and the int8 activations, so one device call can time every vector path."""
+    """bench/quant_matmul.py's --vector-variants: optional sixth to ninth fields turn on the
+    unit codes, the int8 activations, the loads a step ahead and the int8 dots, so one device
+    call can time every vector path."""
     import quant_matmul as qmm_bench
 
     unit = qmm_bench.parse_vector("32:1024:4:2:2112:1")
     assert unit == dict(block_n=32, values_per_step=1024, num_warps=4, num_stages=2,
-                        vector_programs=2112, unit_codes=True, int8_x=False)  # fmt: skip
+                        vector_programs=2112, unit_codes=True, int8_x=False, prefetch=False,
+                        int8_dots=False)  # fmt: skip
     plain = qmm_bench.parse_vector("64:256:4:2:2112")
     assert plain["unit_codes"] is False and plain["int8_x"] is False
     assert qmm_bench.parse_vector("64:256:4:2:2112:0:1")["int8_x"] is True
+    ahead = qmm_bench.parse_vector("64:256:4:2:2112:0:1:1:1")
+    assert ahead["prefetch"] is True and ahead["int8_dots"] is True
 
 
 def test_kernel_timing_takes_the_median_of_its_rounds(monkeypatch):

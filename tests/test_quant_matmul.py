@@ -169,6 +169,25 @@ def test_weight_loads_a_step_ahead_give_the_same_bits(qtype, int8):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("qtype", sorted(INT_DECODERS))
+def test_int8_dots_match_the_reference_on_the_rounded_x(qtype):
+    """int8_dots: a call of more live rows than the vector path takes (5 of a bucket of 8)
+    dots x's int8 rows with the codes as int8 on the matrix units; it equals the reference on
+    x as rounded to int8 (float32 rounding), over a K that ends inside a step and an N inside
+    a tile, and agrees with the vector path's int8 sums on the rows both compute."""
+    B = FORMATS[qtype].block
+    w = weight(qtype, 40, 3 * B, seed=13)
+    x = jax.random.normal(jax.random.key(13), (8, 3 * B), jnp.float32)
+    run = functools.partial(quant_matmul, x, w, block_n=32, values_per_step=2 * max(B, 256),
+                            vector_programs=4, min_programs=4, int8_x=True, int8_dots=True,
+                            interpret=True)  # fmt: skip
+    got = np.asarray(run(jnp.int32(5)))[:5]
+    ref = np.asarray(quant_matmul_reference(rounded_rows(x), w))[:5]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+    one = np.asarray(run(jnp.int32(1)))[:1]  # the vector path's dp4a sums
+    np.testing.assert_allclose(got[:1], one, rtol=1e-5, atol=1e-6 * np.abs(one).max())
+
+
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q5_k"])
 def test_a_tile_of_a_row_per_thread_loads_runs_as_halves_with_the_same_bits(qtype):
     """At 128 weight rows a tile (a row for each of 4 warps' threads) the int8 path loads each

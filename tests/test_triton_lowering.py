@@ -7,6 +7,7 @@ the Triton module of each pallas_call is verified as it is built.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,19 @@ def test_the_vector_path_lowers_with_its_ptx(verified, option, qtype, instructio
     lower_for_cuda(f, x, jnp.int32(1))
     assert len(verified) == 1 + (option == "int8_x")  # int8_x: int8_rows' kernel first
     assert instruction in str(verified[-1].module)  # the codes go through ggml_asm's PTX
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k", "q6_k"])
+def test_int8_dots_lower_with_integer_dots(verified, qtype):
+    """int8_dots: the dots branch multiplies int8 x by int8 codes into int32 (Triton's dot
+    with an i32 accumulator), beside the vector path's dp4a."""
+    w = zero_weight(qtype, 4096, 4096)
+    x = jnp.zeros((8, 4096), jnp.bfloat16)
+    f = lambda x, n: quant_matmul(x, w, n, interpret=False, int8_x=True, int8_dots=True)  # noqa: E731
+    lower_for_cuda(f, x, jnp.int32(5))
+    assert len(verified) == 2  # int8_rows' kernel, then the matmul's
+    module = str(verified[-1].module)
+    assert re.search(r"tt\.dot .*tensor<16x\d+xi8>.*-> tensor<16x64xi32>", module), module[:0]
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
