@@ -365,3 +365,27 @@ def contract_block(fmt: BlockFormat, load, load1, load_x, acc, dot):
         if b is not None:
             acc = acc + xsum[:, None] * b[None, :]
     return acc
+
+
+def contract_block_int8(fmt: BlockFormat, load, load1, load_x, load_dx, load_sx, acc):
+    """contract_block on x's int8 rows (int8_rows.py): per group, x's codes [BM, n] times the
+    weight's codes as int8, summed in int32 on the matrix units, then scaled by the group's a
+    and x's scale per 32 values, plus b times x's sum over the group (sx: per 16 or 32).
+
+    Args:
+      load_x(first, n): x's int8 codes [BM, n] of the block's values first .. first + n.
+      load_dx(first), load_sx(first): x's scale of the 32 values and sum of the group's values
+        at value `first` of the block, [BM] float32 (load_sx None where no group has b).
+    """
+    for g in range(fmt.groups):
+        a, b, pieces = fmt.decode(load, load1, g)
+        dot = 0
+        for first, codes in pieces:
+            xq = load_x(g * fmt.group + first, codes.shape[1])
+            dot = dot + jax.lax.dot_general(xq, codes.astype(jnp.int8), (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.int32)  # fmt: skip
+        part = exact_f32(dot) * a[None, :]
+        if b is not None:
+            part = part + load_sx(g * fmt.group)[:, None] * b[None, :]
+        acc = acc + load_dx(g * fmt.group)[:, None] * part
+    return acc

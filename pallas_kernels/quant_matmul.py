@@ -58,7 +58,15 @@ from jax.experimental.pallas import triton as plgpu
 from .call_options import call_options, uses_ptx, whole
 from .ggml_asm import DECODERS as FLOAT_DECODERS
 from .ggml_asm import INT_DECODERS, dots4
-from .ggml_blocks import QTYPES, block_loaders, codes_as, contract_block, exact_f32, issue_loads
+from .ggml_blocks import (
+    QTYPES,
+    block_loaders,
+    codes_as,
+    contract_block,
+    contract_block_int8,
+    exact_f32,
+    issue_loads,
+)
 from .int8_rows import int8_rows
 from .quant_weight import QuantWeight, dequantize_weight
 
@@ -121,7 +129,9 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
         loaders = block_loaders(fmt, body_at, head_at, cols, w_ok, blk, loaded)
         return blk, ok, loaders
 
-    def dots():
+    def dots(on_int8=False):
+        """Tiles on the matrix units; on_int8: x's int8 rows times int8 codes, int32 a group
+        (ggml_blocks.contract_block_int8), else x as it is times the codes in its dtype."""
         rows = i * BM + jnp.arange(BM)
         row_ok = rows < M
         rows = jnp.minimum(rows, M - 1)
@@ -132,44 +142,19 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
 
                 def load_x(first: int, n: int, blk=blk, ok=ok):
                     ks = blk * fmt.block + first + jnp.arange(n)
-                    m = row_ok[:, None] & ok
-                    return plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=m, other=0)
+                    ref, m = xw_ref if on_int8 else x_ref, row_ok[:, None] & ok
+                    return plgpu.load(ref.at[rows[:, None], ks[None, :]], mask=m, other=0)
 
-                acc = contract_block(fmt, load, load1, load_x, acc, dot_nt)
-            return acc
+                def load_rows(ref, per: int, first: int, blk=blk, ok=ok):  # x's [BM] per `per`
+                    k = (blk * fmt.block + first) // per
+                    return plgpu.load(ref.at[rows, k], mask=row_ok & ok, other=0)
 
-        return jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
-
-    def dots_int8():
-        """The dots on x's int8 rows: per group, x's codes [BM, n] times the weight's [BN, n]
-        as int8 on the matrix units, summed in int32, then scaled by the group's a and x's
-        block scale (plus b times x's group sum), as the vector path's int_group does."""
-        rows = i * BM + jnp.arange(BM)
-        row_ok = rows < M
-        rows = jnp.minimum(rows, M - 1)
-
-        def body(c, acc):
-            for u in range(U):
-                blk, ok, (load, load1) = block(c, u)
-                m = row_ok & ok
-                for g in range(fmt.groups):
-                    a, b, pieces = fmt.decode(load, load1, g)
-                    k0 = blk * fmt.block + g * fmt.group
-                    dot = 0
-                    for first, codes in pieces:
-                        ks = k0 + first + jnp.arange(codes.shape[1])
-                        xq = plgpu.load(xw_ref.at[rows[:, None], ks[None, :]], mask=m[:, None],
-                                        other=0)  # fmt: skip
-                        dot = dot + jax.lax.dot_general(
-                            xq, codes.astype(jnp.int8), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.int32,
-                        )  # fmt: skip
-                    part = exact_f32(dot) * a[None, :]
-                    if b is not None:
-                        xs = plgpu.load(sx_ref.at[rows, k0 // fmt.group], mask=m, other=0)
-                        part = part + xs[:, None] * b[None, :]
-                    dx = plgpu.load(dx_ref.at[rows, k0 // 32], mask=m, other=0)
-                    acc = acc + dx[:, None] * part
+                if on_int8:  # sx holds x's sums per group (the wrapper's choice of s16, s32)
+                    dx = functools.partial(load_rows, dx_ref, 32)
+                    sx = functools.partial(load_rows, sx_ref, fmt.group)
+                    acc = contract_block_int8(fmt, load, load1, load_x, dx, sx, acc)
+                else:
+                    acc = contract_block(fmt, load, load1, load_x, acc, dot_nt)
             return acc
 
         return jax.lax.fori_loop(0, steps, body, jnp.zeros((BM, BN), jnp.float32))
@@ -277,7 +262,7 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
     # instruction issue (ncu on the H200: Q4_K gate/up at 0.77 instructions a clock per
     # scheduler, 18% of DRAM bandwidth), and one token in a bucket of 8 (decode at C1) had
     # paid for two rows. The branch is uniform over a program, so only its code is shared.
-    out = dots_int8 if int8 and int8_dots else dots
+    out = functools.partial(dots, int8 and int8_dots)
     for r in range(1, R + 1)[::-1]:
         path = functools.partial(vectors, r)
         out = functools.partial(jax.lax.cond, (live_ref[0] <= r) & (i == 0), path, out)
