@@ -294,6 +294,19 @@ def test_kernel_bench_vector_variants_select_the_decoding():
     assert ahead["prefetch"] is True and ahead["int8_dots"] is True
 
 
+def test_int4_gemm_bench_splits_q4_k_into_scaled_codes_and_offsets():
+    """bench/int4_gemm.py times Q4_K's dequantization split into a GEMM operand of convert and
+    multiply (codes times group scales) and a product of the group offsets; on a tiny shape each
+    variant's product equals x times the weight dequantized in float32 to bf16 rounding, and
+    the compiled call's fusions are reported."""
+    import int4_gemm
+
+    r = int4_gemm.measure(16, "tiny", shapes={"tiny": (96, 256)}, layers=2)
+    for kind in int4_gemm.VARIANTS:
+        assert r[f"{kind}_rel_err"] < 1e-2 and r[f"{kind}_us"] > 0
+        assert r[f"{kind}_compiled"]["fusions"] >= 1
+
+
 def test_kernel_timing_takes_the_median_of_its_rounds(monkeypatch):
     """bench/timing.per_call: after its warm-up, `rounds` rounds are timed and the median
     round's time per call is what a kernel bench reports (one short window had timed one
