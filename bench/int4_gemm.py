@@ -16,6 +16,9 @@ columns. This times, per Qwen3-8B projection and M rows:
 - `u4`: q as uint4 [N, K] (XLA packs two a byte), A [N, K / 32] bf16, plus the offsets' product;
 - `s4`: q - 8 as int4 with A only (Q4_0's form);
 - `s8`: int8 codes with A (Q8_0's form);
+- `q4_k`, `q8_0`: the same on a file's blocks as the engine holds them (QuantWeight), no copy of
+  the codes: Q4_K's bytes read as uint4 and x's columns put in their nibble order, Q8_0's read
+  as int8 (checked against quant_matmul_reference);
 and reports whether the compiled step has a Triton GEMM fusion (the decode inside the GEMM)
 and how many fusions it runs.
 
@@ -32,7 +35,13 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from luce_jax.loading.quants import keep_quantized
+from pallas_kernels.ggml_blocks import FORMATS, _k_scale_min
+from pallas_kernels.quant_matmul import quant_matmul_reference
+
+from make_model import random_rows
 from timing import per_call
 
 SHAPES = {"gate/up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096)}  # (N, K)
@@ -65,7 +74,43 @@ def signed_product(x, w):
     return dot(x, scaled(q, a, x.dtype))
 
 
+def head_bytes(w) -> jax.Array:
+    """A QuantWeight's scale bytes per block, uint8 [N, K / B, hs] (its head's units undone)."""
+    hs, u = w.format.head[1], w.format.head_unit
+    h = jax.lax.bitcast_convert_type(w.head, jnp.uint8)  # [K / B * hs / u, N, u]
+    N = h.shape[1]
+    return h.reshape(-1, hs // u, N, u).transpose(2, 0, 1, 3).reshape(N, -1, hs)
+
+
+def q8_0_product(x, w):
+    """x @ W^T for a Q8_0 QuantWeight as it is on the device: its code bytes are int8 values in
+    order, its head each block's f16 scale, so the GEMM's operand is convert(q) * d."""
+    d = jax.lax.bitcast_convert_type(head_bytes(w), jnp.float16)  # [N, K / 32]
+    return dot(x, scaled(jax.lax.bitcast_convert_type(w.body, jnp.int8), d, x.dtype))
+
+
+def q4_k_product(x, w):
+    """x @ W^T for a Q4_K QuantWeight as it is on the device. Its code bytes, read as uint4,
+    hold a block's values in the order (run r, byte j, nibble h) -> value 64r + 32h + j of
+    group 2r + h; x's columns are put in that order instead of the codes (x is small), the
+    GEMM's operand is convert(q) * d * sc, and the offsets dmin * m are a product of x's group
+    sums."""
+    M, K = x.shape
+    h = head_bytes(w)  # [N, K / 256, 16]: d, dmin, 12 bytes of 6-bit scales and mins
+    N, nb = h.shape[:2]
+    d = jax.lax.bitcast_convert_type(h[..., 0:4].reshape(N, nb, 2, 2), jnp.float16)
+    sc, mn = _k_scale_min(h[..., 4:16].reshape(N * nb, 12))
+    a = d[..., 0:1].astype(jnp.float32) * sc.reshape(N, nb, 8).astype(jnp.float32)
+    b = d[..., 1:2].astype(jnp.float32) * mn.reshape(N, nb, 8).astype(jnp.float32)
+    q = jax.lax.bitcast_convert_type(w.body, jnp.uint4).reshape(N, nb, 4, 32, 2)
+    wq = q.astype(x.dtype) * a.astype(x.dtype).reshape(N, nb, 4, 1, 2)
+    xq = x.reshape(M, nb, 4, 2, 32).transpose(0, 1, 2, 4, 3).reshape(M, K)
+    xs = jnp.sum(x.astype(jnp.float32).reshape(M, nb * 8, 32), axis=-1)
+    return dot(xq, wq.reshape(N, K)) - dot(xs, b.reshape(N, nb * 8))
+
+
 VARIANTS = {"u4": u4_product, "s4": signed_product, "s8": signed_product}
+BLOCKS = {"q4_k": q4_k_product, "q8_0": q8_0_product}  # on a file's blocks (QuantWeight)
 
 
 def weights(kind: str, N: int, K: int, key) -> tuple:
@@ -94,7 +139,8 @@ def fusions(fn, x, w) -> dict:
     )
 
 
-def measure(M: int, name: str, kinds=tuple(VARIANTS), shapes=SHAPES, layers: int = 8) -> dict:
+def measure(M: int, name: str, kinds=tuple(VARIANTS), shapes=SHAPES, layers: int = 8,
+            blocks=tuple(BLOCKS)) -> dict:  # fmt: skip
     N, K = shapes[name]
     key = jax.random.key(M + N)
     x = jax.random.normal(jax.random.fold_in(key, 99), (M, K), jnp.bfloat16)
@@ -109,6 +155,17 @@ def measure(M: int, name: str, kinds=tuple(VARIANTS), shapes=SHAPES, layers: int
         res[f"{kind}_rel_err"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
         res[f"{kind}_us"] = per_call(fn, x, [w for w, _ in ws], layers) * 1e6
         res[f"{kind}_compiled"] = fusions(fn, x, ws[0][0])
+    rng = np.random.default_rng(M + N)
+    for qtype in blocks:
+        fmt = FORMATS[qtype]
+        ws = [keep_quantized(random_rows(N, K, fmt.qtype, rng), fmt.qtype, (N, K), jnp.bfloat16)
+              for _ in range(4)]  # fmt: skip
+        fn = BLOCKS[qtype]
+        got = jax.jit(fn)(x, ws[0])
+        ref = quant_matmul_reference(x, ws[0])
+        res[f"{qtype}_rel_err"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+        res[f"{qtype}_us"] = per_call(fn, x, ws, layers) * 1e6
+        res[f"{qtype}_compiled"] = fusions(fn, x, ws[0])
     return res
 
 
@@ -124,7 +181,8 @@ def main():
         for name in a.shapes:
             r = measure(M, name, tuple(a.kinds))
             rows.append(r)
-            cols = " | ".join(f"{k} {r[f'{k}_us']:.1f} us ({r[f'{k}_compiled']})" for k in a.kinds)
+            kinds = [*a.kinds, *BLOCKS]
+            cols = " | ".join(f"{k} {r[f'{k}_us']:.1f} us ({r[f'{k}_compiled']})" for k in kinds)
             print(f"| {M} | {name} | bf16 {r['bf16_us']:.1f} us | {cols} |", flush=True)
             meta = dict(bench="int4_gemm", device=jax.devices()[0].device_kind, jax=jax.__version__)
             json.dump(dict(meta, rows=rows), open(a.out, "w"), indent=1)

@@ -296,13 +296,14 @@ def test_kernel_bench_vector_variants_select_the_decoding():
 
 def test_int4_gemm_bench_splits_q4_k_into_scaled_codes_and_offsets():
     """bench/int4_gemm.py times Q4_K's dequantization split into a GEMM operand of convert and
-    multiply (codes times group scales) and a product of the group offsets; on a tiny shape each
-    variant's product equals x times the weight dequantized in float32 to bf16 rounding, and
-    the compiled call's fusions are reported."""
+    multiply (codes times group scales) and a product of the group offsets, also on a file's
+    own Q4_K and Q8_0 blocks (Q4_K's nibbles in their order, x's columns permuted to it); on a
+    tiny shape each product equals x times the weight dequantized in float32 (for the blocks:
+    quant_matmul_reference) to bf16 rounding, and the compiled call's fusions are reported."""
     import int4_gemm
 
-    r = int4_gemm.measure(16, "tiny", shapes={"tiny": (96, 256)}, layers=2)
-    for kind in int4_gemm.VARIANTS:
+    r = int4_gemm.measure(16, "tiny", shapes={"tiny": (96, 512)}, layers=2)
+    for kind in [*int4_gemm.VARIANTS, *int4_gemm.BLOCKS]:
         assert r[f"{kind}_rel_err"] < 1e-2 and r[f"{kind}_us"] > 0
         assert r[f"{kind}_compiled"]["fusions"] >= 1
 
