@@ -38,7 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from luce_jax.loading.quants import keep_quantized
-from pallas_kernels.ggml_blocks import FORMATS, _k_scale_min
+from luce_jax.models.block_gemm import PRODUCTS
+from luce_jax.models.block_gemm import dot_t as dot
+from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.quant_matmul import quant_matmul_reference
 
 from make_model import random_rows
@@ -46,11 +48,6 @@ from timing import per_call
 
 SHAPES = {"gate/up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096)}  # (N, K)
 GROUP = 32
-
-
-def dot(x, w):
-    """x [M, K] @ w [N, K]^T in float32."""
-    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def scaled(q, a, dtype):
@@ -74,43 +71,8 @@ def signed_product(x, w):
     return dot(x, scaled(q, a, x.dtype))
 
 
-def head_bytes(w) -> jax.Array:
-    """A QuantWeight's scale bytes per block, uint8 [N, K / B, hs] (its head's units undone)."""
-    hs, u = w.format.head[1], w.format.head_unit
-    h = jax.lax.bitcast_convert_type(w.head, jnp.uint8)  # [K / B * hs / u, N, u]
-    N = h.shape[1]
-    return h.reshape(-1, hs // u, N, u).transpose(2, 0, 1, 3).reshape(N, -1, hs)
-
-
-def q8_0_product(x, w):
-    """x @ W^T for a Q8_0 QuantWeight as it is on the device: its code bytes are int8 values in
-    order, its head each block's f16 scale, so the GEMM's operand is convert(q) * d."""
-    d = jax.lax.bitcast_convert_type(head_bytes(w), jnp.float16)  # [N, K / 32]
-    return dot(x, scaled(jax.lax.bitcast_convert_type(w.body, jnp.int8), d, x.dtype))
-
-
-def q4_k_product(x, w):
-    """x @ W^T for a Q4_K QuantWeight as it is on the device. Its code bytes, read as uint4,
-    hold a block's values in the order (run r, byte j, nibble h) -> value 64r + 32h + j of
-    group 2r + h; x's columns are put in that order instead of the codes (x is small), the
-    GEMM's operand is convert(q) * d * sc, and the offsets dmin * m are a product of x's group
-    sums."""
-    M, K = x.shape
-    h = head_bytes(w)  # [N, K / 256, 16]: d, dmin, 12 bytes of 6-bit scales and mins
-    N, nb = h.shape[:2]
-    d = jax.lax.bitcast_convert_type(h[..., 0:4].reshape(N, nb, 2, 2), jnp.float16)
-    sc, mn = _k_scale_min(h[..., 4:16].reshape(N * nb, 12))
-    a = d[..., 0:1].astype(jnp.float32) * sc.reshape(N, nb, 8).astype(jnp.float32)
-    b = d[..., 1:2].astype(jnp.float32) * mn.reshape(N, nb, 8).astype(jnp.float32)
-    q = jax.lax.bitcast_convert_type(w.body, jnp.uint4).reshape(N, nb, 4, 32, 2)
-    wq = q.astype(x.dtype) * a.astype(x.dtype).reshape(N, nb, 4, 1, 2)
-    xq = x.reshape(M, nb, 4, 2, 32).transpose(0, 1, 2, 4, 3).reshape(M, K)
-    xs = jnp.sum(x.astype(jnp.float32).reshape(M, nb * 8, 32), axis=-1)
-    return dot(xq, wq.reshape(N, K)) - dot(xs, b.reshape(N, nb * 8))
-
-
 VARIANTS = {"u4": u4_product, "s4": signed_product, "s8": signed_product}
-BLOCKS = {"q4_k": q4_k_product, "q8_0": q8_0_product}  # on a file's blocks (QuantWeight)
+BLOCKS = PRODUCTS  # on a file's blocks (QuantWeight): luce_jax/models/block_gemm.py
 
 
 def weights(kind: str, N: int, K: int, key) -> tuple:

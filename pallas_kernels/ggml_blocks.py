@@ -47,7 +47,7 @@ def q4_0(b: jax.Array) -> jax.Array:
     return d * q.astype(jnp.float32)
 
 
-def _k_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+def k_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Unpack the 12-byte 6-bit scales/mins of Q4_K and Q5_K into [N, 8] each."""
     s = scales.reshape(-1, 3, 4)
     d, m, md = s[:, 0], s[:, 1], s[:, 2]
@@ -58,7 +58,7 @@ def _k_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def q4_k(b: jax.Array) -> jax.Array:
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scale_min(b[:, 4:16])
+    sc, mn = k_scale_min(b[:, 4:16])
     d = (d * sc.astype(jnp.float32))[..., None]
     dm = (dmin * mn.astype(jnp.float32))[..., None]
     q = _nibbles(b[:, 16:], 4, 32).reshape(-1, 8, 32).astype(jnp.float32)
@@ -67,7 +67,7 @@ def q4_k(b: jax.Array) -> jax.Array:
 
 def q5_k(b: jax.Array) -> jax.Array:
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scale_min(b[:, 4:16])
+    sc, mn = k_scale_min(b[:, 4:16])
     d = (d * sc.astype(jnp.float32))[..., None]
     dm = (dmin * mn.astype(jnp.float32))[..., None]
     qh = b[:, 16:48].reshape(-1, 1, 1, 32) >> jnp.arange(8, dtype=jnp.uint8).reshape(1, 1, 8, 1)
