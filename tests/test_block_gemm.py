@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_quant_matmul import weight
 
 from luce_jax.models.block_gemm import block_gemm
 from pallas_kernels.quant_matmul import quant_matmul_reference
-from test_quant_matmul import weight
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k"])
