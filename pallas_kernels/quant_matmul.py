@@ -24,19 +24,12 @@ Decode-sized calls (few rows) with a narrow N have few tiles, so the contraction
 until there are about `min_programs` programs (`vector_programs` for the vector path) to fill
 the GPU; the splits' float32 partials are summed afterwards.
 
-Speed (H200, Qwen3-8B shapes, M 8, bench/quant_matmul.py; results/2026-12-01_quant_matmul_*).
-One live row with int8 activations: gate/up Q8_0 42 us (78% of the copy bandwidth), Q4_K 35
-(50%; 43 before its scale bytes came in words and x's sums in one load a group,
-2026-12-02_quant_matmul_head_words_h200.md), the bf16 dot 53. Nsight Compute put Q4_K's wait
-on its memory instructions (2026-12-02_ncu_quant_matmul_q4_k_h200.txt: 52 loads a thread per
-block, a third of its stall samples on their results and 15% on a full load queue), not on
-issue (31% of issue slots busy) nor on occupancy (a one-row compile without the dots, 44
-registers instead of 100 to 127, was no faster: 2026-12-02_few_row_buckets_h200.md).
-At M 512 the kernel is 6x to 15x slower than the bf16 dot and XLA's dequantize-then-dot 1.3x
-to 1.7x (2026-11-30_quant_matmul_types_h200.md), which is why models/linear.py sends steps of
-more than 64 rows to dequantize.py and XLA's dot. Dequantizing a tile per piece in registers
-and dotting it on the tensor cores (wgmma) was 2x to 4x slower than that at M 512
-(2026-12-02_quant_prefill_tiles_h200.md).
+Speed (H200, Qwen3-8B shapes, M 8, bench/quant_matmul.py; README "Quantized weights" holds
+the history). One live row with int8 activations: gate/up Q8_0 42 us (78% of the copy
+bandwidth), Q4_K 35 (50%), the bf16 dot 53; Q4_K waits on its memory instructions, not on issue
+nor occupancy (2026-12-02_ncu_quant_matmul_q4_k_h200.txt). At M 512 the kernel is 6x to 15x
+slower than the bf16 dot (2026-11-30_quant_matmul_types_h200.md), which is why models/linear.py
+sends steps of more than 64 rows to dequantize.py and XLA's dot.
 
 Triton backend: all indices are arrays and loads are masked where a tile or split runs past
 N or K, so M and N need not be tile multiples (K is a whole number of blocks, as in every
@@ -348,27 +341,20 @@ def quant_matmul(
         tilings at decode (2026-11-30_quant_matmul_tiling_h200.md).
       values_per_step: contraction values per loop step (U = this / B blocks, at least 1).
       min_programs: split the contraction until the grid has about this many programs (16
-        per SM of an H200), never below one step per split. At M 8, 2112 rather than 264
-        programs took the dots from 94 to 70 us (Q8_0 gate/up) and 66 to 47 (Q8_0 down), 58
-        to 48 (Q4_K down), Q4_K gate/up unchanged (2026-12-01_quant_matmul_vector_h200.md).
+        per SM of an H200), never below one step per split (2112 rather than 264: Q8_0 gate/up
+        at M 8 94 -> 70 us, 2026-12-01_quant_matmul_vector_h200.md).
       vector_rows, vector_programs: with `live`, a call of r <= vector_rows live rows takes
-        the vector path for r rows, and the grid is split to about vector_programs programs.
-        At 1 and 2 live rows the vector path beat the dots in every case measured; at 4 it
-        lost to them (Q8_0 gate/up 91 vs 70 us, Q4_K 121 vs 89; same file).
+        the vector path for r rows, and the grid is split to about vector_programs programs
+        (at 4 live rows the dots won: Q4_K gate/up 89 vs 121 us, same file).
       unit_codes: the vector path decodes Q4_0, Q4_K, Q5_K and Q6_K codes q into the floats
-        1 + q / 128 four bytes at a time (ggml_asm.py). Off: on the H200 one live row gained
-        2 to 7% for Q4_K and lost 3 to 17% for Q6_K, two live rows lost 20 to 60%
+        1 + q / 128 four bytes at a time (ggml_asm.py); off: mostly slower on the H200
         (2026-12-01_quant_matmul_unit_codes_h200.md).
-      int8_x: the vector path takes x quantized to int8 per 32 values (int8_rows.py, one
-        kernel; llama.cpp's q8_1 rounding) and dots Q8_0, Q4_0, Q4_K, Q5_K and Q6_K codes with
-        it four at a time (dp4a); other types ignore it. On the H200 one live row: Q4_K gate/up
-        54 -> 43 us, Q8_0 46 -> 42 (2026-12-01_quant_matmul_int8_x_h200.md); the engine turns
-        it on for dense models (EngineConfig.quant_activations).
-      prefetch: the vector path issues a loop step's weight loads one step ahead. Default:
-        for Q6_K only. On the H200, one live row (2026-12-02_quant_matmul_prefetch_h200.md):
-        Q6_K gate/up 67.9 -> 58.6 us; Q4_K gate/up 34.3 -> 41.4 and down 20.2 -> 32.1, Q8_0
-        gate/up 38.5 -> 40.3; with it on for every type the engine's C1 step went 4.95 ->
-        5.40 ms.
+      int8_x: the vector path takes x quantized to int8 per 32 values (int8_rows.py; llama.cpp's
+        q8_1 rounding) and dots Q8_0, Q4_0, Q4_K, Q5_K and Q6_K codes with it four at a time
+        (dp4a); other types ignore it. On for dense models (EngineConfig.quant_activations;
+        Q4_K gate/up 54 -> 43 us, 2026-12-01_quant_matmul_int8_x_h200.md).
+      prefetch: the vector path issues a loop step's weight loads one step ahead. Default: for
+        Q6_K only, the type it sped up (2026-12-02_quant_matmul_prefetch_h200.md).
       int8_dots: with int8_x, a call of more live rows than vector_rows (a bucket of at most
         8 rows: the live count is given) runs its dots on x's int8 rows and the codes as int8
         (int32 sums a group) rather than on bf16 x and codes.
