@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from luce_jax.loading.quants import keep_quantized
-from luce_jax.models.block_gemm import PRODUCTS
+from luce_jax.models.block_gemm import GROUP, PRODUCTS, scaled
 from luce_jax.models.block_gemm import dot_t as dot
 from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.quant_matmul import quant_matmul_reference
@@ -47,14 +47,6 @@ from make_model import random_rows
 from timing import per_call
 
 SHAPES = {"gate/up": (24576, 4096), "down": (4096, 12288), "qkv": (6144, 4096)}  # (N, K)
-GROUP = 32
-
-
-def scaled(q, a, dtype):
-    """convert(q) * a broadcast over each group of 32: [N, K] in dtype (the GEMM's operand)."""
-    N, K = q.shape
-    w = q.astype(dtype).reshape(N, K // GROUP, GROUP) * a.astype(dtype)[:, :, None]
-    return w.reshape(N, K)
 
 
 def u4_product(x, w):

@@ -191,11 +191,11 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
                 if int_decode is not None:
                     accs = int_group(accs, g, blk, ok, load, load1, dxs)
                     continue
-                if float_decode is None:  # integer codes (IQ4_XS: through its table)
-                    a, b, pieces = fmt.decode(load, load1, g)
+                # integer codes (IQ4_XS: through its table) or unit floats, four code bytes
+                # at a time (ggml_asm.py)
+                a, b, pieces = decode(load, load1, g)
+                if float_decode is None:
                     pieces = [(first, exact_f32(q)) for first, q in pieces]
-                else:  # unit floats, four code bytes at a time (ggml_asm.py)
-                    a, b, pieces = float_decode(load, load1, g, ptx)
                 for m in range(R):
                     part = xsum = 0.0
                     for first, codes in pieces:

@@ -86,14 +86,19 @@ class QuantWeight:
             jnp.dtype(dtype).name,
         )
 
-    def rows(self) -> jax.Array:
-        """The file's bytes, uint8 [..., N, K / B * type_size] (from_rows undone)."""
-        fmt = self.format
-        h0, hs = fmt.head
+    def head_bytes(self) -> jax.Array:
+        """Each block's scale bytes, uint8 [..., N, K / B, hs] (the head's units undone)."""
         *lead, n, _ = self.body.shape
         head = jnp.swapaxes(self.head, -1, -2)
         head = jax.lax.bitcast_convert_type(head, jnp.uint8)  # [..., n, units, u]
-        head = head.reshape(*lead, n, -1, hs)
+        return head.reshape(*lead, n, -1, self.format.head[1])
+
+    def rows(self) -> jax.Array:
+        """The file's bytes, uint8 [..., N, K / B * type_size] (from_rows undone)."""
+        fmt = self.format
+        h0 = fmt.head[0]
+        *lead, n, _ = self.body.shape
+        head = self.head_bytes()
         body = self.body.reshape(*lead, n, head.shape[-2], fmt.body_size)
         b = jnp.concatenate([body[..., :h0], head, body[..., h0:]], axis=-1)
         return b.reshape(*lead, n, -1)

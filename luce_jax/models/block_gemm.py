@@ -33,28 +33,25 @@ def dot_t(x, w):
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def head_bytes(w: QuantWeight) -> jax.Array:
-    """A QuantWeight's scale bytes per block, uint8 [N, K / B, hs] (its head's units undone)."""
-    hs, u = w.format.head[1], w.format.head_unit
-    h = jax.lax.bitcast_convert_type(w.head, jnp.uint8)  # [K / B * hs / u, N, u]
-    N = h.shape[1]
-    return h.reshape(-1, hs // u, N, u).transpose(2, 0, 1, 3).reshape(N, -1, hs)
+def scaled(q, a, dtype):
+    """convert(q) * a broadcast over each group of 32: q [N, K], a [N, K / 32] -> [N, K] in
+    dtype (the GEMM's operand)."""
+    N, K = q.shape
+    w = q.astype(dtype).reshape(N, K // GROUP, GROUP) * a.astype(dtype)[:, :, None]
+    return w.reshape(N, K)
 
 
 def q8_0_product(x, w: QuantWeight):
     """x [M, K] @ W^T for Q8_0: convert(q) * d as the GEMM's operand, in x's dtype."""
-    N, K = w.shape
-    d = jax.lax.bitcast_convert_type(head_bytes(w), jnp.float16)  # [N, K / 32]
-    q = jax.lax.bitcast_convert_type(w.body, jnp.int8).astype(x.dtype)
-    wq = q.reshape(N, K // GROUP, GROUP) * d.astype(x.dtype)[:, :, None]
-    return dot_t(x, wq.reshape(N, K))
+    d = jax.lax.bitcast_convert_type(w.head_bytes(), jnp.float16)  # [N, K / 32]
+    return dot_t(x, scaled(jax.lax.bitcast_convert_type(w.body, jnp.int8), d, x.dtype))
 
 
 def q4_k_product(x, w: QuantWeight):
     """x [M, K] @ W^T for Q4_K: convert(q') * A as the GEMM's operand against x', minus the
     offsets' product (module docstring)."""
     M, K = x.shape
-    h = head_bytes(w)  # [N, K / 256, 16]: d, dmin, then 12 bytes of 6-bit scales and mins
+    h = w.head_bytes()  # [N, K / 256, 16]: d, dmin, then 12 bytes of 6-bit scales and mins
     N, nb = h.shape[:2]
     d = jax.lax.bitcast_convert_type(h[..., 0:4].reshape(N, nb, 2, 2), jnp.float16)
     d = d.astype(jnp.float32)
