@@ -116,6 +116,7 @@ def run(args, backend: str, moe_backend: str) -> dict:
     tok, engine = load_engine(cfg)
     t_load = time.perf_counter() - t0
     mc = engine.runner.cfg
+    resolved = cfg.resolved(jax.default_backend())
     warm_compiles_at_load = engine.runner.compiles
     wbytes = param_bytes(engine.runner.params)
     mb = model_bytes(args.model)
@@ -186,8 +187,8 @@ def run(args, backend: str, moe_backend: str) -> dict:
             weights = decode_step(mb, C, 0, held_bits=16).weight_bytes
         step_bytes = weights + C * ctx_avg * kv_per_token
         row = {
-            "backend": backend,
-            "moe_backend": moe_backend if mb.n_experts else None,
+            "backend": resolved.attention_backend,
+            "moe_backend": resolved.moe_backend if mb.n_experts else None,
             "C": C,
             "tok_s": C / dt,
             "step_ms": dt * 1e3,
@@ -276,8 +277,10 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warm", type=int, default=4)
     ap.add_argument("--budget", type=int, default=256, help="prefill token budget per step")
-    ap.add_argument("--attention-backends", nargs="+", default=["xla"], choices=["xla", "pallas"])
-    ap.add_argument("--moe-backends", nargs="+", default=["xla"], choices=["xla", "pallas"])
+    # auto: what the server resolves (Pallas on a GPU), so results time the served path
+    backends = ["auto", "xla", "pallas"]
+    ap.add_argument("--attention-backends", nargs="+", default=["auto"], choices=backends)
+    ap.add_argument("--moe-backends", nargs="+", default=["auto"], choices=backends)
     ap.add_argument("--cache-type", default="bf16", choices=["bf16", "q8_0", "q4_0"])
     ap.add_argument("--dtype", default="bfloat16", help="EngineConfig.dtype (quantized: packed)")
     ap.add_argument("--quant-activations", default="auto", help="EngineConfig.quant_activations")
