@@ -129,10 +129,11 @@ def run_case(
         fns += [(f"{v} live {n}", functools.partial(quant_matmul, live=live,
                  out_dtype=jnp.bfloat16, **parse_variant(v))) for v in variants]  # fmt: skip
         # the vector path itself, for every K and up to n rows; with the dots flag, the dots
-        # branch on int8 rows (the vector path's default 2 rows, so n > 2 takes the dots)
+        # branch on int8 rows (the vector path's default 2 rows, so n > 2 takes the dots). At
+        # n <= 2 the kernel is compiled as the engine's is (vector_rows 2 and the dots branch)
         for v in vectors:
             kw = parse_vector(v)
-            rows_v = 2 if kw["int8_dots"] else n
+            rows_v = 2 if kw["int8_dots"] or n <= 2 else n
             fns.append((f"{'dots' if kw['int8_dots'] else 'vector'} {v} live {n}",
                         functools.partial(quant_matmul, live=live, out_dtype=jnp.bfloat16,
                                           vector_rows=rows_v, **kw)))  # fmt: skip
