@@ -89,7 +89,7 @@ def fusions(fn, x, w) -> dict:
     return dict(
         fusions=len(re.findall(r"^\s*\S+ = \S+ fusion\(", text, re.M)),
         triton_gemm="__triton_gemm" in text or "triton_gemm" in text,
-        cublas="__cublas$gemm" in text,
+        cublas="__cublas" in text,  # $gemm or cuBLASLt's $lt$matmul
     )
 
 

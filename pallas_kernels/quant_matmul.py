@@ -63,6 +63,12 @@ from .ggml_blocks import (
 from .int8_rows import int8_rows
 from .quant_weight import QuantWeight, dequantize_weight
 
+# Types whose int8_dots run on int8 codes: every piece 32 values wide. On the H200 Q6_K's
+# 16-value pieces came out wrong (relative error 1.0; a K of 16 is below Triton's int8 MMA
+# shape, m16n8k32), so types with 16-value pieces (Q6_K, Q4_0, IQ4_XS) keep the bf16 dots;
+# Q5_K is not yet checked on a GPU (2026-12-02_quant_matmul_int8_dots_h200.md)
+INT8_DOTS = ("q8_0", "q4_k")
+
 
 def quant_matmul_reference(x, w: QuantWeight):
     """x [M, K] @ W^T in float32, W dequantized first (bit-exact with gguf)."""
@@ -357,7 +363,7 @@ def quant_matmul(
         Q6_K only, the type it sped up (2026-12-02_quant_matmul_prefetch_h200.md).
       int8_dots: with int8_x, a call of more live rows than vector_rows (a bucket of at most
         8 rows: the live count is given) runs its dots on x's int8 rows and the codes as int8
-        (int32 sums a group) rather than on bf16 x and codes.
+        (int32 sums a group) rather than on bf16 x and codes; for the INT8_DOTS types only.
       ptx: unit codes, dp4a and int8_rows' rounding through PTX (else the same arithmetic in
         jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
@@ -395,6 +401,7 @@ def quant_matmul(
     # (2026-12-02_quant_matmul_units_block_n_h200.md).
     piece = 16 if BN >= 32 * num_warps else 32
     prefetch = QTYPES[fmt.qtype] == "q6_k" if prefetch is None else prefetch
+    int8_dots = int8_dots and QTYPES[fmt.qtype] in INT8_DOTS
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
                                ptx=ptx, piece=piece, live_only=splits,

@@ -21,7 +21,7 @@ from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.int8_rows import glu_int8_rows, int8_rows, norm_int8_rows
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
-from pallas_kernels.quant_matmul import quant_matmul
+from pallas_kernels.quant_matmul import INT8_DOTS, quant_matmul
 from pallas_kernels.quant_weight import QuantWeight
 from pallas_kernels.rope_write import rope_write
 
@@ -135,14 +135,17 @@ def test_the_vector_path_lowers_with_its_ptx(verified, option, qtype, instructio
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_k", "q6_k"])
 def test_int8_dots_lower_with_integer_dots(verified, qtype):
     """int8_dots: the dots branch multiplies int8 x by int8 codes into int32 (Triton's dot
-    with an i32 accumulator), beside the vector path's dp4a."""
+    with an i32 accumulator), beside the vector path's dp4a, for the INT8_DOTS types (pieces
+    of 32 values); the others keep their float dots."""
     w = zero_weight(qtype, 4096, 4096)
     x = jnp.zeros((8, 4096), jnp.bfloat16)
     f = lambda x, n: quant_matmul(x, w, n, interpret=False, int8_x=True, int8_dots=True)  # noqa: E731
     lower_for_cuda(f, x, jnp.int32(5))
     assert len(verified) == 2  # int8_rows' kernel, then the matmul's
     module = str(verified[-1].module)
-    assert re.search(r"tt\.dot .*tensor<16x\d+xi8>.*-> tensor<16x64xi32>", module), module[:0]
+    integer_dot = re.search(r"tt\.dot .*tensor<16x\d+xi8>.*-> tensor<16x64xi32>", module)
+    assert bool(integer_dot) == (qtype in INT8_DOTS)
+    assert "tt.dot" in module
 
 
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k"])
