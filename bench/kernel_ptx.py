@@ -117,7 +117,7 @@ def quant_cases(a):
         kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages,
                   values_per_step=a.values_per_step, block_n=a.block_n,
                   vector_rows=a.vector_rows, unit_codes=a.unit_codes,
-                  int8_x=a.int8_x)  # fmt: skip
+                  int8_x=a.int8_x, int8_dots=a.int8_dots)  # fmt: skip
         yield q, (lambda x, w=w, n=live, kw=kw: quant_matmul(x, w, n, **kw)), (x,)
 
 
@@ -152,6 +152,7 @@ def main():
     ap.add_argument("--block-n", type=int, default=64, help="quant_matmul's")
     ap.add_argument("--unit-codes", action="store_true", help="quant_matmul's ggml_asm.py codes")
     ap.add_argument("--int8-x", action="store_true", help="quant_matmul's dp4a over int8 x")
+    ap.add_argument("--int8-dots", action="store_true", help="quant_matmul's int8 dots branch")
     ap.add_argument(
         "--vector-rows",
         type=int,
