@@ -45,10 +45,16 @@ SHAPES = [("gate/up", 4096, 24576), ("down", 12288, 4096), ("attn_out", 4096, 40
 
 
 def parse_variant(v: str) -> dict:
-    """block_n:values_per_step:warps:stages[:min_programs]."""
-    bn, vps, warps, stages, *mp = (int(t) for t in v.split(":"))
+    """block_n:values_per_step:warps:stages[:min_programs[:block_m[:int8]]] (int8 1: the dots
+    on x's int8 rows and int8 codes, int8_x and int8_dots: at prefill sizes, llama.cpp's
+    MMQ route, int8 tensor cores with a scale a group)."""
+    bn, vps, warps, stages, *more = (int(t) for t in v.split(":"))
     kw = dict(block_n=bn, values_per_step=vps, num_warps=warps, num_stages=stages)
-    return kw | ({"min_programs": mp[0]} if mp else {})
+    names = ("min_programs", "block_m")
+    kw |= {n: m for n, m in zip(names, more[:2], strict=False)}
+    if len(more) > 2 and more[2]:
+        kw |= {"int8_x": True, "int8_dots": True}
+    return kw
 
 
 def parse_vector(v: str) -> dict:
@@ -173,7 +179,7 @@ def main():
         "--variants",
         nargs="*",
         default=["128:256:4:3"],
-        help="Pallas tilings block_n:values_per_step:num_warps:num_stages[:min_programs]",
+        help="Pallas tilings block_n:values_per_step:warps:stages[:programs[:block_m[:int8]]]",
     )
     ap.add_argument(
         "--vector-variants",

@@ -361,9 +361,9 @@ def quant_matmul(
         Q4_K gate/up 54 -> 43 us, 2026-12-01_quant_matmul_int8_x_h200.md).
       prefetch: the vector path issues a loop step's weight loads one step ahead. Default: for
         Q6_K only, the type it sped up (2026-12-02_quant_matmul_prefetch_h200.md).
-      int8_dots: with int8_x, a call of more live rows than vector_rows (a bucket of at most
-        8 rows: the live count is given) runs its dots on x's int8 rows and the codes as int8
-        (int32 sums a group) rather than on bf16 x and codes; for the INT8_DOTS types only.
+      int8_dots: with int8_x, the dots (a call of more live rows than vector_rows, or any
+        call without `live`) run on x's int8 rows and the codes as int8 (int32 sums a group)
+        rather than on bf16 x and codes; for the INT8_DOTS types only.
       ptx: unit codes, dp4a and int8_rows' rounding through PTX (else the same arithmetic in
         jnp). Default: `uses_ptx`.
       interpret: run in interpret mode (default: when the backend is the CPU).
@@ -390,7 +390,8 @@ def quant_matmul(
     ptx = uses_ptx(interpret) if ptx is None else ptx
     # xw: the vector path's activations (int8 with scales dx and sums sx, or float32), if any
     vector = bool(R or E)
-    int8_x = int8_x and vector and QTYPES[fmt.qtype] in INT_DECODERS
+    int8_dots = int8_dots and QTYPES[fmt.qtype] in INT8_DOTS
+    int8_x = int8_x and (vector or int8_dots) and QTYPES[fmt.qtype] in INT_DECODERS
     unit_codes = unit_codes and vector and not int8_x
     # The int8 path's pieces: a run of 32 code bytes is loaded as two halves where the tile
     # has a weight row for every thread (BN >= threads), so each thread holds whole pieces and
@@ -401,7 +402,6 @@ def quant_matmul(
     # (2026-12-02_quant_matmul_units_block_n_h200.md).
     piece = 16 if BN >= 32 * num_warps else 32
     prefetch = QTYPES[fmt.qtype] == "q6_k" if prefetch is None else prefetch
-    int8_dots = int8_dots and QTYPES[fmt.qtype] in INT8_DOTS
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
                                ptx=ptx, piece=piece, live_only=splits,

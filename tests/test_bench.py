@@ -277,6 +277,20 @@ def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
     assert stats["sass_ops"].get("PRMT", 0) > 0 and stats["spill_bytes"] == 0
 
 
+def test_kernel_bench_variants_take_a_row_tile_and_int8_dots():
+    """bench/quant_matmul.py's --variants: optional fifth to seventh fields set the programs,
+    the row tile and the int8 dots (x's int8 rows times int8 codes) for every row."""
+    import quant_matmul as qmm_bench
+
+    plain = qmm_bench.parse_variant("64:256:4:2")
+    assert plain == dict(block_n=64, values_per_step=256, num_warps=4, num_stages=2)
+    assert qmm_bench.parse_variant("64:256:4:2:2112")["min_programs"] == 2112
+    mmq = qmm_bench.parse_variant("128:256:8:3:264:128:1")
+    assert mmq == dict(block_n=128, values_per_step=256, num_warps=8, num_stages=3,
+                       min_programs=264, block_m=128, int8_x=True, int8_dots=True)  # fmt: skip
+    assert "int8_dots" not in qmm_bench.parse_variant("128:256:8:3:264:128:0")
+
+
 def test_kernel_bench_vector_variants_select_the_decoding():
     """bench/quant_matmul.py's --vector-variants: optional sixth to ninth fields turn on the
     unit codes, the int8 activations, the loads a step ahead and the int8 dots, so one device

@@ -173,7 +173,8 @@ def test_int8_dots_match_the_reference_on_the_rounded_x(qtype):
     """int8_dots: a call of more live rows than the vector path takes (5 of a bucket of 8)
     dots x's int8 rows with the codes as int8 on the matrix units; it equals the reference on
     x as rounded to int8 (float32 rounding), over a K that ends inside a step and an N inside
-    a tile, and agrees with the vector path's int8 sums on the rows both compute."""
+    a tile, and agrees with the vector path's int8 sums on the rows both compute; a call
+    without a live count (a prefill-sized call) runs every row so."""
     B = FORMATS[qtype].block
     w = weight(qtype, 40, 3 * B, seed=13)
     x = jax.random.normal(jax.random.key(13), (8, 3 * B), jnp.float32)
@@ -185,6 +186,9 @@ def test_int8_dots_match_the_reference_on_the_rounded_x(qtype):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     one = np.asarray(run(jnp.int32(1)))[:1]  # the vector path's dp4a sums
     np.testing.assert_allclose(got[:1], one, rtol=1e-5, atol=1e-6 * np.abs(one).max())
+    every = np.asarray(run(None))  # no live count: every row on the int8 dots
+    ref = np.asarray(quant_matmul_reference(rounded_rows(x), w))
+    np.testing.assert_allclose(every, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("qtype", ["q6_k", "q4_0"])  # 16-value pieces
