@@ -15,21 +15,16 @@ one group at a time (`BlockFormat.decode`):
   group's scale row (plus the group's offset times the activations' sum for Q4_K / Q5_K), so a
   scale costs one multiply per group and output, never one per weight;
 - vectors, for a step whose live rows (its real tokens) are few: per live row, codes times
-  activations summed on the vector units, no matrix unit and no layout change for the dot.
-  The step's live row count is an input, and the kernel branches on it, so one compiled
-  bucket of 8 rows serves one token as a one-row product.
+  activations summed on the vector units. The live count is an input the kernel branches on,
+  so one compiled bucket of 8 rows serves one token as a one-row product.
 With `experts` (a stack of E experts' weights), row m takes expert experts[m]'s weights, each
 row alone on the vector path: a MoE decode step's (token, expert) pairs, no grouping needed.
-Decode-sized calls (few rows) with a narrow N have few tiles, so the contraction is split
-until there are about `min_programs` programs (`vector_programs` for the vector path) to fill
-the GPU; the splits' float32 partials are summed afterwards.
+Decode-sized calls have few tiles, so the contraction is split until there are about
+`min_programs` programs (`vector_programs` on the vector path); the partials are summed after.
 
-Speed (H200, Qwen3-8B shapes, M 8, bench/quant_matmul.py; README "Quantized weights" holds
-the history). One live row with int8 activations: gate/up Q8_0 42 us (78% of the copy
-bandwidth), Q4_K 35 (50%), the bf16 dot 53; Q4_K waits on its memory instructions, not on issue
-nor occupancy (2026-12-02_ncu_quant_matmul_q4_k_h200.txt). At M 512 the kernel is 6x to 15x
-slower than the bf16 dot (2026-11-30_quant_matmul_types_h200.md), which is why models/linear.py
-sends steps of more than 64 rows to dequantize.py and XLA's dot.
+Speed (H200; the history is in the README's "Quantized weights"): one live row with int8
+activations, gate/up Q8_0 42 us (78% of the copy bandwidth), Q4_K 35 (50%). At M 512 the
+kernel is 6x to 15x slower than the bf16 dot, so steps of over 64 rows take dequantize.py.
 
 Triton backend: all indices are arrays and loads are masked where a tile or split runs past
 N or K, so M and N need not be tile multiples (K is a whole number of blocks, as in every
@@ -63,10 +58,9 @@ from .ggml_blocks import (
 from .int8_rows import int8_rows
 from .quant_weight import QuantWeight, dequantize_weight
 
-# Types whose int8_dots run on int8 codes: every piece 32 values wide. On the H200 Q6_K's
-# 16-value pieces came out wrong (relative error 1.0; a K of 16 is below Triton's int8 MMA
-# shape, m16n8k32), so types with 16-value pieces (Q6_K, Q4_0, IQ4_XS) keep the bf16 dots;
-# Q5_K is not yet checked on a GPU (2026-12-02_quant_matmul_int8_dots_h200.md)
+# Types whose int8_dots run on int8 codes (pieces of 32 values): Q6_K's 16-value pieces, a K
+# below Triton's int8 MMA shape, came out wrong on the H200, so types with 16-value pieces keep
+# the bf16 dots; Q5_K is unchecked on a GPU (2026-12-02_quant_matmul_int8_dots_h200.md)
 INT8_DOTS = ("q8_0", "q4_k")
 
 
@@ -102,8 +96,7 @@ def dot_nn(x, w):
 def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref, *, fmt, BM,
             BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece, live_only,
             prefetch, int8_dots):  # fmt: skip
-    """Program (i, j, s); with E (a stack of E experts' weights), row i alone times the weights
-    of expert ex_ref[i] on the vector path (BM 1), zeros where that is not in [0, E)."""
+    """Program (i, j, s); with E experts, row i alone times expert ex_ref[i] (BM 1)."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     float_decode = FLOAT_DECODERS.get(QTYPES[fmt.qtype]) if unit else None
     int_decode = INT_DECODERS[QTYPES[fmt.qtype]] if int8 else None
@@ -112,10 +105,8 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
     e = jnp.minimum(ex_ref[i], E - 1) if E else None  # clamped: loads stay in bounds
     body_at = (lambda r, b: b_ref.at[r, b]) if e is None else (lambda r, b: b_ref.at[e, r, b])
     head_at = (lambda h, r: h_ref.at[h, r]) if e is None else (lambda h, r: h_ref.at[e, h, r])
-    # N a whole number of tiles and K of splits (every projection and the head of Qwen3-8B's
-    # shape): the vector path's loads are all in bounds, and predicating them took
-    # instructions and registers (Q4_K's one-row path 1376 -> 1288 SASS; timed only together
-    # with other changes)
+    # N a whole number of tiles and K of splits (every Qwen3-8B projection): the vector path's
+    # loads are all in bounds and need no predicates (Q4_K's one-row path 1376 -> 1288 SASS)
     exact = N % BN == 0 and S * steps * U == n_blocks
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
@@ -160,9 +151,8 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
 
     def vectors(R, row0=0):
         """Rows row0 .. row0 + R - 1 on the vector units: per row, codes times activations
-        summed. A loop step decodes its U blocks together ([BN, U, n] codes per piece) and the
-        partial sums stay [BN, U] until the loop ends, so each step has few wide loads and no
-        reduction across U.
+        summed. A loop step decodes its U blocks together ([BN, U, n] codes per piece), the
+        partial sums staying [BN, U] until the loop ends (few wide loads, no reduction).
         With `prefetch`, step c issues the weight loads of step c + 1 before it decodes its
         own (they ride in the loop's carry), so a block's load latency overlaps the decoding
         of the one before it."""
@@ -257,10 +247,8 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
             out = jnp.where(r == m, jnp.sum(accs[m], axis=1)[None, :], out)
         return out
 
-    # A step of r <= R live rows decodes for r rows, not R: the vector path is bound by
-    # instruction issue (ncu on the H200: Q4_K gate/up at 0.77 instructions a clock per
-    # scheduler, 18% of DRAM bandwidth), and one token in a bucket of 8 (decode at C1) had
-    # paid for two rows. The branch is uniform over a program, so only its code is shared.
+    # A step of r <= R live rows decodes for r rows, not R (one token at C1 had paid for two);
+    # the branch is uniform over a program, so only its code is shared.
     out = functools.partial(dots, int8 and int8_dots)
     for r in range(1, R + 1)[::-1]:
         path = functools.partial(vectors, r)
@@ -270,9 +258,8 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
         out = functools.partial(jax.lax.cond, (0 <= ex_ref[i]) & (ex_ref[i] < E),
                                 functools.partial(vectors, 1, i), zero)  # fmt: skip
     out = out()
-    # The partials hold M rows, not NI * BM: a tile's rows past M are not stored (at M 8 the
-    # padded tile doubled the partials' traffic, which a decode call writes and reads again),
-    # and with `live_only` (unsummed splits) nor are the padding rows past live.
+    # The partials hold M rows, not NI * BM (a padded tile doubled their traffic at M 8), and
+    # with `live_only` (unsummed splits) the padding rows past live are not stored either.
     rows = i * BM + jnp.arange(BM)
     ok = (rows < (jnp.minimum(live_ref[0], M) if live_only else M))[:, None] & col_ok[None, :]
     plgpu.store(o_ref.at[s, rows[:, None], cols[None, :]], out, mask=ok)
@@ -331,41 +318,32 @@ def quant_matmul(
         padding and their results unspecified), or None (all M). A call with at most
         `vector_rows` live rows takes the vector-unit path.
       experts: [M] int32, with a stack w: row m times expert experts[m]'s weights, each row
-        alone on the vector path, every loop step its own program (a decode step's live rows
-        are a token's k experts of the bucket's M rows, so the grid is split for those);
-        rows whose expert is not in [0, E) (padding) give zeros.
+        alone on the vector path, every loop step its own program; rows whose expert is not
+        in [0, E) (padding) give zeros.
       x8: x's int8 rows (q, d, s16, s32) as int8_rows gives them, where the caller has them
         (int8_rows.norm_int8_rows rounds a normed x in the norm's kernel); None: rounded here.
-      splits: return the contraction splits' float32 partials [S, M, N], unsummed (their sum
-        is the product), for a consumer that sums them in its own kernel
-        (int8_rows.glu_int8_rows) or with int8_rows.live_sum: rows at or past `live` are not
-        written (their partials are whatever the buffer held), so a consumer reads the live
-        rows only.
+      splits: return the contraction splits' float32 partials [S, M, N], unsummed, for a
+        consumer that sums them (int8_rows.glu_int8_rows, live_sum); rows at or past `live`
+        are not written, so a consumer reads the live rows only.
       out_dtype: result dtype (accumulation is float32).
-      block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows). The defaults
-        (64 weight rows, 256 values per step, 4 warps, 2 stages) were the fastest of six
-        tilings at decode (2026-11-30_quant_matmul_tiling_h200.md).
+      block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows); the defaults
+        were the fastest of six decode tilings (2026-11-30_quant_matmul_tiling_h200.md).
       values_per_step: contraction values per loop step (U = this / B blocks, at least 1).
       min_programs: split the contraction until the grid has about this many programs (16
-        per SM of an H200), never below one step per split (2112 rather than 264: Q8_0 gate/up
-        at M 8 94 -> 70 us, 2026-12-01_quant_matmul_vector_h200.md).
+        per SM of an H200), never below one step per split.
       vector_rows, vector_programs: with `live`, a call of r <= vector_rows live rows takes
-        the vector path for r rows, and the grid is split to about vector_programs programs
-        (at 4 live rows the dots won: Q4_K gate/up 89 vs 121 us, same file).
+        the vector path for r rows on a grid of about vector_programs programs.
       unit_codes: the vector path decodes Q4_0, Q4_K, Q5_K and Q6_K codes q into the floats
-        1 + q / 128 four bytes at a time (ggml_asm.py); off: mostly slower on the H200
-        (2026-12-01_quant_matmul_unit_codes_h200.md).
+        1 + q / 128 four bytes at a time (ggml_asm.py); off: mostly slower on the H200.
       int8_x: the vector path takes x quantized to int8 per 32 values (int8_rows.py; llama.cpp's
         q8_1 rounding) and dots Q8_0, Q4_0, Q4_K, Q5_K and Q6_K codes with it four at a time
-        (dp4a); other types ignore it. On for dense models (EngineConfig.quant_activations;
-        Q4_K gate/up 54 -> 43 us, 2026-12-01_quant_matmul_int8_x_h200.md).
+        (dp4a); other types ignore it. On for dense models (EngineConfig.quant_activations).
       prefetch: the vector path issues a loop step's weight loads one step ahead. Default: for
         Q6_K only, the type it sped up (2026-12-02_quant_matmul_prefetch_h200.md).
       int8_dots: with int8_x, the dots (a call of more live rows than vector_rows, or any
         call without `live`) run on x's int8 rows and the codes as int8 (int32 sums a group)
         rather than on bf16 x and codes; for the INT8_DOTS types only.
-      ptx: unit codes, dp4a and int8_rows' rounding through PTX (else the same arithmetic in
-        jnp). Default: `uses_ptx`.
+      ptx: unit codes, dp4a and int8_rows' rounding through PTX, else jnp (default: uses_ptx).
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype (with `splits`, [S, M, N] float32).
@@ -394,12 +372,8 @@ def quant_matmul(
     int8_x = int8_x and (vector or int8_dots) and QTYPES[fmt.qtype] in INT_DECODERS
     unit_codes = unit_codes and vector and not int8_x
     # The int8 path's pieces: a run of 32 code bytes is loaded as two halves where the tile
-    # has a weight row for every thread (BN >= threads), so each thread holds whole pieces and
-    # sums a group's products without a shuffle (Q4_K's one-row path at BN 128: 712 SASS a
-    # loop step with 32-byte pieces, 520 with halves, against 400 for half the rows at BN 64;
-    # bench/kernel_ptx.py). On the H200 BN 128 lost to 64 in 7 of 9 decode cases, gaining only
-    # on the smallest matrix, so the default BN stays 64
-    # (2026-12-02_quant_matmul_units_block_n_h200.md).
+    # has a weight row for every thread (BN >= threads), so each thread sums a group without a
+    # shuffle (BN 128 lost to 64 on the H200 anyway: 2026-12-02_quant_matmul_units_block_n_h200.md)
     piece = 16 if BN >= 32 * num_warps else 32
     prefetch = QTYPES[fmt.qtype] == "q6_k" if prefetch is None else prefetch
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
