@@ -10,9 +10,9 @@ kv heads g * KP .. (g + 1) * KP - 1 and their query heads: it loads each head as
 (NEOX rotates the halves of a head, llama adjacent pairs: the halves are then its even and odd
 values), norms each head over both halves, rotates, stores q and writes k and v at the row's
 KV slot. Padding rows write the sink slot their write_idx points at (block 0), as the XLA
-scatter does. With a program a row (KP = K) the 8B's decode step on the H200 took as long as
-with XLA's kernels (4.82 against 4.83 ms at C1), 4 kernels a layer fewer
-(results/2026-12-02_engine_decode_qwen3-8b-q4_k_m_rope_write_6df05ce.md).
+scatter does. With a program a row (KP = K) the 8B Q4_K_M's decode step on the H200 was 1% to
+2% shorter than with XLA's kernels (3.90 against 3.98 ms at C1), 4 kernels a layer fewer
+(results/2026-12-02_engine_decode_qwen3-8b-q4_k_m_pallas_2b8d095.md).
 
 Shapes: T rows, H query heads, K kv heads, D head dim, NB blocks of P slots.
 """
@@ -133,7 +133,7 @@ def rope_write(qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads: int, kv_hea
       out_dtype: q's dtype (the attention's compute dtype).
       kv_heads_per_program: KP, a divisor of K: a program takes one row's KP kv heads and
         their H / K query heads each (grid T x K / KP). None: all K, a program a row (the
-        form timed on the H200, 2026-12-02_engine_decode_qwen3-8b-q4_k_m_rope_write_6df05ce.md).
+        form timed on the H200, 2026-12-02_engine_decode_qwen3-8b-q4_k_m_pallas_2b8d095.md).
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       (q [T, H, D] out_dtype, kc, vc).
