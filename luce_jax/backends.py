@@ -72,13 +72,29 @@ def quant_matmul_fn(backend: str, activations: str = "int8"):
     if backend == "pallas":
         from pallas_kernels.dequantize import dequantized_matmul
         from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
-        from pallas_kernels.quant_matmul import quant_matmul
 
         from .host.batch import SMALLEST_TOKEN_BUCKET
 
         int8 = activations == "int8"
-        kernel = functools.partial(quant_matmul, int8_x=int8)
+        kernel = functools.partial(served_quant_matmul, int8_x=int8)
         return QuantMatmul(kernel, live_rows_max=SMALLEST_TOKEN_BUCKET, prefill=dequantized_matmul,
                            norm_int8=norm_int8_rows if int8 else None,
                            glu_int8=glu_int8_rows if int8 else None)  # fmt: skip
     return QuantMatmul()
+
+
+# The types whose dots (calls of more live rows than the vector path takes, and calls of 16 to
+# 64 rows) run on x's int8 rows and int8 codes when activations are int8. Q4_K's shortened the
+# 8B Q4_K_M's device step at C4 and C8 by 10% (7.55 -> 6.77 ms, 7.65 -> 6.89) and lengthened
+# C1's by 3% (3.91 -> 4.05: the kernel carries the branch), wall steps 4.78 -> 4.00 ms at C1;
+# Q8_0's were even at C4 and C8 and slower at C1 (bench/results/
+# 2026-12-02_engine_decode_qwen3-8b-q4_k_m_int8_dots_6da4357.md, ..._q8_0_int8_dots_2b8d095.md).
+SERVED_INT8_DOTS = ("q4_k",)
+
+
+def served_quant_matmul(x, w, live=None, *, int8_x: bool, **kw):
+    """pallas_kernels.quant_matmul as the engine runs it: int8 dots for SERVED_INT8_DOTS."""
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    dots = int8_x and w.qtype in SERVED_INT8_DOTS
+    return quant_matmul(x, w, live, int8_x=int8_x, int8_dots=dots, **kw)

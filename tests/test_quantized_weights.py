@@ -332,6 +332,27 @@ def test_quant_activations_choose_the_kernel_s_activations():
     assert quant_matmul_fn("xla").kernel is None
 
 
+@pytest.mark.parametrize("qtype", ["q4_k", "q8_0"])
+def test_the_engine_s_kernel_takes_int8_dots_for_the_types_they_sped_up(qtype):
+    """Five live rows of a bucket of 8 (the dots branch): the engine's kernel runs Q4_K's dots
+    on int8 codes (faster on the H200 at C4 and C8) and Q8_0's on the float dots (even there,
+    slower at C1), bit for bit as quant_matmul does when asked so."""
+    from test_quant_matmul import weight
+
+    from luce_jax.backends import SERVED_INT8_DOTS, quant_matmul_fn
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    assert SERVED_INT8_DOTS == ("q4_k",)
+    w = weight(qtype, 40, 256, seed=5)
+    x = jax.random.normal(jax.random.key(5), (8, 256), jnp.float32)
+    kw = dict(block_n=32, vector_programs=4, min_programs=4, interpret=True)
+    got = quant_matmul_fn("pallas").kernel(x, w, jnp.int32(5), **kw)
+    want = quant_matmul(x, w, jnp.int32(5), int8_x=True, int8_dots=qtype == "q4_k", **kw)
+    other = quant_matmul(x, w, jnp.int32(5), int8_x=True, int8_dots=qtype != "q4_k", **kw)
+    np.testing.assert_array_equal(np.asarray(got)[:5], np.asarray(want)[:5])
+    assert not np.array_equal(np.asarray(got)[:5], np.asarray(other)[:5])
+
+
 def test_auto_activations_are_int8_for_dense_models_and_float_for_moe():
     """The default: int8 where it was measured faster (dense), float for MoE models, whose
     C1 decode it slowed on the H200; an explicit setting holds for any model."""
