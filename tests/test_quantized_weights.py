@@ -399,11 +399,11 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
 
     from jax import export
 
+    from luce_jax.backends import served_quant_matmul
     from luce_jax.device.runner import Runner
     from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
     from pallas_kernels.moe_grouping import grouped_matmul
     from pallas_kernels.paged_attention import paged_attention
-    from pallas_kernels.quant_matmul import quant_matmul
     from pallas_kernels.rope_write import rope_write
 
     _, cfg, params = load(files[name], True)
@@ -411,7 +411,7 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     runner = Runner(
         cfg, params, 9, 16, 4, 8, (jnp.bfloat16, jnp.bfloat16),
         gpu(paged_attention, interpret=False), gpu(grouped_matmul, interpret=False),
-        QuantMatmul(gpu(quant_matmul, interpret=False, int8_x=True),
+        QuantMatmul(gpu(served_quant_matmul, interpret=False, int8_x=True),
                     norm_int8=gpu(norm_int8_rows, interpret=False),
                     glu_int8=gpu(glu_int8_rows, interpret=False)),
         rope_write_fn=gpu(rope_write, interpret=False),
@@ -434,5 +434,8 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     # one lowered before, such as int8_rows of one x for two matmuls, reuses it)
     modules = set(re.findall(r'ir = "((?:[^"\\]|\\.)*)"', module))
     assert calls >= layer_fns * kernels_per_layer and len(verified) >= len(modules) > 0
+    # the served kernel runs Q4_K's dots on int8 codes (backends.SERVED_INT8_DOTS)
+    integer = r"tt\.dot .*xi8>.*-> tensor<\d+x\d+xi32>"
+    assert any(re.search(integer, str(v.module)) for v in verified)
     # no predicate the GPU runtime would read on the host (test_engine's sampling test says why)
     assert not re.findall(r"stablehlo\.(?:case|if|while)\b", module)
