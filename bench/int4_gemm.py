@@ -99,10 +99,11 @@ def measure(M: int, name: str, kinds=tuple(VARIANTS), shapes=SHAPES, layers: int
     key = jax.random.key(M + N)
     x = jax.random.normal(jax.random.fold_in(key, 99), (M, K), jnp.bfloat16)
     res = dict(M=M, case=name, N=N, K=K, flops=2 * M * N * K)
-    dense = [jax.random.normal(jax.random.fold_in(key, i), (N, K), jnp.bfloat16) for i in range(4)]
+    dense = [jax.random.normal(jax.random.fold_in(key, i), (N, K), jnp.bfloat16)
+             for i in range(layers)]  # fmt: skip
     res["bf16_us"] = per_call(dot, x, dense, layers) * 1e6
     for kind in kinds:
-        ws = [weights(kind, N, K, jax.random.fold_in(key, 10 + i)) for i in range(4)]
+        ws = [weights(kind, N, K, jax.random.fold_in(key, 10 + i)) for i in range(layers)]
         fn = VARIANTS[kind]
         got = jax.jit(fn)(x, ws[0][0])
         ref = dot(x.astype(jnp.float32), ws[0][1])
@@ -113,7 +114,7 @@ def measure(M: int, name: str, kinds=tuple(VARIANTS), shapes=SHAPES, layers: int
     for qtype in blocks:
         fmt = FORMATS[qtype]
         ws = [keep_quantized(random_rows(N, K, fmt.qtype, rng), fmt.qtype, (N, K), jnp.bfloat16)
-              for _ in range(4)]  # fmt: skip
+              for _ in range(layers)]  # fmt: skip
         fn = BLOCKS[qtype]
         got = jax.jit(fn)(x, ws[0])
         ref = quant_matmul_reference(x, ws[0])

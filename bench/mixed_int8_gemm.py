@@ -51,7 +51,7 @@ def measure(M: int, name: str, cfgs: list[dict]) -> dict:
     kx, kw = jax.random.split(jax.random.key(M + N))
     x = jax.random.normal(kx, (M, K), jnp.bfloat16)
     wi = [jax.random.randint(jax.random.fold_in(kw, i), (N, K), -127, 127, jnp.int8)
-          for i in range(4)]  # fmt: skip
+          for i in range(8)]  # fmt: skip
     wb = [w.astype(jnp.bfloat16) for w in wi]
     res = dict(M=M, case=name, N=N, K=K, flops=2 * M * N * K)
     res["bf16_dot_us"] = per_call(dot, x, wb, 8) * 1e6

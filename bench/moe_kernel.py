@@ -145,7 +145,7 @@ def main():
         help="Pallas tilings block_m:block_n:block_k:num_warps:num_stages (block_m is a cap), "
         "or rows / rows:int8 (quantized experts a row at a time)",
     )
-    ap.add_argument("--weights", type=int, default=8, help="distinct weight buffers cycled")
+    ap.add_argument("--weights", type=int, default=LAYERS, help="weight buffers, one per call")
     ap.add_argument("--cases", type=int, nargs="+", default=None, help="indices into CASES")
     ap.add_argument("--type", default="bf16", choices=["bf16", *FORMATS], help="expert weights")
     a = ap.parse_args()
@@ -157,8 +157,8 @@ def main():
     lines = [
         f"Grouped expert matmuls, {a.type} experts, random uniform routing; copy bandwidth "
         f"{bw / 1e9:.0f} "
-        f"GB/s. Time per call inside one executable of {LAYERS} dependent calls cycling over "
-        f"{a.weights} weight buffers. Variant: block_m:block_n:block_k:warps:stages.",
+        f"GB/s. Time per call inside one executable of {LAYERS} dependent calls, each on "
+        f"its own weight buffer. Variant: block_m:block_n:block_k:warps:stages.",
         "",
         "| case | variant | M | experts with rows | ragged_dot us | Pallas us | speedup | "
         "ragged_dot TFLOP/s | Pallas TFLOP/s | Pallas GB/s | of copy BW | max diff |",

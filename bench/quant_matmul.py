@@ -195,7 +195,7 @@ def main():
     )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
     ap.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")
-    ap.add_argument("--weights", type=int, default=4, help="distinct weight buffers cycled")
+    ap.add_argument("--weights", type=int, default=LAYERS, help="weight buffers, one per call")
     ap.add_argument("--no-xla", action="store_true", help="skip XLA's dequantize-then-dot")
     ap.add_argument("--live", type=int, nargs="*", default=[], help="also with these live rows")
     ap.add_argument(
@@ -224,8 +224,8 @@ def report(rows, bw, n_weights, meta, out):
     lines = [
         f"GGML-quantized weights (Pallas kernel, dequantized in registers; `xla`: XLA "
         f"dequantizes to bf16 then dots) against bf16 weights (XLA dot); copy bandwidth "
-        f"{bw / 1e9:.0f} GB/s. Time per call inside one executable of {LAYERS} dependent calls "
-        f"cycling over {n_weights} weight buffers. Variant: "
+        f"{bw / 1e9:.0f} GB/s. Time per call inside one executable of {LAYERS} dependent calls, "
+        f"each on its own weight buffer. Variant: "
         "block_n:values_per_step:warps:stages[:min_programs].",
         "",
         "| type | case | M | variant | us | bf16 us | speedup | GB/s (of copy BW) | bf16 of "

@@ -322,6 +322,32 @@ def test_int4_gemm_bench_splits_q4_k_into_scaled_codes_and_offsets():
         assert r[f"{kind}_compiled"]["fusions"] >= 1
 
 
+def test_kernel_timing_gives_every_call_its_own_weights():
+    """A variant with a weight-only part (dequantizing) is computed once per distinct buffer
+    by XLA (the exp below: 2 for 6 calls over 2 buffers), so per_call wants a buffer per
+    call and says so."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    import timing
+
+    fn = lambda x, w: x @ jnp.exp(w)  # noqa: E731
+
+    def cycled(x, ws):
+        for i in range(6):
+            x = fn(x, ws[i % 2])
+        return x
+
+    ws = [jnp.full((4, 4), 0.1 * (i + 1)) for i in range(6)]
+    hlo = jax.jit(cycled).lower(jnp.ones((2, 4)), ws[:2]).compile().as_text()
+    assert len(re.findall(r"= f32\[4,4\]\S* exponential\(", hlo)) == 2
+    with pytest.raises(ValueError, match="2 weight buffers for 6 calls"):
+        timing.per_call(fn, jnp.ones((2, 4)), ws[:2], 6)
+    assert timing.per_call(fn, jnp.ones((2, 4)), ws, 6, rounds=1, warmup_s=0) > 0
+
+
 def test_kernel_timing_takes_the_median_of_its_rounds(monkeypatch):
     """bench/timing.per_call: after its warm-up, `rounds` rounds are timed and the median
     round's time per call is what a kernel bench reports (one short window had timed one
@@ -332,7 +358,7 @@ def test_kernel_timing_takes_the_median_of_its_rounds(monkeypatch):
 
     seen, median = [], timing.statistics.median
     monkeypatch.setattr(timing.statistics, "median", lambda xs: seen.append(list(xs)) or median(xs))
-    x, ws = jnp.ones((4, 8)), [jnp.ones((8, 8)) * i for i in range(2)]
+    x, ws = jnp.ones((4, 8)), [jnp.ones((8, 8)) * i for i in range(3)]
     t = timing.per_call(lambda x, w: x @ w, x, ws, 3, rounds=5, round_s=0.001, warmup_s=0.01)
     assert len(seen) == 1 and len(seen[0]) == 5
     assert t == median(seen[0]) and 0 < t < 0.1
