@@ -37,7 +37,8 @@ QUANT_BACKENDS = ("auto", "pallas", "xla")
 # dot the codes with: int8 rounds the activations to int8 per 32 values, as llama.cpp's q8_1,
 # and takes four products a dp4a instruction (H200, one live row: Q4_K gate/up 54 -> 43 us, down
 # 35 -> 26, Q8_0 gate/up 46 -> 42, at 78% of the copy bandwidth; Q6_K 80 -> 82;
-# bench/results/2026-12-01_quant_matmul_int8_x_h200.md); float keeps them in float32.
+# bench/results/2026-12-01_quant_matmul_int8_x_h200.md); float keeps them in float32. With
+# int8, Q4_K's calls of more rows also dot int8 rows with int8 codes (backends.SERVED_INT8_DOTS).
 QUANT_ACTIVATIONS = ("auto", "int8", "float")
 # Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
 # the sequence itself), verified by the target in the same packed step as everything else.
