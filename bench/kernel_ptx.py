@@ -108,6 +108,24 @@ def compiled(ttir: str, num_warps: int, num_stages: int) -> dict:
 VECTOR_PATHS = ("vectors",)  # quant_matmul's, bound to a row count
 
 
+def _name(f) -> str:
+    """A branch's function name, through a functools.partial (quant_matmul binds its paths)."""
+    return getattr(getattr(f, "func", f), "__name__", "")
+
+
+def one_path(cond, vector: bool):
+    """A lax.cond that traces one path of quant_matmul's chain of conds (1 row, ...,
+    vector_rows rows, dots): the widest vector path, or the dots; other conds stay."""
+
+    def one_branch(pred, true, false, *ops):
+        if _name(true) not in VECTOR_PATHS:
+            return cond(pred, true, false, *ops)
+        widest = _name(false) == "dots"
+        return (true if vector and widest else false)(*ops)
+
+    return one_branch
+
+
 def quant_cases(a):
     for q in a.types:
         f = FORMATS[q]
@@ -165,18 +183,9 @@ def main():
     path.add_argument("--vector", action="store_true", help="quant_matmul's vector path only")
     path.add_argument("--dots", action="store_true", help="quant_matmul's dots path only")
     a = ap.parse_args()
-    # the kernel's chain of lax.conds (1 row, ..., vector_rows rows, dots): --dots keeps the
-    # dots, --vector the widest vector path (--vector-rows 1: the one-row path)
+    # --vector-rows 1 with --vector: the one-row path
     if a.vector or a.dots:
-        cond = jax.lax.cond
-
-        def one_branch(pred, true, false, *ops):  # other conds stay
-            if getattr(getattr(true, "func", None), "__name__", "") not in VECTOR_PATHS:
-                return cond(pred, true, false, *ops)
-            widest = getattr(false, "__name__", "") == "dots"
-            return (true if a.vector and widest else false)(*ops)
-
-        jax.lax.cond = one_branch
+        jax.lax.cond = one_path(jax.lax.cond, vector=a.vector)
     cases = quant_cases(a) if a.kernel == "quant_matmul" else attention_cases(a)
     for name, f, args in cases:
         for i, ttir in enumerate(triton_modules(f, *args)):

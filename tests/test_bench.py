@@ -277,6 +277,30 @@ def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
     assert stats["sass_ops"].get("PRMT", 0) > 0 and stats["spill_bytes"] == 0
 
 
+def test_kernel_ptx_compiles_one_path_when_asked(monkeypatch):
+    """--vector keeps the vector path alone (dp4a, no matrix instructions), --dots the dots
+    alone (int8 MMA with int8 dots, no dp4a): the two are counted apart."""
+    import jax
+    import jax.numpy as jnp
+    import kernel_ptx
+
+    from pallas_kernels.quant_matmul import quant_matmul
+    from pallas_kernels.quant_weight import QuantWeight
+
+    w = QuantWeight.from_rows(jnp.zeros((64, 512 // 256 * 144), jnp.uint8), "q4_k")
+    ops = {}
+    for vector in (True, False):  # a new function each time: jax caches a traced one
+        f = lambda x: quant_matmul(x, w, jnp.int32(1), int8_x=True, int8_dots=True,  # noqa: E731
+                                   vector_rows=1, interpret=False)  # fmt: skip
+        monkeypatch.setattr(jax.lax, "cond", kernel_ptx.one_path(jax.lax.cond, vector))
+        *_, ttir = kernel_ptx.triton_modules(f, jnp.zeros((8, 512), jnp.bfloat16))
+        monkeypatch.undo()
+        stats = kernel_ptx.compiled(ttir, num_warps=4, num_stages=2)
+        ops[vector] = stats["sass_ops"] | stats["MMA"]
+    assert "IDP" in ops[True] and not any("MMA" in o for o in ops[True]), ops[True]
+    assert "IMMA" in ops[False] and "IDP" not in ops[False], ops[False]
+
+
 def test_kernel_bench_variants_take_a_row_tile_and_int8_dots():
     """bench/quant_matmul.py's --variants: optional fifth to seventh fields set the programs,
     the row tile and the int8 dots (x's int8 rows times int8 codes) for every row."""
