@@ -28,7 +28,7 @@ def per_call(fn, x, ws: list, layers: int, rounds: int = 7, round_s: float = 0.0
 
     def chain(x, ws):
         for i in range(layers):
-            y = fn(x, ws[i % len(ws)])
+            y = fn(x, ws[i])
             x = x + (y[0, 0] * 0).astype(x.dtype)
         return x
 

@@ -85,10 +85,10 @@ def quant_matmul_fn(backend: str, activations: str = "int8"):
 
 # The types whose dots (calls of more live rows than the vector path takes, and calls of 16 to
 # 64 rows) run on x's int8 rows and int8 codes when activations are int8. Q4_K's shortened the
-# 8B Q4_K_M's device step at C4 and C8 by 10% (7.55 -> 6.77 ms, 7.65 -> 6.89) and lengthened
-# C1's by 3% (3.91 -> 4.05: the kernel carries the branch), wall steps 4.78 -> 4.00 ms at C1;
+# 8B Q4_K_M's device step by 10% at C4 and C8 (7.49 -> 6.74 ms, 7.67 -> 6.89), left C16 even
+# and lengthened C1's by 4% (3.86 -> 4.04: the kernel carries the branch C1 does not take);
 # Q8_0's were even at C4 and C8 and slower at C1 (bench/results/
-# 2026-12-02_engine_decode_qwen3-8b-q4_k_m_int8_dots_6da4357.md, ..._q8_0_int8_dots_2b8d095.md).
+# 2026-12-02_engine_decode_qwen3-8b-q4_k_m_int8_dots_6ec2d5b.md, ..._q8_0_int8_dots_2b8d095.md).
 SERVED_INT8_DOTS = ("q4_k",)
 
 
