@@ -116,7 +116,6 @@ def run(args, backend: str, moe_backend: str) -> dict:
     tok, engine = load_engine(cfg)
     t_load = time.perf_counter() - t0
     mc = engine.runner.cfg
-    resolved = cfg.resolved(jax.default_backend())
     warm_compiles_at_load = engine.runner.compiles
     wbytes = param_bytes(engine.runner.params)
     mb = model_bytes(args.model)
@@ -187,8 +186,8 @@ def run(args, backend: str, moe_backend: str) -> dict:
             weights = decode_step(mb, C, 0, held_bits=16).weight_bytes
         step_bytes = weights + C * ctx_avg * kv_per_token
         row = {
-            "backend": resolved.attention_backend,
-            "moe_backend": resolved.moe_backend if mb.n_experts else None,
+            "backend": engine.config.attention_backend,  # resolved, as the server's
+            "moe_backend": engine.config.moe_backend if mb.n_experts else None,
             "C": C,
             "tok_s": C / dt,
             "step_ms": dt * 1e3,
