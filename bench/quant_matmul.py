@@ -209,7 +209,7 @@ def main():
     rows: list[dict] = []
 
     def flush():
-        report(rows, bw, a.weights, meta, a.out)
+        report(rows, bw, meta, a.out)
 
     for t in a.types:
         for s in shapes:
@@ -220,7 +220,7 @@ def main():
     flush()
 
 
-def report(rows, bw, n_weights, meta, out):
+def report(rows, bw, meta, out):
     lines = [
         f"GGML-quantized weights (Pallas kernel, dequantized in registers; `xla`: XLA "
         f"dequantizes to bf16 then dots) against bf16 weights (XLA dot); copy bandwidth "
