@@ -101,12 +101,19 @@ def max_diff(a, b, real) -> float:
     return float(jnp.max(jnp.abs(a[:real].astype(jnp.float32) - b[:real].astype(jnp.float32))))
 
 
-def run_case(name, segs, bw, check_ref, kv_type, variants) -> list[dict]:
-    """One step shape: the XLA path once, the kernel once per (block_k, split, warps) variant."""
+def attention_flops(segs) -> float:
+    """Multiply-adds x 2 of q.k and p.v over the keys each new row sees (causal)."""
+    n = sum(sum(kv - q + 1 + i for i in range(q)) for q, kv in segs)
+    return 4.0 * n * H * D
+
+
+def run_case(name, segs, bw, check_ref, kv_type, variants, xla=True) -> list[dict]:
+    """One step shape: the XLA path once (unless not xla: then differences are taken against
+    the first variant), the kernel once per (block_k, split, warps, block_qg) variant."""
     args, cu, real, kv_bytes = step(segs, kv_type)
     scale = D**-0.5
     fx = functools.partial(paged_attention_xla, scale=scale)
-    out_x, tx = jax.jit(fx)(*args), timed(fx, args)
+    out_x, tx = (jax.jit(fx)(*args), timed(fx, args)) if xla else (None, float("nan"))
     ref = (
         jax.jit(lambda *a: paged_attention_reference(*a, scale=scale))(*args) if check_ref else None
     )
@@ -119,6 +126,7 @@ def run_case(name, segs, bw, check_ref, kv_type, variants) -> list[dict]:
         try:
             fp = functools.partial(paged_attention, **kw)
             out_p = jax.jit(fp)(*args)
+            out_x = out_p if out_x is None else out_x  # no XLA: against the first variant
             row["max_diff_vs_xla"] = max_diff(out_p, out_x, real)
             if ref is not None:
                 row["max_diff_vs_f32_ref"] = max_diff(out_p, ref, real)
@@ -132,6 +140,7 @@ def run_case(name, segs, bw, check_ref, kv_type, variants) -> list[dict]:
             pallas_us=tp * 1e6,
             speedup=tx / tp,
             pallas_GB_s=kv_bytes / tp / 1e9,
+            pallas_TFLOP_s=attention_flops(segs) / tp / 1e12,
             of_copy_bw=kv_bytes / tp / bw,
         )
         log.info("%s", row)
@@ -165,6 +174,18 @@ def main():
         help="also a warm prefix-cached request's step: one segment of 200 new rows after "
         "each of these cached lengths (bench/prefix.py's agent loop: 8k)",
     )
+    ap.add_argument(
+        "--prefill",
+        nargs="*",
+        default=[],
+        metavar="ROWS@CTX",
+        help="also prompt chunks: one segment of ROWS new rows ending at CTX keys (e.g. 2048@8192)",
+    )
+    ap.add_argument(
+        "--no-xla",
+        action="store_true",
+        help="skip XLA's path (large prefill cases); differences against the first variant",
+    )
     ap.add_argument("--no-mixed", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -174,11 +195,17 @@ def main():
     if not a.no_mixed:
         cases.append(("prefill 256 @4096 + 8 decode @4096", [(256, 4096)] + [(1, 4096)] * 8))
     cases += [(f"warm 200 @{n + 200}", [(200, n + 200)]) for n in a.warm_prefix]
+    for spec in a.prefill:
+        r, ctx = (int(x) for x in spec.split("@"))
+        if not 0 < r <= ctx:
+            raise ValueError(f"--prefill {spec}: want 0 < ROWS <= CTX")
+        cases.append((f"prefill {r} @{ctx}", [(r, ctx)]))
     rows = []
     for kv_type in a.kv_types:
         for name, segs in cases:
             small = sum(kv for _, kv in segs) * (1 + len(segs) // 8) <= 65536 * 2
-            rows += run_case(name, segs, bw, small, kv_type, a.variants)
+            small &= sum(q * kv for q, kv in segs) <= 1 << 21  # the f32 reference's gathers
+            rows += run_case(name, segs, bw, small, kv_type, a.variants, not a.no_xla)
     meta = run_meta()
     lines = [
         f"Paged attention, one layer of Qwen3-8B shape (H {H}, K {K}, D {D}, P {P}); "
@@ -186,19 +213,20 @@ def main():
         "q4_0 18 bytes per 32 values); the XLA path reads the same cache, dequantizing in XLA.",
         "",
         "| case | KV | block_k:split:warps:block_qg | T | KV MB | Pallas us | XLA us | speedup | "
-        "Pallas KV GB/s | of copy BW | max diff vs XLA | vs f32 ref |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "Pallas KV GB/s | of copy BW | Pallas TFLOP/s | max diff vs XLA | vs f32 ref |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         tiling = f"{r['block_k']}:{r['split']}:{r['warps']}:{r['block_qg']}"
         head = f"| {r['case']} | {r['kv']} | {tiling} | {r['T']} | {r['kv_MB']:.1f} |"
         if "error" in r:
-            lines.append(f"{head} failed: {r['error'][:80]} | | | | | | |")
+            lines.append(f"{head} failed: {r['error'][:80]} | | | | | | | |")
             continue
         ref = f"{r['max_diff_vs_f32_ref']:.3g}" if "max_diff_vs_f32_ref" in r else "-"
         lines.append(
             f"{head} {r['pallas_us']:.0f} | {r['xla_us']:.0f} | {r['speedup']:.1f}x | "
-            f"{r['pallas_GB_s']:.0f} | {r['of_copy_bw']:.0%} | {r['max_diff_vs_xla']:.3g} | {ref} |"
+            f"{r['pallas_GB_s']:.0f} | {r['of_copy_bw']:.0%} | {r['pallas_TFLOP_s']:.0f} | "
+            f"{r['max_diff_vs_xla']:.3g} | {ref} |"
         )
     md = "\n".join(lines) + "\n\n" + meta_line(meta) + "\n"
     res = {"bench": "attention_kernel", **meta, "copy_GB_s": bw / 1e9, "rows": rows}

@@ -386,3 +386,18 @@ def test_kernel_timing_takes_the_median_of_its_rounds(monkeypatch):
     t = timing.per_call(lambda x, w: x @ w, x, ws, 3, rounds=5, round_s=0.001, warmup_s=0.01)
     assert len(seen) == 1 and len(seen[0]) == 5
     assert t == median(seen[0]) and 0 < t < 0.1
+
+
+def test_attention_bench_counts_causal_work_and_checks_tilings_against_each_other(tmp_path):
+    import attention_kernel
+
+    H, D = attention_kernel.H, attention_kernel.D
+    # rows of a 2-token chunk at the end of 3 keys see 2 and 3 keys; a decode row at 5 sees 5
+    assert attention_kernel.attention_flops([(2, 3), (1, 5)]) == 4.0 * (2 + 3 + 5) * H * D
+    # a prompt chunk without XLA's path: every tiling is compared with the first one
+    rows = attention_kernel.run_case(
+        "prefill 20 @40", [(20, 40)], 1e9, True, "bf16", [(16, 64, 4, 16), (16, 64, 4, 32)], False
+    )
+    assert [r["block_qg"] for r in rows] == [16, 32]
+    assert rows[0]["max_diff_vs_xla"] == 0.0  # the first variant is the baseline
+    assert rows[1]["max_diff_vs_xla"] < 2e-2 and rows[1]["max_diff_vs_f32_ref"] < 2e-2
