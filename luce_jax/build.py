@@ -131,6 +131,9 @@ def _load(config: EngineConfig, clock: StartupClock):
         seconds, (_, params) = loading.result()
         runner.materialize(params)
     clock.notes["weights"] = f"loaded in {seconds:.1f} s beside the compile"
+    if runner.on_accelerator:
+        with clock.phase("first runs", f"{len(pairs)} buckets"):
+            runner.first_runs(pairs)
     log.info(
         "weights: %.2f GiB on the device, %.2fx the file's tensors (%s)",
         weight_bytes(params) / 2**30,

@@ -85,6 +85,24 @@ def test_no_compiles_after_warmup_across_a_random_run(loaded, engine_config):
     assert engine.runner.compiles == before
 
 
+def test_first_runs_at_start_up_leave_no_trace(loaded, engine_config):
+    """Start-up on a GPU runs each bucket once on an all-padding step (Runner.first_runs), so
+    that no request pays a program's first run: that compiles nothing, holds no block, and
+    leaves the cache as it was: the same requests (the second time from the prefix cache,
+    whose blocks the padding steps must not have touched) give the same tokens."""
+    tok, engine = loaded
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
+    arrivals = [(0, p, GREEDY) for p in prompts(3)] + [(1, prompts(5)[4], sampled)]
+    before, _ = run_schedule(engine, tok, arrivals, engine_config)
+    compiles = engine.runner.compiles
+    engine.runner.first_runs(engine.bucket_pairs())
+    assert engine.runner.compiles == compiles
+    engine.pool.check()
+    assert engine.pool.available == engine.pool.capacity
+    after, _ = run_schedule(engine, tok, arrivals, engine_config)
+    assert after == before
+
+
 def test_no_sampling_program_branches_on_the_device(loaded):
     """XLA:GPU reads a lax.cond's (or a while loop's) predicate on the host, so dispatching a
     program that holds one waits for the work queued before it: on the H200 a prefix-cached

@@ -93,6 +93,24 @@ def test_generate_cli_refuses_bad_flags_and_separates_outputs(monkeypatch, capsy
     assert capsys.readouterr().out == "out a\n"  # a single output needs no header
 
 
+def test_startup_on_a_gpu_runs_each_bucket_once(tiny_gguf, compile_cache, caplog, monkeypatch):
+    """Where the steps run on a GPU, start-up runs every bucket once before it is ready (and
+    says so in its summary line); on CPU it does not (the line of the test below)."""
+    import logging
+
+    from luce_jax.device.runner import Runner
+
+    ran = []
+    monkeypatch.setattr(Runner, "on_accelerator", property(lambda self: True))
+    monkeypatch.setattr(Runner, "first_runs", lambda self, pairs: ran.append(list(pairs)))
+    with caplog.at_level(logging.INFO, logger="luce_jax.build"):
+        with LLM(model=tiny_gguf, compile_cache_dir=compile_cache, **TINY_ENGINE) as llm:
+            pairs = llm.engine.bucket_pairs()
+    assert ran == [pairs]
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in"))
+    assert f"first runs 0.0 s ({len(pairs)} buckets)" in line
+
+
 def test_startup_logs_where_its_time_went_and_a_restart_hits_the_compile_cache(
     llm, tiny_gguf, compile_cache, caplog
 ):
@@ -107,6 +125,7 @@ def test_startup_logs_where_its_time_went_and_a_restart_hits_the_compile_cache(
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("ready in"))
     assert "compile " in line and f"({n} buckets)" in line and "weights " in line
     assert "beside the compile" in line  # the weights load while the step compiles
+    assert "first runs" not in line  # on CPU: nothing to gain
     hits, misses = (int(line.split(" hits, ")[0].split()[-1]),
                     int(line.split(" hits, ")[1].split()[0]))  # fmt: skip
     assert misses == 0 and hits >= n

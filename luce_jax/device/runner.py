@@ -306,6 +306,24 @@ class Runner:
         for S in sorted({s for _, s in pairs}):
             self._open_mask(S)
 
+    def first_runs(self, pairs: list[tuple[int, int]]) -> None:
+        """Run each bucket once on an all-padding step (it writes only the sink block).
+
+        On the GPU a step program's first run builds its CUDA graph and loads its kernels: the
+        first cold 8k-token request took 392 ms against 335 after, a 4k prompt's first 234
+        against 190-205 (bench/results/2026-12-03_prefix_warm_ttft_708373c_h200.md,
+        2026-12-02_ttft4k_budgets_qwen3-8b-q4_k_m.md). Here start-up pays it, not a request.
+        """
+        for t, s in pairs:
+            self.fetch(self.launch(self.idle_batch(t, s), t, s))
+        jax.block_until_ready((self.kv, self.state))
+
+    @property
+    def on_accelerator(self) -> bool:
+        """Whether the step programs run on a GPU (where first runs are worth doing at start-up:
+        on CPU a run per bucket costs seconds of a 2-core start and saves nothing measured)."""
+        return jax.default_backend() != "cpu"
+
     def time_steps(self, pairs: list[tuple[int, int]]) -> None:
         """Time each bucket on an all-padding step (which reads every weight, as a real step
         does) for the speculation policy. Only speculation needs it: four steps per bucket
