@@ -118,11 +118,12 @@ def run_case(name, segs, bw, check_ref, kv_type, variants, xla=True) -> list[dic
         jax.jit(lambda *a: paged_attention_reference(*a, scale=scale))(*args) if check_ref else None
     )
     rows = []
-    for bk, split, warps, bqg in variants:
+    for bk, split, warps, bqg, masks in variants:
         row = {"case": name, "kv": kv_type, "block_k": bk, "split": split, "warps": warps}
-        row.update(block_qg=bqg, T=int(args[0].shape[0]), kv_MB=kv_bytes / 1e6, xla_us=tx * 1e6)
+        row.update(block_qg=bqg, split_masks=bool(masks), T=int(args[0].shape[0]),
+                   kv_MB=kv_bytes / 1e6, xla_us=tx * 1e6)  # fmt: skip
         kw = dict(scale=scale, cu_q_lens=cu, block_k=bk, split_tokens=split, num_warps=warps,
-                  block_qg=bqg)  # fmt: skip
+                  block_qg=bqg, split_masks=bool(masks))  # fmt: skip
         try:
             fp = functools.partial(paged_attention, **kw)
             out_p = jax.jit(fp)(*args)
@@ -148,10 +149,11 @@ def run_case(name, segs, bw, check_ref, kv_type, variants, xla=True) -> list[dic
     return rows
 
 
-def variant(s: str) -> tuple[int, int, int, int]:
-    """block_k:split_tokens:num_warps[:block_qg] (block_qg 64 if left out)."""
-    bk, split, warps, *bqg = (int(x) for x in s.split(":"))
-    return bk, split, warps, (bqg or [64])[0]
+def variant(s: str) -> tuple[int, int, int, int, int]:
+    """block_k:split_tokens:num_warps[:block_qg[:split_masks]] (64 and 0 if left out)."""
+    bk, split, warps, *rest = (int(x) for x in s.split(":"))
+    bqg, masks = (rest + [64, 0][len(rest) :])[:2]
+    return bk, split, warps, bqg, masks
 
 
 def main():
@@ -163,8 +165,8 @@ def main():
         "--variants",
         type=variant,
         nargs="+",
-        default=[(64, 1024, 4, 64)],
-        help="kernel tilings block_k:split_tokens:num_warps[:block_qg]",
+        default=[(64, 1024, 4, 64, 0)],
+        help="kernel tilings block_k:split_tokens:num_warps[:block_qg[:split_masks 0/1]]",
     )
     ap.add_argument(
         "--warm-prefix",
@@ -212,12 +214,12 @@ def main():
         f"copy bandwidth {bw / 1e9:.0f} GB/s. KV MB counts the cache type's bytes (q8_0 34 and "
         "q4_0 18 bytes per 32 values); the XLA path reads the same cache, dequantizing in XLA.",
         "",
-        "| case | KV | block_k:split:warps:block_qg | T | KV MB | Pallas us | XLA us | speedup | "
-        "Pallas KV GB/s | of copy BW | Pallas TFLOP/s | max diff vs XLA | vs f32 ref |",
+        "| case | KV | block_k:split:warps:block_qg:split_masks | T | KV MB | Pallas us | XLA us | "
+        "speedup | Pallas KV GB/s | of copy BW | Pallas TFLOP/s | max diff vs XLA | vs f32 ref |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        tiling = f"{r['block_k']}:{r['split']}:{r['warps']}:{r['block_qg']}"
+        tiling = f"{r['block_k']}:{r['split']}:{r['warps']}:{r['block_qg']}:{int(r['split_masks'])}"
         head = f"| {r['case']} | {r['kv']} | {tiling} | {r['T']} | {r['kv_MB']:.1f} |"
         if "error" in r:
             lines.append(f"{head} failed: {r['error'][:80]} | | | | | | | |")

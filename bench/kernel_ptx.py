@@ -15,6 +15,7 @@ quant_matmul's branch.
     python bench/kernel_ptx.py quant_matmul --types q8_0 q4_k --live 1
     python bench/kernel_ptx.py quant_matmul --types q4_k --live 1 --vector --unit-codes
     python bench/kernel_ptx.py paged_attention --kv-types bf16 q8_0 q4_0
+    python bench/kernel_ptx.py paged_attention --kv-types bf16 --rows 512 --split-masks
 
 Needs `triton` (xgrammar's dependency pulls it into the test extra).
 """
@@ -153,7 +154,8 @@ def attention_cases(a):
         )  # fmt: skip
         cu = jnp.arange(T + 1, dtype=jnp.int32)
         kw = dict(scale=0.1, cu_q_lens=cu, interpret=False, num_warps=a.warps,
-                  num_stages=a.stages)  # fmt: skip
+                  num_stages=a.stages, block_qg=a.block_qg, block_k=a.block_k,
+                  split_masks=a.split_masks)  # fmt: skip
         yield t, (lambda *x, kw=kw: paged_attention(*x, **kw)), args
 
 
@@ -177,6 +179,9 @@ def main():
         default=2,
         help="quant_matmul's: the vector path is compiled for 1 .. this many rows",
     )
+    ap.add_argument("--block-qg", type=int, default=64, help="paged_attention's")
+    ap.add_argument("--block-k", type=int, default=64, help="paged_attention's")
+    ap.add_argument("--split-masks", action="store_true", help="paged_attention's")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
     path = ap.add_mutually_exclusive_group()

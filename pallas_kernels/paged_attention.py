@@ -102,18 +102,24 @@ def query_blocks(cu_q_lens, T: int, block_q: int, max_blocks: int | None = None)
     return jnp.stack([seg, start, n], axis=1).astype(jnp.int32)
 
 
+def _masked(ok, shape) -> dict:
+    """plgpu.load's mask arguments for a tile's tokens (ok [BK]) over `shape` ([BK] or
+    [BK, n]), or none where every token of the tile is needed (ok None)."""
+    if ok is None:
+        return {}
+    return {"mask": ok if len(shape) == 1 else jnp.broadcast_to(ok[:, None], shape), "other": 0}
+
+
 def _load_tile(data_ref, phys, off, kh, ok, cdt, D):
     """One plain KV tile of BK tokens as values [BK, D] in cdt.
 
     Tokens are gathered by physical block and offset (all-array indices: interpret mode cannot
     mix array indices with slices). Tokens past the needed length (ok False) are masked loads,
-    so nothing past a sequence's kv length is read.
+    so nothing past a sequence's kv length is read; ok None: the whole tile is needed.
     """
     d = jnp.arange(D)[None, :]
-    mask = jnp.broadcast_to(ok[:, None], (phys.shape[0], D))
-    return plgpu.load(data_ref.at[phys[:, None], off[:, None], kh, d], mask=mask, other=0).astype(
-        cdt
-    )
+    mask = _masked(ok, (phys.shape[0], D))
+    return plgpu.load(data_ref.at[phys[:, None], off[:, None], kh, d], **mask).astype(cdt)
 
 
 def _pieces(kind: str) -> list[tuple[int, int]]:
@@ -137,12 +143,13 @@ def _group_pieces(data_ref, scale_ref, kind, phys, off, kh, ok, g, cdt):
     holds value i in its low nibble and value i + 16 in its high nibble).
     """
     BK = phys.shape[0]
-    sc = plgpu.load(scale_ref.at[phys, off, kh, g], mask=ok, other=0).astype(jnp.float32)
+    sc = plgpu.load(scale_ref.at[phys, off, kh, g], **_masked(ok, (BK,))).astype(jnp.float32)
 
     def load(first: int, n: int):
         cols = jnp.arange(n)[None, :] + first
-        mask = jnp.broadcast_to(ok[:, None], (BK, n))
-        return plgpu.load(data_ref.at[phys[:, None], off[:, None], kh, cols], mask=mask, other=0)
+        return plgpu.load(
+            data_ref.at[phys[:, None], off[:, None], kh, cols], **_masked(ok, (BK, n))
+        )
 
     if kind == "q8_0":
         return sc, [(0, codes_as(load(g * GROUP, GROUP).astype(jnp.int32), cdt))], (1.0, 0.0)
@@ -168,7 +175,9 @@ def _dot(a, b, contract_b: int):
     )
 
 
-def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, BK, TPS, kinds):
+def _kernel(
+    meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, BK, TPS, kinds, split_masks
+):
     k_kind, v_kind = kinds
     refs = list(refs)
     k_data = refs.pop(0)
@@ -237,17 +246,19 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
                 out += [_dot(pg, f, 0) for _, f in pieces]
         return out
 
-    def body(j, carry):
+    def body(j, carry, masked=True):
         m, den, accs = carry
         kpos = j * BK + jnp.arange(BK)
-        ok = kpos < need
+        ok = kpos < need if masked else None
         phys = bt_ref[seg, jnp.minimum(kpos // P, MB - 1)]  # [BK] physical block per token
         off = kpos % P
         s = scores(phys, off, ok) * scale  # [BQG, BK]
-        mask = (kpos[None, :] <= qpos[:, None]) & ok[None, :] & row_ok[:, None]
-        s = jnp.where(mask, s, MASK_VALUE)
+        if masked:
+            mask = (kpos[None, :] <= qpos[:, None]) & ok[None, :] & row_ok[:, None]
+            s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        p = jnp.exp(s - m_new[:, None])
+        p = jnp.where(mask, p, 0.0) if masked else p
         alpha = jnp.exp(m - m_new)
         den = den * alpha + jnp.sum(p, axis=1)
         new = values(p, phys, off, ok)
@@ -259,6 +270,13 @@ def _kernel(meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, 
         jnp.zeros((BQG,), jnp.float32),
         tuple(jnp.zeros((BQG, n), jnp.float32) for _, n in v_cols),
     )
+    if split_masks:
+        # Tiles whose every key all rows see (before the block's first position, within the
+        # keys it needs) run without the mask; only the rest, the diagonal and the tail, mask.
+        # A row outside the block (row_ok False) then computes values nobody reads.
+        whole = jnp.clip(jnp.minimum(qpos_ref[start * G] + 1, need) // BK, lo, hi)
+        init = jax.lax.fori_loop(lo, whole, functools.partial(body, masked=False), init)
+        lo = whole
     m, den, accs = jax.lax.fori_loop(lo, hi, body, init)
     for (c0, n), a in zip(v_cols, accs, strict=True):
         acc_ref[:, pl.ds(c0, n)] = a
@@ -314,6 +332,7 @@ def paged_attention(
     split_tokens: int = 256,
     block_k: int = 64,
     block_qg: int = 64,
+    split_masks: bool = False,
 ):
     """Pallas ragged paged attention with paged_attention_reference's signature.
 
@@ -326,6 +345,8 @@ def paged_attention(
       interpret: run the kernel in interpret mode (default: when the backend is the CPU).
       split_tokens, block_k: kv tokens per program and per loop iteration (BK).
       block_qg: query rows x heads a program reads its keys for, in steps over 64 rows.
+      split_masks: walk the tiles all of a block's rows see whole in a loop without masks,
+        then the rest with them (FlashAttention-2's causal split); off until timed on the GPU.
     Returns:
       [T, H, D] in q's dtype; rows outside every segment are zero.
     """
@@ -368,7 +389,14 @@ def paged_attention(
 
     inputs = (meta, block_tables, kv_lens, qk, qpos, *k_in, *v_in)
     kernel = functools.partial(
-        _kernel, scale=scale, BQG=bqg, G=Gp, BK=block_k, TPS=tps, kinds=kinds
+        _kernel,
+        scale=scale,
+        BQG=bqg,
+        G=Gp,
+        BK=block_k,
+        TPS=tps,
+        kinds=kinds,
+        split_masks=split_masks,
     )
     options = call_options(interpret, num_warps, num_stages)
     acc, m, den = pl.pallas_call(

@@ -396,8 +396,16 @@ def test_attention_bench_counts_causal_work_and_checks_tilings_against_each_othe
     assert attention_kernel.attention_flops([(2, 3), (1, 5)]) == 4.0 * (2 + 3 + 5) * H * D
     # a prompt chunk without XLA's path: every tiling is compared with the first one
     rows = attention_kernel.run_case(
-        "prefill 20 @40", [(20, 40)], 1e9, True, "bf16", [(16, 64, 4, 16), (16, 64, 4, 32)], False
+        "prefill 20 @40",
+        [(20, 40)],
+        1e9,
+        True,
+        "bf16",
+        [(16, 64, 4, 16, 0), (16, 64, 4, 32, 1)],
+        False,
     )
-    assert [r["block_qg"] for r in rows] == [16, 32]
+    assert [(r["block_qg"], r["split_masks"]) for r in rows] == [(16, False), (32, True)]
+    assert attention_kernel.variant("64:256:4") == (64, 256, 4, 64, 0)
+    assert attention_kernel.variant("64:256:4:128:1") == (64, 256, 4, 128, 1)
     assert rows[0]["max_diff_vs_xla"] == 0.0  # the first variant is the baseline
     assert rows[1]["max_diff_vs_xla"] < 2e-2 and rows[1]["max_diff_vs_f32_ref"] < 2e-2

@@ -190,3 +190,23 @@ def test_attention_backend_auto_is_pallas_on_gpu_and_xla_on_cpu():
     assert EngineConfig().resolved("gpu").attention_backend == "pallas"
     assert EngineConfig().resolved("cpu").attention_backend == "xla"
     assert EngineConfig(attention_backend="xla").resolved("gpu").attention_backend == "xla"
+
+
+@pytest.mark.parametrize("kv_types", [None, ("q8_0", "q4_0")])
+def test_tiles_without_masks_before_the_diagonal_change_nothing(kv_types):
+    """split_masks walks the tiles every row of a query block sees whole without the mask, then
+    the diagonal and the tail with it: prompt chunks after a cached prefix (whole tiles before
+    them), at their start (none), decode rows, and kv lengths on and off tile edges all equal
+    the reference, and the same kernel without the split."""
+    segs = [(70, 150), (21, 21), (1, 33), (1, 64), (9, 40), (1, 1)]
+    kw = {"block_k": 16, "block_qg": 32, "split_masks": True}
+    check(segs, H=8, K=2, D=64, P=16, kv_types=kv_types, tol=1e-4, kernel_kw=kw)
+    args, cu, real = make_step(segs, H=8, K=2, D=64, P=16)
+    if kv_types:
+        k, v = (kv_cache.quantize(a, t) for a, t in zip(args[1:3], kv_types, strict=True))
+        args = (args[0], k, v, *args[3:])
+    on = paged_attention(*args, scale=0.125, cu_q_lens=cu, interpret=True, **kw)
+    off = paged_attention(
+        *args, scale=0.125, cu_q_lens=cu, interpret=True, **{**kw, "split_masks": False}
+    )
+    np.testing.assert_allclose(np.asarray(on[:real]), np.asarray(off[:real]), atol=1e-5, rtol=1e-5)

@@ -30,9 +30,10 @@ def lower_for_cuda(f, *args):
     jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("split_masks", [False, True], ids=["masked", "split-masks"])
 @pytest.mark.parametrize("kv_type", ["bf16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("segs", [[(1, 100)] * 3, [(40, 60), (1, 33)]], ids=["decode", "mixed"])
-def test_paged_attention_lowers_to_a_valid_triton_module(verified, kv_type, segs):
+def test_paged_attention_lowers_to_a_valid_triton_module(verified, kv_type, segs, split_masks):
     H, K, D, P = 8, 2, 128, 16
     r = np.random.default_rng(0)
     MB = max(-(-kv // P) for _, kv in segs)
@@ -50,7 +51,8 @@ def test_paged_attention_lowers_to_a_valid_triton_module(verified, kv_type, segs
         jnp.zeros((len(segs), MB), jnp.int32),
         jnp.asarray([kv for _, kv in segs], jnp.int32),
     )
-    lower_for_cuda(lambda *a: paged_attention(*a, scale=0.1, cu_q_lens=cu, interpret=False), *args)
+    kw = dict(scale=0.1, cu_q_lens=cu, interpret=False, split_masks=split_masks)
+    lower_for_cuda(lambda *a: paged_attention(*a, **kw), *args)
     assert len(verified) == 1
 
 
