@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -43,6 +44,7 @@ def _engine_endpoint(handler):
 
     async def endpoint(request: Request) -> Response:
         state: ServerState = request.app.state.luce
+        request.state.marks = {"received": time.perf_counter()}  # bridge.MARKS
         try:
             if state.engine is None:
                 raise P.APIError(
@@ -52,6 +54,7 @@ def _engine_endpoint(handler):
                     headers={"Retry-After": "5"},
                 )
             body = P.parse_json(await read_body(request, state.max_request_bytes))
+            request.state.marks["parsed"] = time.perf_counter()
             model = body.get("model")
             if model is not None and model != state.model_name:
                 raise P.APIError(
@@ -129,6 +132,7 @@ async def completions(request: Request, state: ServerState, engine, body: dict) 
         if isinstance(prompt, str)
         else prompt
     )
+    request.state.marks["tokenized"] = time.perf_counter()
     sp = P.sampling_from(
         body,
         len(ids),
@@ -151,6 +155,7 @@ async def chat_completions(request: Request, state: ServerState, engine, body: d
     text = await run_in_threadpool(_chat_prompt, engine, body, tools)
     check_length_bound(engine, text, "messages")
     ids = await run_in_threadpool(engine.tokenizer.encode, text, False)
+    request.state.marks["tokenized"] = time.perf_counter()
     mt_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     sp = P.sampling_from(
         body,

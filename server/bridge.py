@@ -8,6 +8,7 @@ leaves its events unread for `stall_s` seconds, is cancelled, so it cannot pin a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -15,6 +16,10 @@ import time
 log = logging.getLogger(__name__)
 
 MAX_BUFFER = 1 << 20  # bytes of text a reader may fall behind
+# A request's way to its first token, in order (perf_counter seconds in Stream.marks): the app
+# received it, parsed its body, tokenized its prompt; it was submitted; the engine thread
+# emitted its first token; the event loop read it; the SSE chunk was formed.
+MARKS = ("received", "parsed", "tokenized", "submitted", "engine", "loop", "chunk")
 STALL_S = 30.0  # seconds a reader may leave queued events unread
 
 
@@ -41,11 +46,13 @@ class Stream:
         self.slow_reader = False
         self.finished = False
         self.arrival = time.monotonic()
+        self.marks: dict[str, float] = {}  # MARKS, as each happens (the app's are copied in)
         self.prompt_tokens = len(prompt)
         self._metrics = metrics
         self._last_token: float | None = None
         # Raises QueueFull before anything is counted or sent (the caller answers 429).
         self.req = engine_loop.submit(prompt, sampling, self._on_event, max_waiting)
+        self.marks["submitted"] = time.perf_counter()
         if metrics is not None:
             metrics.prompt_tokens.inc(len(prompt))
 
@@ -73,6 +80,8 @@ class Stream:
         return self._engine.closed is not None
 
     def _on_event(self, ev) -> None:  # engine thread
+        if ev.token_ids and "engine" not in self.marks:
+            self.marks["engine"] = time.perf_counter()
         if self._metrics is not None:
             self._observe(ev)
         with self._lock:
@@ -89,12 +98,21 @@ class Stream:
     async def get(self, timeout: float | None = None):
         """Next event; raises TimeoutError if none comes within `timeout` seconds."""
         ev = await asyncio.wait_for(self._queue.get(), timeout)
+        if ev.token_ids and "loop" not in self.marks:
+            self.marks["loop"] = time.perf_counter()
         with self._lock:
             self._buffered -= self._size(ev)
             self._last_read = time.monotonic()
         if ev.final:
             self.finished = True
         return ev
+
+    def timeline(self) -> str:
+        """The milliseconds between consecutive MARKS that happened, e.g. "received ->
+        parsed 0.21, -> tokenized 1.30, ...", for a debug log of the first token's way."""
+        at = [(k, self.marks[k]) for k in MARKS if k in self.marks]
+        steps = [f"-> {k} {(t - p) * 1e3:.2f}" for (_, p), (k, t) in itertools.pairwise(at)]
+        return " ".join([at[0][0], *steps]) if at else ""
 
     def cancel(self) -> None:
         """Cancel the request (client gone); its slot is free before the next step."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from starlette.requests import Request
@@ -13,6 +14,8 @@ from luce_jax.host.scheduler import Closed, QueueFull
 from . import protocol as P
 from . import tools as T
 from .bridge import Stream
+
+log = logging.getLogger(__name__)
 
 
 def error_response(e: P.APIError) -> JSONResponse:
@@ -127,7 +130,13 @@ async def sse(gen: Generation, chunk, include_usage: bool, usage_chunk, first=No
                 yield f"data: {json.dumps(err)}\n\n"
                 break
             if ev.text or ev.token_ids or ev.final:
-                yield f"data: {json.dumps(chunk(gen, ev))}\n\n"
+                data = f"data: {json.dumps(chunk(gen, ev))}\n\n"
+                marks = gen.stream.marks
+                if ev.token_ids and "chunk" not in marks:
+                    marks["chunk"] = time.perf_counter()
+                    log.debug("request %s, first token ms: %s", gen.stream.req.id,
+                              gen.stream.timeline())  # fmt: skip
+                yield data
         if include_usage:
             yield f"data: {json.dumps(usage_chunk(gen))}\n\n"
         yield "data: [DONE]\n\n"
@@ -153,6 +162,7 @@ async def respond(
     streaming and non-streaming requests alike."""
     try:
         s = Stream(engine.loop, ids, sp, state.metrics, max_waiting=engine.config.max_queue)
+        s.marks.update(getattr(request.state, "marks", {}))
     except QueueFull:
         raise P.APIError(
             429,

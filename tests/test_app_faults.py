@@ -444,3 +444,31 @@ def test_a_client_gone_while_its_body_arrives_is_not_an_application_error():
              "root_path": "", "app": app}  # fmt: skip
     asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before the fix
     assert sent[0]["status"] == 499 and h.sched.idle and not h.loop.waiting()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_debug_log_shows_where_a_first_token_spent_its_time(path, caplog):
+    """At debug level a streamed request logs its first token's way, a step at a time (the body
+    parsed, the prompt tokenized, submitted, emitted by the engine thread, read by the event
+    loop, written as a chunk), so a slow time to first token can be located on the server."""
+    import logging
+    import re
+
+    from server.bridge import MARKS
+
+    h = Handle(FakeEngine(slots=2))
+    try:
+        body = {"max_tokens": 3, "stream": True}
+        body.update({"prompt": "hello"} if "chat" not in path else {})
+        body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {})
+        with caplog.at_level(logging.DEBUG, logger="server.generation"):
+            r = app_for(h).post(path, json=body)
+        assert r.status_code == 200 and "[DONE]" in r.text
+    finally:
+        h.loop.stop()
+    lines = [m.getMessage() for m in caplog.records if "first token ms" in m.getMessage()]
+    assert len(lines) == 1  # one line a request, at its first token only
+    steps = re.findall(r"-> (\w+) ([\d.]+)", lines[0])
+    assert lines[0].split("first token ms: ")[1].startswith("received ->")
+    assert [k for k, _ in steps] == list(MARKS[1:])
+    assert all(float(v) >= 0 for _, v in steps)
