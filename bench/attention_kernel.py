@@ -1,10 +1,12 @@
 """Paged attention on the GPU: the Pallas kernel against the XLA reference, one layer.
 
 Qwen3-8B attention shape (H 32, K 8, D 128, 16-token blocks), bf16, q8_0 or q4_0 KV. Decode
-steps of R rows at a context length each, and a mixed step (a 256-token prompt chunk plus decode
-rows). For each: max abs difference to the float32 jnp reference (where it fits), time per call
-of both implementations (one per kernel tiling variant), and the KV bytes the step must read
-over that time against the copy bandwidth measured in the same run. Times are per call inside
+steps of R rows at a context length each, a mixed step (a 256-token prompt chunk plus decode
+rows), and with --prefill / --warm-prefix prompt chunks after a cached prefix (reported also in
+TFLOP/s of causal attention; --no-xla skips XLA's path, whose gathers do not fit at 2048
+rows). For each: max abs difference to the float32 jnp reference (where it fits), time per
+call of both implementations (one per kernel tiling variant), and the KV bytes the step must
+read over that time against the copy bandwidth measured in the same run. Times are per call inside
 one executable of 36 dependent calls, as the layers of a step run.
 
     python bench/attention_kernel.py --variants 64:1024:4 128:512:8 --out attention.json
