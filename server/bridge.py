@@ -50,9 +50,9 @@ class Stream:
         self.prompt_tokens = len(prompt)
         self._metrics = metrics
         self._last_token: float | None = None
+        self.marks["submitted"] = time.perf_counter()  # before the engine thread can emit
         # Raises QueueFull before anything is counted or sent (the caller answers 429).
         self.req = engine_loop.submit(prompt, sampling, self._on_event, max_waiting)
-        self.marks["submitted"] = time.perf_counter()
         if metrics is not None:
             metrics.prompt_tokens.inc(len(prompt))
 
