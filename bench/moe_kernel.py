@@ -80,24 +80,25 @@ def parse_variant(v: str) -> dict:
     return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
 
 
-def expert_weights(E, K, Nw, qtype, n_weights):
-    """n_weights distinct expert stacks: bf16 [E, K, Nw], or QuantWeight [E, Nw, K]."""
+def expert_weights(E, K, Nw, qtype):
+    """LAYERS distinct expert stacks (a buffer per timed call): bf16 [E, K, Nw], or
+    QuantWeight [E, Nw, K]."""
     if qtype == "bf16":
         return [(jax.random.normal(jax.random.key(1 + i), (E, K, Nw), jnp.float32) * 0.05)
-                .astype(jnp.bfloat16) for i in range(n_weights)]  # fmt: skip
+                .astype(jnp.bfloat16) for i in range(LAYERS)]  # fmt: skip
     t = FORMATS[qtype].qtype
     return [keep_quantized(random_rows(E * Nw, K, t, np.random.default_rng(i)), t, (E, Nw, K),
-                           jnp.bfloat16) for i in range(n_weights)]  # fmt: skip
+                           jnp.bfloat16) for i in range(LAYERS)]  # fmt: skip
 
 
-def run_case(name, tokens, k, K, N, E, swiglu, bw, variants, n_weights, qtype="bf16") -> list[dict]:
+def run_case(name, tokens, k, K, N, E, swiglu, bw, variants, qtype="bf16") -> list[dict]:
     r = np.random.default_rng(0)
     experts = np.stack([r.choice(E, k, replace=False) for _ in range(tokens)]).reshape(-1)
     sizes = jnp.asarray(np.bincount(experts, minlength=E), jnp.int32)
     M = tokens * k
     x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
     Nw = 2 * N if swiglu else N
-    ws = expert_weights(E, K, Nw, qtype, n_weights)
+    ws = expert_weights(E, K, Nw, qtype)
     used = int(np.count_nonzero(np.asarray(sizes)))
     per_expert = K * Nw * 2 if qtype == "bf16" else ws[0].nbytes // E
     nbytes = used * per_expert + M * K * 2 + M * N * 2
@@ -145,14 +146,13 @@ def main():
         help="Pallas tilings block_m:block_n:block_k:num_warps:num_stages (block_m is a cap), "
         "or rows / rows:int8 (quantized experts a row at a time)",
     )
-    ap.add_argument("--weights", type=int, default=LAYERS, help="weight buffers, one per call")
     ap.add_argument("--cases", type=int, nargs="+", default=None, help="indices into CASES")
     ap.add_argument("--type", default="bf16", choices=["bf16", *FORMATS], help="expert weights")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     bw = copy_bandwidth()
     cases = [CASES[i] for i in a.cases] if a.cases is not None else CASES
-    rows = [r for c in cases for r in run_case(*c, bw, a.variants, a.weights, a.type)]
+    rows = [r for c in cases for r in run_case(*c, bw, a.variants, a.type)]
     meta = run_meta()
     lines = [
         f"Grouped expert matmuls, {a.type} experts, random uniform routing; copy bandwidth "

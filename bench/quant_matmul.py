@@ -101,7 +101,6 @@ def run_case(
     M,
     bw,
     variants,
-    n_weights,
     xla: bool,
     lives=(),
     vectors=(),
@@ -116,10 +115,10 @@ def run_case(
     fmt = FORMATS[qtype]
     x = jax.random.normal(jax.random.key(0), (M, K), jnp.bfloat16)
     quant = [keep_quantized(random_rows(N, K, fmt.qtype, rng), fmt.qtype, (N, K), jnp.bfloat16)
-             for _ in range(n_weights)]  # fmt: skip
+             for _ in range(LAYERS)]  # fmt: skip  # a buffer per call (timing.per_call)
     # random, not constant: a bf16 product on zeros ran 13% fast on an H200 (device METHOD.md)
     dense = [jax.random.normal(jax.random.key(i + 1), (K, N), jnp.bfloat16)
-             for i in range(n_weights)]  # fmt: skip
+             for i in range(LAYERS)]  # fmt: skip
     ref = quant_matmul_reference(x, quant[0])
     io = M * K * 2 + M * N * 2
     qbytes = quant[0].nbytes + io
@@ -195,7 +194,6 @@ def main():
     )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
     ap.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")
-    ap.add_argument("--weights", type=int, default=LAYERS, help="weight buffers, one per call")
     ap.add_argument("--no-xla", action="store_true", help="skip XLA's dequantize-then-dot")
     ap.add_argument("--live", type=int, nargs="*", default=[], help="also with these live rows")
     ap.add_argument(
@@ -214,7 +212,7 @@ def main():
     for t in a.types:
         for s in shapes:
             for M in a.rows:
-                run_case(t, *s, M, bw, a.variants, a.weights, not a.no_xla,
+                run_case(t, *s, M, bw, a.variants, not a.no_xla,
                          [n for n in a.live if n < M], a.vector_variants, rows,
                          flush, a.xla_splits, a.dequant)  # fmt: skip
     flush()
