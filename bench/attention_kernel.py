@@ -228,8 +228,9 @@ def main():
             lines.append(f"{head} failed: {r['error'][:80]} | | | | | | | |")
             continue
         ref = f"{r['max_diff_vs_f32_ref']:.3g}" if "max_diff_vs_f32_ref" in r else "-"
+        xla = "- | -" if a.no_xla else f"{r['xla_us']:.0f} | {r['speedup']:.1f}x"
         lines.append(
-            f"{head} {r['pallas_us']:.0f} | {r['xla_us']:.0f} | {r['speedup']:.1f}x | "
+            f"{head} {r['pallas_us']:.0f} | {xla} | "
             f"{r['pallas_GB_s']:.0f} | {r['of_copy_bw']:.0%} | {r['pallas_TFLOP_s']:.0f} | "
             f"{r['max_diff_vs_xla']:.3g} | {ref} |"
         )
