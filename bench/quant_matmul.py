@@ -71,9 +71,9 @@ def parse_vector(v: str) -> dict:
 
 
 def parse_dequant(v: str) -> dict:
-    """block_n:values_per_program:warps of pallas_kernels/dequantize.py."""
-    bn, vpp, warps = (int(t) for t in v.split(":"))
-    return dict(block_n=bn, values_per_program=vpp, num_warps=warps)
+    """block_n:values_per_program:warps[:transpose 0/1] of pallas_kernels/dequantize.py."""
+    bn, vpp, warps, *t = (int(x) for x in v.split(":"))
+    return dict(block_n=bn, values_per_program=vpp, num_warps=warps, transpose=bool(t and t[0]))
 
 
 def xla_reduce(x, w):
@@ -190,7 +190,8 @@ def main():
         "--dequant",
         nargs="*",
         default=[],
-        help="also dequantize.py's kernel then XLA's dot, at block_n:values_per_program:warps",
+        help="also dequantize.py's kernel then XLA's dot, at "
+        "block_n:values_per_program:warps[:transpose 0/1] (1: W^T [K, N] and a plain dot)",
     )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
     ap.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")

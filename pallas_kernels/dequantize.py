@@ -37,10 +37,11 @@ def dequantize_reference(w: QuantWeight, dtype=jnp.bfloat16):
     return dequantize_weight(w, dtype)
 
 
-def _kernel(h_ref, b_ref, o_ref, *, fmt, BN, U):
-    """Program (j, c): rows j * BN .. j * BN + BN - 1, blocks c * U .. c * U + U - 1."""
+def _kernel(h_ref, b_ref, o_ref, *, fmt, BN, U, transpose):
+    """Program (j, c): rows j * BN .. j * BN + BN - 1, blocks c * U .. c * U + U - 1; o_ref is
+    W [N, K], or W^T [K, N] with `transpose`."""
     j, c = pl.program_id(0), pl.program_id(1)
-    N, K = o_ref.shape
+    N, K = o_ref.shape[::-1] if transpose else o_ref.shape
     cols = j * BN + jnp.arange(BN)
     col_ok = cols < N
     for u in range(U):
@@ -55,13 +56,24 @@ def _kernel(h_ref, b_ref, o_ref, *, fmt, BN, U):
                 v = a[:, None] * exact_f32(codes)
                 v = v if b is None else v + b[:, None]
                 ks = blk * fmt.block + g * fmt.group + first + jnp.arange(codes.shape[1])
-                plgpu.store(o_ref.at[cols[:, None], ks[None, :]], v.astype(o_ref.dtype),
-                            mask=ok[:, None])  # fmt: skip
+                if transpose:  # [n, BN]: each k's BN outputs are one contiguous run
+                    plgpu.store(o_ref.at[ks[:, None], cols[None, :]], v.T.astype(o_ref.dtype),
+                                mask=ok[None, :])  # fmt: skip
+                else:
+                    plgpu.store(o_ref.at[cols[:, None], ks[None, :]], v.astype(o_ref.dtype),
+                                mask=ok[:, None])  # fmt: skip
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("dtype", "block_n", "values_per_program", "num_warps", "interpret"),
+    static_argnames=(
+        "dtype",
+        "block_n",
+        "values_per_program",
+        "num_warps",
+        "transpose",
+        "interpret",
+    ),
 )
 def dequantize(
     w: QuantWeight,
@@ -70,9 +82,10 @@ def dequantize(
     block_n: int = 32,
     values_per_program: int = 512,
     num_warps: int = 4,
+    transpose: bool = False,
     interpret: bool | None = None,
 ):
-    """W [N, K] in dtype, decoded in one Pallas kernel.
+    """W [N, K] (or W^T [K, N]) in dtype, decoded in one Pallas kernel.
 
     Args:
       w: QuantWeight [N, K] of any ggml_blocks.FORMATS type.
@@ -82,19 +95,22 @@ def dequantize(
         32 rows by 512 values were the fastest of four tilings on the H200 (Q4_K gate/up at
         M 512: 207 us with the dot, 229 at 64 by 1024).
       num_warps: Triton warps per program.
+      transpose: write W^T [K, N], the layout a bf16 model's weights have (the 2048-token
+        step's GEMMs on W [N, K] took 2.4 ms more than the bf16 model's on [K, N]:
+        bench/results/2026-12-02_profile_prefill2048_qwen3-8b-q4_k_m.md). Off until timed.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
-      [N, K] in dtype, equal to dequantize_reference(w, dtype) (float32 arithmetic, one
-      rounding to dtype).
+      [N, K] ([K, N] with transpose) in dtype, equal to dequantize_reference(w, dtype) (float32
+      arithmetic, one rounding to dtype).
     """
     if len(w.shape) != 2:
         raise ValueError(f"dequantize takes one [N, K] weight, got {w.qtype} {w.shape}")
     N, K = w.shape
     fmt = w.format
     U = max(1, values_per_program // fmt.block)
-    out = jax.ShapeDtypeStruct((N, K), dtype)
+    out = jax.ShapeDtypeStruct((K, N) if transpose else (N, K), dtype)
     return pl.pallas_call(
-        functools.partial(_kernel, fmt=fmt, BN=block_n, U=U),
+        functools.partial(_kernel, fmt=fmt, BN=block_n, U=U, transpose=transpose),
         grid=(-(-N // block_n), -(-(K // fmt.block) // U)),
         in_specs=[whole(w.head), whole(w.body)],
         out_specs=whole(out),
@@ -103,7 +119,9 @@ def dequantize(
     )(w.head, w.body)
 
 
-def dequantized_matmul(x, w: QuantWeight, **kw):
-    """x [M, K] @ W^T as XLA's dot over dequantize(w, x.dtype): [M, N] float32."""
-    wd = dequantize(w, x.dtype, **kw)
-    return jax.lax.dot_general(x, wd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+def dequantized_matmul(x, w: QuantWeight, *, transpose: bool = False, **kw):
+    """x [M, K] @ W^T as XLA's dot over dequantize(w, x.dtype, transpose=...): [M, N] float32."""
+    wd = dequantize(w, x.dtype, transpose=transpose, **kw)
+    k_axis = 0 if transpose else 1
+    dims = (((1,), (k_axis,)), ((), ()))
+    return jax.lax.dot_general(x, wd, dims, preferred_element_type=jnp.float32)

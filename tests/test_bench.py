@@ -332,6 +332,33 @@ def test_kernel_bench_vector_variants_select_the_decoding():
     assert ahead["prefetch"] is True and ahead["int8_dots"] is True
 
 
+def test_kernel_bench_dequant_variants_take_the_transposed_layout():
+    """bench/quant_matmul.py's --dequant: an optional fourth field writes W^T [K, N], and the
+    variant's product is still x @ W^T."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import quant_matmul as qmm_bench
+
+    from luce_jax.loading.quants import keep_quantized
+    from pallas_kernels.dequantize import dequantized_matmul
+    from pallas_kernels.ggml_blocks import FORMATS
+    from pallas_kernels.quant_matmul import quant_matmul_reference
+
+    from make_model import random_rows
+
+    assert qmm_bench.parse_dequant("32:512:4") == dict(
+        block_n=32, values_per_program=512, num_warps=4, transpose=False
+    )
+    kw = qmm_bench.parse_dequant("64:256:4:1")
+    assert kw["transpose"] is True
+    t = FORMATS["q4_k"].qtype
+    w = keep_quantized(random_rows(40, 512, t, np.random.default_rng(0)), t, (40, 512), jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (3, 512), jnp.float32)
+    got = dequantized_matmul(x, w, interpret=True, **kw)
+    np.testing.assert_allclose(got, quant_matmul_reference(x, w), rtol=1e-5, atol=1e-4)
+
+
 def test_int4_gemm_bench_splits_q4_k_into_scaled_codes_and_offsets():
     """bench/int4_gemm.py times Q4_K's dequantization split into a GEMM operand of convert and
     multiply (codes times group scales) and a product of the group offsets, also on a file's

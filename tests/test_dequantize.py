@@ -37,11 +37,24 @@ def test_every_value_decodes_as_gguf_does(qtype):
         np.testing.assert_array_equal(np.asarray(got16), np.asarray(dequantize_reference(w)))
 
 
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q8_0", "iq4_xs"])
+def test_the_transposed_layout_holds_the_same_values(qtype):
+    """transpose writes W^T [K, N] (the bf16 model's weight layout): value for value W's,
+    with N and K ending inside a program's rows and blocks as above."""
+    B = FORMATS[qtype].block
+    raw, w = weight(qtype, 40, 3 * B if B == 256 else 17 * B, seed=2)
+    got = dequantize(w, jnp.float32, block_n=32, values_per_program=512, transpose=True,
+                     interpret=True)  # fmt: skip
+    assert got.shape == (w.shape[1], w.shape[0])
+    np.testing.assert_array_equal(np.asarray(got), gguf_dequantize(raw, FORMATS[qtype].qtype).T)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["W", "W^T"])
 @pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q8_0"])
-def test_the_matmul_over_it_matches_the_reference(qtype):
+def test_the_matmul_over_it_matches_the_reference(qtype, transpose):
     _, w = weight(qtype, 48, 512, seed=1)
     x = jax.random.normal(jax.random.key(0), (100, 512), jnp.float32)
-    got = dequantized_matmul(x, w, interpret=True)
+    got = dequantized_matmul(x, w, transpose=transpose, interpret=True)
     np.testing.assert_allclose(got, quant_matmul_reference(x, w), rtol=1e-5, atol=1e-4)
 
 

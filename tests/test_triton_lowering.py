@@ -90,10 +90,12 @@ def zero_weight(qtype: str, N: int, K: int, lead=()) -> QuantWeight:
     )
 
 
+@pytest.mark.parametrize("transpose", [False, True], ids=["W", "W^T"])
 @pytest.mark.parametrize("qtype", list(FORMATS))
 @pytest.mark.parametrize("K, N", [(4096, 4096), (768, 40)])
-def test_dequantize_lowers_to_a_valid_triton_module(verified, qtype, K, N):
-    lower_for_cuda(lambda w: dequantize(w, interpret=False), zero_weight(qtype, N, K))
+def test_dequantize_lowers_to_a_valid_triton_module(verified, qtype, K, N, transpose):
+    w = zero_weight(qtype, N, K)
+    lower_for_cuda(lambda w: dequantize(w, transpose=transpose, interpret=False), w)
     assert len(verified) == 1
 
 
