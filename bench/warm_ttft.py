@@ -43,11 +43,15 @@ def main():
     ap.add_argument("--prefix-tokens", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk and token budget")
     ap.add_argument("--compile-cache-dir", default=None)
+    ap.add_argument(
+        "--cuda-graph-max-tokens", type=int, default=0, help="the engine flag of that name"
+    )
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     llm = LLM(a.model, max_ctx=a.ctx, max_concurrency=a.slots, prefill_chunk=a.chunk,
               prefill_token_budget=a.chunk, max_concurrent_prefills=a.slots,
-              compile_cache_dir=a.compile_cache_dir)  # fmt: skip
+              compile_cache_dir=a.compile_cache_dir,
+              cuda_graph_max_tokens=a.cuda_graph_max_tokens)  # fmt: skip
     tok = llm.tokenizer
 
     def count(s):

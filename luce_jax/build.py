@@ -120,6 +120,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     runner = runner_for(
         Runner, mc, shapes, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend),
         rope_write_fn=rope_write_fn(config.attention_backend),
+        graph_max_tokens=config.cuda_graph_max_tokens,
     )  # fmt: skip
     engine = DenseEngine(config, runner, num_blocks)
     # structured output: xgrammar loads on the first request that asks for it

@@ -136,6 +136,11 @@ class EngineConfig:
     max_concurrent_prefills: int = 4
     admission_coalesce_ms: float = 0.0
     max_queue: int = 256
+    # steps of more tokens than this compile without CUDA graphs (0: every step uses them): a
+    # prompt step's graph update is host time before its first kernel, 2.3 ms of a warm
+    # prefix-cached request's first token on the H200 (bench/results/
+    # 2026-12-03_prefix_warm_ttft_708373c_h200.md); a decode step needs its graph. 0 until timed.
+    cuda_graph_max_tokens: int = 0
     prefix_cache: bool = True  # share full KV blocks of equal prompt prefixes across requests
     chat_template_file: str | None = None
     spec_mode: str = "off"
@@ -189,6 +194,9 @@ class EngineConfig:
             bad("kv_block_size", "must be a power of two")
         if not isinstance(self.kv_pool_tokens, int) or self.kv_pool_tokens < 0:
             bad("kv_pool_tokens", "must be an integer >= 0 (0 = auto)")
+        c = self.cuda_graph_max_tokens
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            bad("cuda_graph_max_tokens", "must be an integer >= 0 (0 = every step)")
         if not isinstance(self.prefix_cache, bool):
             bad("prefix_cache", "must be a bool")
         if self.admission_coalesce_ms < 0:

@@ -59,6 +59,8 @@ HELP = {
     "max_concurrent_prefills": "prompts advanced in one step",
     "admission_coalesce_ms": "after idle, wait this long so a burst of requests starts together",
     "max_queue": "waiting requests before new ones get 429",
+    "cuda_graph_max_tokens": "steps of more tokens than this run without CUDA graphs (0: every "
+    "step uses them)",
     "prefix_cache": "on: requests reuse the KV blocks of a prompt prefix an earlier request "
     "computed (whole blocks; off: every prompt is computed in full)",
     "chat_template_file": "Jinja chat template overriding the GGUF's",

@@ -103,6 +103,44 @@ def test_first_runs_at_start_up_leave_no_trace(loaded, engine_config):
     assert after == before
 
 
+def test_prompt_steps_can_compile_without_cuda_graphs(loaded, engine_config, monkeypatch):
+    """--cuda-graph-max-tokens N: step buckets of more than N tokens compile with XLA's options
+    that form no CUDA graph (their launch is not held up by a graph update), smaller ones with
+    the defaults; 0 keeps the defaults everywhere. The options reach the compiler, and a
+    runner built with them gives the same tokens."""
+    import dataclasses
+
+    import jax
+
+    from luce_jax.device.programs import NO_GRAPHS, graph_options
+
+    assert graph_options(0, 512, 8) is None
+    assert graph_options(64, 64, 8) is None
+    assert graph_options(64, 128, 8) == NO_GRAPHS
+    tok, engine = loaded
+    assert engine.runner.programs.options(512, 8) is None  # the default: 0
+    arrivals = [(0, p, GREEDY) for p in prompts(3)]
+    before, _ = run_schedule(engine, tok, arrivals, engine_config)
+    cfg = dataclasses.replace(engine_config, cuda_graph_max_tokens=16)
+    seen, compile_ = [], jax.stages.Lowered.compile
+
+    def compile_and_note(self, compiler_options=None):
+        seen.append(compiler_options)
+        return compile_(self, compiler_options=compiler_options)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_and_note)
+    tok2, other = load_engine(cfg)
+    monkeypatch.undo()
+    pairs = other.bucket_pairs()
+    assert {t for t, _ in pairs} > {8, 16} and max(t for t, _ in pairs) > 16
+    for t, s in pairs:
+        assert other.runner.programs.options(t, s) == (NO_GRAPHS if t > 16 else None)
+    big = sum(t > 16 for t, _ in pairs)
+    assert seen.count(NO_GRAPHS) == big and len(seen) > big  # sampling: the defaults
+    after, _ = run_schedule(other, tok2, arrivals, cfg)
+    assert after == before
+
+
 def test_no_sampling_program_branches_on_the_device(loaded):
     """XLA:GPU reads a lax.cond's (or a while loop's) predicate on the host, so dispatching a
     program that holds one waits for the work queued before it: on the H200 a prefix-cached

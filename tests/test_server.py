@@ -552,6 +552,7 @@ def test_max_tokens_is_clamped_to_the_context_left(client):
         (["--dtype", "int3"], "--dtype"),
         (["--kv-block-size", "12"], "--kv-block-size"),
         (["--port", "70000"], "--port"),
+        (["--cuda-graph-max-tokens", "-1"], "--cuda-graph-max-tokens"),
     ],
 )
 def test_cli_rejects_bad_flags(tiny_gguf, args, needle):

@@ -37,10 +37,18 @@ class BucketPrograms:
       traced: (*key) -> (function with the key bound, abstract arguments to lower it with).
       donate: argument positions donated to the program (only KV and per-slot device state).
       name: what the progress bar and the log call these programs.
+      options: (*key) -> XLA compiler options for that key's program, or None (the defaults).
     """
 
-    def __init__(self, traced: Callable[..., tuple], donate: tuple[int, ...], name: str):
+    def __init__(
+        self,
+        traced: Callable[..., tuple],
+        donate: tuple[int, ...],
+        name: str,
+        options: Callable[..., dict | None] | None = None,
+    ):
         self.traced, self.donate, self.name = traced, donate, name
+        self.options = options or (lambda *key: None)
         self.compiles = 0  # executables built; after warmup this must not move
         self._exec: dict[tuple, object] = {}
         self._lock = threading.Lock()
@@ -48,7 +56,8 @@ class BucketPrograms:
     def compile(self, *key):
         """Build (or fetch from the persistent cache) the executable of one bucket key."""
         fn, args = self.traced(*key)
-        exe = jax.jit(fn, donate_argnums=self.donate).lower(*args).compile()
+        lowered = jax.jit(fn, donate_argnums=self.donate).lower(*args)
+        exe = lowered.compile(compiler_options=self.options(*key))
         with self._lock:
             self.compiles += 1
             self._exec[key] = exe
@@ -86,6 +95,19 @@ def compile_all(
             f.result()
     for p, keys in groups:
         log.info("compiled %d %s buckets", len(keys), p.name)
+
+
+# XLA forms a CUDA graph only from a run of at least this many kernels: far more than a step
+# has, so the program launches its kernels one by one.
+NO_GRAPHS = {"xla_gpu_graph_min_graph_size": 1 << 30}
+
+
+def graph_options(max_tokens: int, T: int, S: int) -> dict | None:
+    """Compiler options of step bucket (T, S): without CUDA graphs when max_tokens > 0 and the
+    bucket holds more tokens. A graph saves a decode step its kernel launches, but is updated on
+    the host before it runs; a prompt step's kernels run longer than they take to launch."""
+    del S
+    return dict(NO_GRAPHS) if 0 < max_tokens < T else None
 
 
 def best_of_3(fn) -> float:

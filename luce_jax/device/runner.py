@@ -32,7 +32,7 @@ from ..host.grammar import words as mask_words
 from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense, hybrid
 from . import sampling
-from .programs import BucketPrograms, best_of_3, compile_all
+from .programs import BucketPrograms, best_of_3, compile_all, graph_options
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ class Runner:
       delta_fn: a hybrid model's gated delta rule (pallas_kernels/gated_delta.py).
       rope_write_fn: a dense model's q, k norms, rope and KV write in one kernel
         (pallas_kernels/rope_write.py), or None (XLA's ops).
+      graph_max_tokens: step buckets of more tokens compile without CUDA graphs
+        (graph_options; 0: all use them).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class Runner:
         max_proposals: int = 0,
         delta_fn=None,
         rope_write_fn=None,
+        graph_max_tokens: int = 0,
     ):
         self.cfg = cfg
         self.k = max_proposals
@@ -118,7 +121,10 @@ class Runner:
         self._quant_matmul = quant_matmul
         self._delta = delta_fn
         self._rope_write = rope_write_fn
-        self.programs = BucketPrograms(self.step_function, donate=(1, 2, 3), name="step")
+        self.programs = BucketPrograms(
+            self.step_function, donate=(1, 2, 3), name="step",
+            options=functools.partial(graph_options, graph_max_tokens),
+        )  # fmt: skip
         # keyed by (R, S, filtered, logprobs): the sampling program reads no [T] array, and the
         # host picks its variant (sampling.py says why it is no lax.cond)
         self.sample_programs = BucketPrograms(self.sample_function, donate=(2,), name="sampling")
