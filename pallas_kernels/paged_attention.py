@@ -282,8 +282,8 @@ def paged_attention(
       block_qg: query rows x heads a program reads its keys for, in steps over 64 rows.
       split_masks: walk the tiles all of a block's rows see whole in a loop without masks,
         then the rest with them (FlashAttention-2's causal split). None: on, except for bf16
-        (plain) caches at T <= 64 (decode-sized steps). On the H200 the split took prompt
-        chunks 17-27% faster (2048 rows over 6k keys 981 -> 721 us, a 200-row warm prefix
+        (plain) caches at T <= 64 (decode-sized steps). On the H200 the split took steps with
+        prompt rows 13-27% faster (2048 rows over 6k keys 981 -> 721 us, a 200-row warm prefix
         step over 8.6k 198 -> 156), q8_0 caches 8-13% faster at every shape, and plain decode
         rows 0-3% slower (64 x 32k 1995 -> 2054 us):
         bench/results/2026-12-03_attention_split_masks_h200.md.
