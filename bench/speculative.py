@@ -1,4 +1,5 @@
-"""Speculative decoding: tokens/s and acceptance with speculation off, draft and ngram, per C.
+"""Speculative decoding: tokens/s and acceptance with speculation off, draft, head and ngram,
+per C.
 
 Offline (no HTTP), the real engine loop: one engine per mode, all built first; then for each
 concurrency C the modes take turns, `--reps` times, each generating `--waves` waves of C
@@ -7,7 +8,7 @@ its ratio to mode off at the same C, engine steps, proposals verified and accept
 accepted per verify row, and the fraction of requests whose tokens equal mode off's (greedy;
 bf16 numerics may differ between bucket shapes, so this need not be 1 on a GPU).
 
-    python bench/speculative.py --modes off draft ngram --concurrency 1 2 5 8 \
+    python bench/speculative.py --modes off draft head ngram --concurrency 1 2 5 8 \
         --out bench/results/DATE_speculative_embedded.json
     python bench/speculative.py --model qwen3-8b-bf16.gguf --modes off ngram ...
 """
@@ -42,6 +43,8 @@ def build(args, mode: str):
     )
     if mode == "draft" and args.draft:
         kw["draft"] = args.draft
+    if mode == "head" and args.head:
+        kw["draft"] = args.head
     t0 = time.perf_counter()
     llm = LLM(model=args.model, **kw)
     return llm, time.perf_counter() - t0
@@ -160,7 +163,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="target GGUF (default: the embedded model)")
     ap.add_argument("--draft", default=None, help="draft GGUF (default: the embedded draft)")
-    ap.add_argument("--modes", nargs="+", default=["off", "draft", "ngram"])
+    ap.add_argument("--head", default=None, help="draft head GGUF (default: the embedded head)")
+    ap.add_argument("--modes", nargs="+", default=["off", "draft", "head", "ngram"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 5, 8])
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)

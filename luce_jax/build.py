@@ -57,6 +57,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     from .loading.tokenizer import GGUFTokenizer, GGUFVocab
     from .speculation.draft import DraftProposer
     from .speculation.draft_runner import DraftRunner
+    from .speculation.head import HeadProposer
     from .speculation.ngram import NgramProposer
     from .speculation.policy import SpecPolicy
     from .speculation.speculator import Speculator
@@ -86,6 +87,13 @@ def _load(config: EngineConfig, clock: StartupClock):
         with clock.phase("draft weights"):
             draft = _load_draft(config, vocab, quantized)
         per_token += kv_cache_types(config, draft[0])[1]
+    head = None
+    if config.spec_mode == "head":
+        if mc.recurrent:
+            raise ValueError("spec_mode='head': a draft head needs a dense model, not a hybrid one")
+        from .models import draft_head
+
+        head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
     weights = weight_bytes(shapes) + (weight_bytes(draft[1]) if draft else 0)
     num_blocks = kv_pool_blocks(
         config, jax.devices()[0], per_token, state_bytes(mc, config), weights
@@ -120,7 +128,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     runner = runner_for(
         Runner, mc, shapes, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend),
         rope_write_fn=rope_write_fn(config.attention_backend),
-        graph_max_tokens=config.cuda_graph_max_tokens,
+        graph_max_tokens=config.cuda_graph_max_tokens, head=head,
     )  # fmt: skip
     engine = DenseEngine(config, runner, num_blocks)
     # structured output: xgrammar loads on the first request that asks for it
@@ -145,7 +153,9 @@ def _load(config: EngineConfig, clock: StartupClock):
     if config.spec_mode == "off":
         return tokenizer, engine
     per_depth = fixed = 0.0
-    if draft is None:
+    if config.spec_mode == "head":  # proposals come with each step: no program of their own
+        proposer = HeadProposer()
+    elif draft is None:
         proposer = NgramProposer()
     else:
         d_runner = runner_for(DraftRunner, *draft, depth=spec_k, vocab=mc.vocab_size)

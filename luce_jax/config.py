@@ -42,7 +42,7 @@ QUANT_BACKENDS = ("auto", "pallas", "xla")
 QUANT_ACTIVATIONS = ("auto", "int8", "float")
 # Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
 # the sequence itself), verified by the target in the same packed step as everything else.
-SPEC_MODES = ("off", "ngram", "draft")
+SPEC_MODES = ("off", "ngram", "draft", "head")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -107,6 +107,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 # The embedded default model: trained by bench/tiny_model on the Python standard library.
 DEFAULT_MODEL = ASSETS / "luce-stdlib-main.gguf"
 DEFAULT_DRAFT = ASSETS / "luce-stdlib-draft.gguf"
+DEFAULT_HEAD = ASSETS / "luce-stdlib-head.gguf"  # its draft head (bench/tiny_model/train_head.py)
 
 
 def default_compile_cache_dir() -> str:
@@ -144,7 +145,8 @@ class EngineConfig:
     prefix_cache: bool = True  # share full KV blocks of equal prompt prefixes across requests
     chat_template_file: str | None = None
     spec_mode: str = "off"
-    draft: str | None = None  # draft GGUF for spec_mode=draft; None: the embedded draft
+    # draft GGUF (spec_mode=draft) or draft head GGUF (spec_mode=head); None: the embedded one
+    draft: str | None = None
     draft_tokens: int = 4  # K: most proposals one sequence verifies per step
     compile_cache_dir: str | None = field(default_factory=default_compile_cache_dir)
     seed: int = 0
@@ -167,11 +169,13 @@ class EngineConfig:
             bad("spec_mode", f"must be one of {SPEC_MODES}")
         if self.draft is not None and not Path(self.draft).is_file():
             bad("draft", "no such file")
-        if self.draft is not None and self.spec_mode != "draft":
-            bad("draft", f"is used only with spec_mode='draft' (spec_mode={self.spec_mode!r})")
+        if self.draft is not None and self.spec_mode not in ("draft", "head"):
+            bad("draft", f"is used only with spec_mode 'draft' or 'head' (not {self.spec_mode!r})")
         own_model = self.model is not None and Path(self.model) != DEFAULT_MODEL
-        if self.spec_mode == "draft" and self.draft is None and own_model:
-            bad("draft", "spec_mode='draft' with a model of your own needs a draft GGUF")
+        if self.spec_mode in ("draft", "head") and self.draft is None and own_model:
+            what = "draft model" if self.spec_mode == "draft" else "draft head"
+            bad("draft", f"spec_mode={self.spec_mode!r} with a model of your own needs a {what} "
+                "GGUF")  # fmt: skip
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
                 bad(name, f"must be one of {CACHE_TYPES}")
@@ -232,8 +236,9 @@ class EngineConfig:
 
     @property
     def draft_model(self) -> str:
-        """The draft GGUF of spec_mode=draft (the embedded draft beside the embedded model)."""
-        return self.draft or str(DEFAULT_DRAFT)
+        """The draft GGUF of spec_mode=draft or head (the embedded draft or head beside the
+        embedded model)."""
+        return self.draft or str(DEFAULT_HEAD if self.spec_mode == "head" else DEFAULT_DRAFT)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -66,8 +66,9 @@ HELP = {
     "chat_template_file": "Jinja chat template overriding the GGUF's",
     "compile_cache_dir": "JAX persistent compilation cache ('' to disable)",
     "spec_mode": f"speculative decoding: {', '.join(SPEC_MODES)} (draft: a draft model proposes; "
-    "ngram: prompt lookup)",
-    "draft": "draft GGUF for --spec-mode draft, same vocabulary (default: the embedded draft)",
+    "ngram: prompt lookup; head: a draft head on the model's hidden states, inside its step)",
+    "draft": "draft GGUF for --spec-mode draft (same vocabulary), or draft head GGUF for "
+    "--spec-mode head (default: the embedded model's)",
     "draft_tokens": "most proposals one sequence verifies per step (K)",
     "seed": "seed for requests that do not give one",
 }

@@ -23,6 +23,8 @@ def test_inspect_steps_notebook_executes(monkeypatch, compile_cache):
     assert "step slots" in text and "compiles:" in text and "prefill tokens" in text
     assert "jaxpr lines" in text and "ENTRY" in text
     assert ".xplane.pb" in text  # the profiler wrote a trace
-    assert "same tokens as without speculation: True" in text and "proposed" in text
+    for mode in ("draft", "head"):
+        assert f"{mode}: same tokens as without speculation: True" in text
+    assert "proposed" in text
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, "the timeline plot is missing"

@@ -26,6 +26,7 @@ from luce_jax.host.request import Request
 from luce_jax.host.scheduler import Scheduler
 from luce_jax.sampling_params import SamplingParams
 from luce_jax.speculation.draft import DraftProposer
+from luce_jax.speculation.head import HeadProposer
 from luce_jax.speculation.ngram import NgramProposer
 from luce_jax.speculation.policy import SpecPolicy
 from luce_jax.speculation.speculator import Speculator
@@ -37,8 +38,13 @@ class FakeRunner:
     """Runner.launch / fetch over a token-id 'cache'; samples at random. Like the device, it
     keeps each slot's last emitted token and feeds it to rows that ask for it (FROM_DEVICE)."""
 
-    def __init__(self, num_blocks, block_size, max_slots, k, rng, recurrent=False):
+    def __init__(self, num_blocks, block_size, max_slots, k, rng, recurrent=False, head=False):
         self.cfg = SimpleNamespace(recurrent=(True,) if recurrent else ())
+        # A draft head: each sampled row leaves K proposals and its kept count on the device,
+        # and later rows read them (markers) and move on by them (behind), as sampling.py does.
+        self.head = head
+        self.acc = np.zeros(max_slots, np.int64)
+        self.props = np.zeros((max_slots, max(k, 1)), np.int64)
         self.state = {s: [] for s in range(max_slots)}  # tokens each slot's state absorbed
         self.kv = np.full(num_blocks * block_size, -1, np.int64)
         self.last = np.zeros(max_slots, np.int64)
@@ -50,9 +56,21 @@ class FakeRunner:
     def launch(self, b, T, S):
         n_tok = b["cu_q_lens"][-1]
         fed = b["tokens"][:n_tok].astype(np.int64)
+        tok_slot = b["slots"][b["seg_ids"][:n_tok]]
         from_device = fed == FROM_DEVICE
-        fed[from_device] = self.last[b["slots"][b["seg_ids"][:n_tok]][from_device]]
-        self.kv[b["write_idx"][:n_tok]] = fed
+        fed[from_device] = self.last[tok_slot[from_device]]
+        marker = fed <= -2
+        assert self.head or not marker.any(), "proposal markers need a draft head"
+        fed[marker] = self.props[tok_slot[marker], -2 - fed[marker]]
+        off = np.where(b["behind"] > 0, self.acc[np.maximum(b["slots"], 0)], 0)
+        assert self.head or not off.any()
+        seg = b["seg_ids"][:n_tok]
+        pos = b["positions"][:n_tok] + off[seg]
+        P = self.block_size
+        write = np.where(off[seg] > 0, b["block_tables"][seg, pos // P] * P + pos % P,
+                         b["write_idx"][:n_tok])  # fmt: skip
+        assert (write[off[seg] > 0] >= P).all(), "a moved row writes outside its blocks"
+        self.kv[write] = fed
         n = int((b["slots"] >= 0).sum())
         if self.cfg.recurrent:
             for i in range(n):
@@ -75,6 +93,8 @@ class FakeRunner:
                 accepted[i] += 1
             if b["sample_mask"][i]:
                 self.last[b["slots"][i]] = tokens[first + accepted[i]]
+                self.acc[b["slots"][i]] = accepted[i]
+                self.props[b["slots"][i]] = [self.rng.randrange(VOCAB) for _ in range(self.k)]
         return {"tokens": tokens, "logprob": np.zeros(R, np.float32), "accepted": accepted}
 
     def launch_forward(self, b, T, S):  # the whole step runs when its sampling launches
@@ -132,8 +152,15 @@ def check_caches(sched, engine, draft):
             assert got.tolist() == seq[:fed], f"slot {req.slot} draft cache corrupted"
 
 
-@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
-@pytest.mark.parametrize("mode", ["off", "ngram", "draft"])
+# a draft head runs on dense models only (Runner refuses a hybrid one)
+MODES = [
+    (m, h) for m in ("off", "ngram", "draft", "head") for h in (False, True) if m != "head" or not h
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "hybrid"), MODES, ids=[f"{m}-{'hybrid' if h else 'dense'}" for m, h in MODES]
+)
 @pytest.mark.parametrize("seed", range(6))
 def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, hybrid):
     rng = random.Random(seed)
@@ -147,7 +174,8 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
         spec_mode=mode,
     )
     blocks = 40
-    runner = FakeRunner(blocks, 4, 4, 0 if mode == "off" else 3, rng, recurrent=hybrid)
+    k = 0 if mode == "off" else 3
+    runner = FakeRunner(blocks, 4, 4, k, rng, recurrent=hybrid, head=mode == "head")
     engine = DenseEngine(cfg, runner, blocks)
     assert engine.refeed == hybrid
     draft = None
@@ -159,6 +187,8 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
             dr, blocks, 4, 4, cfg.max_blocks_per_seq, engine.token_buckets, engine.rows_for, 8
         )
         proposer = draft
+    elif mode == "head":
+        proposer = HeadProposer()
     else:
         proposer = NgramProposer()
     if proposer is not None:
@@ -198,10 +228,10 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
             break
     assert sched.idle and cancelled > 0
     assert engine.pool.available == engine.pool.capacity
-    assert engine.overlap == (mode == "off")
-    if mode == "off":
+    assert engine.overlap == (mode in ("off", "head"))
+    if engine.overlap:
         assert sum(early) > 10  # the one-step lag was exercised, and its tokens dropped
-    else:
+    if mode != "off":
         assert engine.spec.accepted > 0 and max(engine.spec.accept_lengths) >= 2
     if draft is not None:
         assert draft.pool.available == draft.pool.capacity and not draft.seq

@@ -81,6 +81,23 @@ def _rope(x, pos, base):
 
 def forward(params: dict, tokens, size: Size, compute=jnp.bfloat16):
     """Logits [B, S, V] float32 for tokens [B, S]."""
+    return unembed(params, hidden(params, tokens, size, compute), size, compute)
+
+
+def unembed(params: dict, x, size: Size, compute=jnp.bfloat16):
+    """Logits [..., V] float32 of residual-stream rows x [..., d] (final norm, tied lm_head)."""
+    h = _rms(x, params["final_norm"], size.eps)
+    return jnp.einsum(
+        "...d,vd->...v",
+        h.astype(compute),
+        params["embed"].astype(compute),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def hidden(params: dict, tokens, size: Size, compute=jnp.bfloat16):
+    """The last layer's residual stream [B, S, d] float32 (before the final norm) for tokens
+    [B, S]: what a draft head reads (luce_jax/models/draft_head.py)."""
     s = size
     B, S = tokens.shape
     x = params["embed"][tokens]
@@ -118,13 +135,7 @@ def forward(params: dict, tokens, size: Size, compute=jnp.bfloat16):
         x = x + mm(o, lp["wo"])
         h = _rms(x, lp["ffn_norm"], s.eps)
         x = x + mm(jax.nn.silu(mm(h, lp["wg"])) * mm(h, lp["wu"]), lp["wd"])
-    h = _rms(x, params["final_norm"], s.eps)
-    return jnp.einsum(
-        "bsd,vd->bsv",
-        h.astype(compute),
-        params["embed"].astype(compute),
-        preferred_element_type=jnp.float32,
-    )
+    return x
 
 
 def loss_fn(params, tokens, size: Size):

@@ -30,7 +30,8 @@ from ..config import ModelConfig
 from ..host.batch import layout_size, lower, pack, sample_layout, step_layout, unpack
 from ..host.grammar import words as mask_words
 from ..host.slots import FLOAT_FIELDS, padding_inputs
-from ..models import dense, hybrid
+from ..models import dense, draft_head, hybrid
+from ..models.linear import embed
 from . import sampling
 from .programs import BucketPrograms, best_of_3, compile_all, graph_options
 
@@ -45,6 +46,8 @@ class Forward:
     row_tokens: jax.Array  # int32 [R, K + 1] (sampling.mark_fed's)
     R: int
     S: int
+    hidden: jax.Array | None = None  # float32 [R, d], the draft head's input (head mode)
+    offsets: jax.Array | None = None  # int32 [S], sampling.catch_up's (head mode)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class Runner:
         (pallas_kernels/rope_write.py), or None (XLA's ops).
       graph_max_tokens: step buckets of more tokens compile without CUDA graphs
         (graph_options; 0: all use them).
+      head: (draft_head.HeadConfig, params) of a draft head (dense models): every sampling
+        program then proposes K tokens per sampled row for the slot's next verify row and
+        keeps them on the device, with the proposals each row kept; a later step's verify
+        rows read both (sampling.feed, sampling.catch_up), so the host never waits for them
+        (speculation/head.py).
     """
 
     def __init__(
@@ -92,8 +100,12 @@ class Runner:
         delta_fn=None,
         rope_write_fn=None,
         graph_max_tokens: int = 0,
+        head=None,
     ):
+        if head is not None and (cfg.recurrent or not max_proposals):
+            raise ValueError("a draft head needs a dense (not hybrid) model and max_proposals")
         self.cfg = cfg
+        self.head = head
         self.k = max_proposals
         self.params = params
         self.block_size = block_size
@@ -106,6 +118,9 @@ class Runner:
             state = sampling.init_state(max_slots, cfg.vocab_size)
             if cfg.recurrent:  # the linear layers' per-slot state rides with the sampler's
                 state["model"] = hybrid.init_state(cfg, max_slots)
+            if head is not None:  # per slot: proposals kept by its last row, and the next ones
+                state["acc"] = jnp.zeros((max_slots,), jnp.int32)
+                state["props"] = jnp.zeros((max_slots, max_proposals), jnp.int32)
             return kv, state
 
         self._allocate = allocate
@@ -150,22 +165,28 @@ class Runner:
     def layout(self, T: int, S: int):
         return step_layout(T, S, self.logit_width(T, S), self.max_blocks)
 
-    def _step_fn(self, params, kv, model_state, prompt_mask, last, ints, *, T: int, S: int):
+    def _step_fn(self, params, kv, model_state, prompt_mask, last, ahead, ints, *, T: int, S: int):
         """One model forward pass and the fed-token bookkeeping; T, S static.
 
         Args: params; kv, model_state (a hybrid model's per-slot state, else None) and
           prompt_mask [S_max, V] (the tokens each slot has seen), all three donated; last
-          [S_max]: each slot's last sampled token, fed to its decode row; ints: int32 [N]
-          packed per `layout`.
+          [S_max]: each slot's last sampled token, fed to its decode row; ahead: with a draft
+          head, {"acc" [S_max], "props" [S_max, K]} (read; sampling.feed, catch_up), else
+          None; ints: int32 [N] packed per `layout`.
         Returns: (logits float32 [R, V], row tokens int32 [R, K + 1] (sampling.mark_fed's),
-          kv, model_state, prompt_mask, model stats (dense.forward's)).
+          kv, model_state, prompt_mask, model stats (dense.forward's), and with a draft head
+          the logits rows' hidden states float32 [R, d] and the rows' offsets [S] (catch_up),
+          else None, None).
         """
         batch = unpack(ints, self.layout(T, S))
-        batch["tokens"] = sampling.feed(batch, {"last": last})
+        batch["tokens"] = sampling.feed(batch, {"last": last, **(ahead or {})})
+        offsets = None
+        if ahead is not None:
+            batch, offsets = sampling.catch_up(batch, ahead["acc"], self.block_size)
         if model_state is None:
             logits, kv, stats = dense.forward(
                 params, kv, batch, self.cfg, self._attention, self._grouped_matmul,
-                self._quant_matmul, self._rope_write,
+                self._quant_matmul, self._rope_write, hidden=self.head is not None,
             )  # fmt: skip
         else:
             logits, kv, model_state = hybrid.forward(
@@ -175,10 +196,11 @@ class Runner:
             stats = {}
         with jax.named_scope("sampling"):
             prompt_mask, row_tokens = sampling.mark_fed(prompt_mask, batch, self.k)
-        return logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, stats
+        out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, stats)
+        return out + (stats.pop("hidden", None), offsets)
 
-    def _sample_fn(self, logits, row_tokens, state, prompt_mask, sints, floats, allow, *, R, S,
-                   filtered, logprobs):  # fmt: skip
+    def _sample_fn(self, logits, row_tokens, state, prompt_mask, sints, floats, allow, head_in,
+                   *, R, S, filtered, logprobs):  # fmt: skip
         """Sampling and verification of one step's logits (device/sampling.py); R, S, filtered
         (some row samples under top-k/p or min-p) and logprobs (some row wants top logprobs)
         static.
@@ -187,24 +209,78 @@ class Runner:
           sampler's counts and last; prompt_mask (read); sints: int32 packed per
           host.batch.sample_layout; floats: float32 [6, S] sampling parameters (FLOAT_FIELDS);
           allow: int32 [S, ceil(V / 32)] bitmasks of the tokens each row may sample
-          (host/grammar.py; all bits set: any).
-        Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state).
+          (host/grammar.py; all bits set: any); head_in: None, or with a draft head (hidden
+          [R, d], offsets [S] (catch_up's), the head's params, the target's embed /
+          final_norm / lm_head params).
+        Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state; with
+          a draft head the state also holds each sampled row's slot's kept proposals (acc)
+          and next proposals (props)).
         """
         batch = unpack(sints, sample_layout(S, R))
+        spec = None
+        if head_in is not None:  # the noise of a row that caught up is that many steps on
+            spec = {k: state.pop(k) for k in ("acc", "props")}
+            batch["steps"] = batch["steps"] + head_in[1]
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
-            return sampling.sample_rows(
+            packed, top_ids, top_lp, state = sampling.sample_rows(
                 logits, row_tokens, state, prompt_mask, batch, floats, self.k, allow, filtered,
                 logprobs,
             )  # fmt: skip
+        if head_in is not None:
+            hidden, _, hp, lm = head_in
+            with jax.named_scope("draft_head"):
+                props = self._head_proposals(hidden, hp, lm, packed, batch, floats, filtered)
+            oob = spec["acc"].shape[0]  # rows that sample nothing (and padding) write nothing
+            at = jnp.where(batch["sample_mask"] > 0, batch["slots"], oob)
+            accepted = packed[2 * R :]
+            state["acc"] = spec["acc"].at[at].set(accepted, mode="drop")
+            state["props"] = spec["props"].at[at].set(props, mode="drop")
+        return packed, top_ids, top_lp, state
+
+    def _head_proposals(self, hidden, hp, lm, packed, batch, floats, filtered):
+        """The draft head's K proposals [S, K] for each row's next verify row, from the hidden
+        state and token of the row's last emitted position. Proposal j is picked as the
+        target's row will sample at offset j: with the row's parameters and the noise of
+        (seed, tokens generated by then + j) (penalties aside), so a head that predicts the
+        target's distribution proposes the token the target samples (draft_runner.py's rule)."""
+        R, S = hidden.shape[0], batch["slots"].shape[0]
+        accepted = packed[2 * R : 2 * R + S]
+        last = jnp.minimum(batch["logit_start"] + accepted, R - 1)  # [S] logits row
+        sp = sampling.named(floats, batch["top_k"])
+        seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)
+        steps = batch["steps"] + accepted + 1  # generated before the next row's first token
+        none = jnp.zeros((S, self.cfg.vocab_size), jnp.int32)  # no penalty state
+
+        def pick(logits, j):
+            return sampling.sample(logits, none, none > 0, sp, seeds, steps + j, filtered)[0]
+
+        cfg, qmm = self.cfg, self._quant_matmul
+        return draft_head.propose(
+            hp, hidden[last], packed[last], self.k, lambda t: embed(lm["embed"], t),
+            lambda f: dense.logits_of(lm, f, cfg, qmm), pick, self.head[0].eps,
+        )  # fmt: skip
+
+    def _head_inputs(self, hidden, offsets):
+        """The sampling program's head_in for a forward pass's outputs (None: no head)."""
+        if self.head is None:
+            return None
+        lm = {k: self.params[k] for k in ("embed", "final_norm", "lm_head") if k in self.params}
+        return hidden, offsets, self.head[1], lm
+
+    def _ahead(self, state: dict):
+        """The draft head's device state a forward pass reads (None: no head)."""
+        return {"acc": state["acc"], "props": state["props"]} if self.head is not None else None
 
     def _sampler_state(self) -> dict:
-        return {"counts": self.state["counts"], "last": self.state["last"]}
+        keys = ("counts", "last") + (("acc", "props") if self.head is not None else ())
+        return {k: self.state[k] for k in keys}
 
     def step_function(self, T: int, S: int):
         """The forward pass of bucket (T, S) and abstract arguments to trace or lower it with."""
         ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
         st = self.state
-        args = (self.params, self.kv, st.get("model"), st["prompt_mask"], st["last"], ints)
+        args = (self.params, self.kv, st.get("model"), st["prompt_mask"], st["last"],
+                self._ahead(st), ints)  # fmt: skip
         return functools.partial(self._step_fn, T=T, S=S), args
 
     def sample_function(self, R: int, S: int, filtered: bool, logprobs: bool):
@@ -215,8 +291,10 @@ class Runner:
         row_tokens = jax.ShapeDtypeStruct((R, self.k + 1), jnp.int32)
         floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
         allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
+        hidden = jax.ShapeDtypeStruct((R, self.cfg.d_model), jnp.float32)
+        offsets = jax.ShapeDtypeStruct((S,), jnp.int32)
         args = (logits, row_tokens, self._sampler_state(), self.state["prompt_mask"], sints,
-                floats, allow)  # fmt: skip
+                floats, allow, self._head_inputs(hidden, offsets))  # fmt: skip
         fn = functools.partial(self._sample_fn, R=R, S=S, filtered=filtered, logprobs=logprobs)
         return fn, args
 
@@ -244,14 +322,14 @@ class Runner:
         """Dispatch a step's forward pass; its sampling waits for launch_sample."""
         ints = pack(b, self.layout(T, S))
         st = self.state
-        logits, row_tokens, self.kv, model_state, st["prompt_mask"], self.last_stats = (
-            self.programs[(T, S)](
-                self.params, self.kv, st.get("model"), st["prompt_mask"], st["last"], ints
-            )
-        )
+        out = self.programs[(T, S)](
+            self.params, self.kv, st.get("model"), st["prompt_mask"], st["last"], self._ahead(st),
+            ints,
+        )  # fmt: skip
+        logits, row_tokens, self.kv, model_state, st["prompt_mask"], self.last_stats = out[:6]
         if model_state is not None:
             st["model"] = model_state
-        return Forward(logits, row_tokens, self.logit_width(T, S), S)
+        return Forward(logits, row_tokens, self.logit_width(T, S), S, *out[6:])
 
     def launch_sample(self, fwd: Forward, b: dict[str, np.ndarray]) -> Launched:
         """Dispatch the sampling of a launched forward pass (b: its lowered arrays; "allow",
@@ -266,7 +344,7 @@ class Runner:
         variant = (fwd.R, fwd.S, sampling.needs_filter(b["floats"], b["top_k"]), want_top)
         packed, top_ids, top_lp, state = self.sample_programs[variant](
             fwd.logits, fwd.row_tokens, self._sampler_state(), self.state["prompt_mask"],
-            sints, b["floats"], allow,
+            sints, b["floats"], allow, self._head_inputs(fwd.hidden, fwd.offsets),
         )  # fmt: skip
         self.state.update(state)
         top = (top_ids, top_lp) if want_top else None

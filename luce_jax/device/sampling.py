@@ -42,11 +42,43 @@ def named(floats, top_k) -> dict:
 
 
 def feed(batch: dict, state: dict):
-    """The step's tokens [T]: where the host sent batch.FROM_DEVICE (< 0), the row's slot's last
-    emitted token, written by an earlier step's `sample_rows`."""
+    """The step's tokens [T]: where the host sent batch.FROM_DEVICE (-1), the row's slot's last
+    emitted token, written by an earlier step's `sample_rows`; where it sent
+    batch.proposal_from_device(j) (-2 - j), the slot's j-th proposal in state["props"] [S_max,
+    K] (a draft head's, made by the slot's last step)."""
     S_max = state["last"].shape[0]
     tok_slot = jnp.clip(batch["slots"][batch["seg_ids"]], 0, S_max - 1)
-    return jnp.where(batch["tokens"] < 0, state["last"][tok_slot], batch["tokens"])
+    tokens = batch["tokens"]
+    out = jnp.where(tokens == -1, state["last"][tok_slot], tokens)
+    if "props" in state:
+        K = state["props"].shape[1]
+        prop = state["props"][tok_slot, jnp.clip(-2 - tokens, 0, K - 1)]
+        out = jnp.where(tokens <= -2, prop, out)
+    return out
+
+
+def catch_up(batch: dict, acc, block_size: int) -> tuple[dict, jax.Array]:
+    """Shift the rows the host lowered behind their slot's device state.
+
+    A row marked `behind` belongs to a slot whose last step, still in flight when the host
+    lowered this one, kept acc[slot] proposals the host has not yet counted: the row really
+    starts that many positions later. Its positions, KV write slots and kv length move by
+    that offset (the host claimed blocks for the largest). Other rows and padding stay.
+
+    Args: batch: the step's arrays (host.batch.lower's, and "behind" [S]); acc: [S_max]
+      proposals each slot's last sampled row kept; block_size: P.
+    Returns: (the shifted batch, offsets [S]).
+    """
+    S_max, T = acc.shape[0], batch["tokens"].shape[0]
+    off = acc[jnp.clip(batch["slots"], 0, S_max - 1)] * (batch["behind"] > 0)  # [S]
+    seg, bt = batch["seg_ids"], batch["block_tables"]
+    real = jnp.arange(T) < batch["cu_q_lens"][-1]
+    shift = jnp.where(real, off[seg], 0)
+    pos = batch["positions"] + shift
+    blk = bt[seg, jnp.clip(pos // block_size, 0, bt.shape[1] - 1)]
+    moved = jnp.where(shift > 0, blk * block_size + pos % block_size, batch["write_idx"])
+    out = {**batch, "positions": pos, "write_idx": moved, "kv_lens": batch["kv_lens"] + off}
+    return out, off
 
 
 def apply_penalties(logits, counts, prompt_mask, sp):

@@ -18,6 +18,12 @@ SINK_BLOCK = 0  # padding rows write here; never part of a sequence's block tabl
 FROM_DEVICE = -1
 
 
+def proposal_from_device(j: int) -> int:
+    """The token marker of a slot's j-th proposal that the device holds (a draft head made it
+    in the slot's last step): verify rows carry these, not token ids."""
+    return -2 - j
+
+
 @dataclass(frozen=True)
 class Row:
     """One sequence's contribution to a step: a prompt slice, a decode token, or a verify row
@@ -197,6 +203,7 @@ def sample_layout(S: int, R: int) -> Layout:
         ("seeds", (S,)),
         ("steps", (S,)),
         ("fresh", (S,)),
+        ("behind", (S,)),
         ("logit_seg", (R,)),
         ("logit_off", (R,)),
     ]

@@ -109,7 +109,9 @@ class DenseEngine:
 
     @property
     def overlap(self) -> bool:
-        return self.spec is None
+        """Whether step N+1 may be dispatched before step N is collected: without speculation,
+        and with proposals that stay on the device (draft head)."""
+        return self.spec is None or getattr(self.spec.proposer, "on_device", False)
 
     @property
     def in_flight(self) -> int:
@@ -187,7 +189,11 @@ class DenseEngine:
         sl = self.slots
         dec = np.asarray(plan.decode, np.int32)
         lag = self._lag[dec]
-        props = self._proposals(dec, sum(n for _, n in plan.prefills) + int(lag.sum()))
+        # Slots whose step in flight may keep proposals the host has not counted: their rows
+        # are lowered where the host knows they start, and the device moves them on
+        # (sampling.catch_up); their blocks and proposals leave room for the largest move.
+        behind = self._behind(dec)
+        props = self._proposals(dec, sum(n for _, n in plan.prefills) + int(lag.sum()), behind)
         starts = sl.kv_len(dec) - lag
         if props:  # rows: accepted proposals fed again (hybrid), the last token, proposals
             n_draft = np.fromiter((len(p) for p in props), np.int32, len(dec))
@@ -203,7 +209,10 @@ class DenseEngine:
             n_draft = np.zeros(len(dec), np.int32)
             tokens = np.full(len(dec), FROM_DEVICE, np.int32)
         lens = lag + 1 + n_draft
-        for slot, end in zip(dec.tolist(), (starts + lens).tolist(), strict=True):
+        ends = np.minimum(
+            starts + lens + behind * self.spec_k, sl.prompt_len[dec] + sl.max_tokens[dec]
+        )
+        for slot, end in zip(dec.tolist(), ends.tolist(), strict=True):
             # Proposals go past kv_len and overwrite nothing of the sequence; rejected ones
             # are rolled back by kv_len alone (it counts emitted tokens), and blocks stay.
             self.pool.ensure(slot, end)
@@ -229,6 +238,7 @@ class DenseEngine:
         S = self.rows_for(T)
         b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
         b.update(sl.row_inputs(rows.slots, rows.starts, rows.sample, S))
+        b["behind"][: len(dec)] = behind
         # a row under a grammar needs the step in flight's tokens: this sampling waits for them
         wait = self.constraining and any(map(self.grammars.constrained, rows.slots[rows.sample]))
         if self._launched and self._launched[-1].handle is None:
@@ -311,14 +321,30 @@ class DenseEngine:
             self.spec.step_done(time.perf_counter() - f.t0)
         return result
 
-    def _proposals(self, dec: np.ndarray, prompt_tokens: int) -> list[list[int]]:
+    @property
+    def spec_k(self) -> int:
+        return self.spec.k if self.spec is not None else 0
+
+    def _behind(self, dec: np.ndarray) -> np.ndarray:
+        """int32 [len(dec)]: 1 where the slot had a sampled row in a step still in flight whose
+        kept proposals the host has not counted (device proposals only; at most one such step,
+        the scheduler collects before it dispatches a second one ahead)."""
+        if not self.overlap or self.spec is None or not self._launched:
+            return np.zeros(len(dec), np.int32)
+        assert len(self._launched) == 1, "one step in flight at most"
+        f = self._launched[-1]
+        inflight = f.rows.slots[f.rows.sample & (f.rows.n_draft > 0)]
+        return np.isin(dec, inflight).astype(np.int32)
+
+    def _proposals(self, dec: np.ndarray, prompt_tokens: int, behind: np.ndarray) -> list:
         """Speculative proposals per decode row ([] without speculation), capped so a verify
         row never emits past max_tokens (which also keeps its KV writes inside the slot's
-        reservation). Speculation collects every step first, so generated is exact here."""
+        reservation). Generated is exact here unless the slot is `behind` by up to K kept
+        proposals of a step in flight: those rows leave room for K more."""
         if self.spec is None or not len(dec):
             return []
         sl = self.slots
-        left = sl.max_tokens[dec] - sl.generated[dec] - 1
+        left = sl.max_tokens[dec] - sl.generated[dec] - 1 - behind * self.spec.k
         if self.constraining:  # proposals skip the grammar
             left = np.where([self.grammars.constrained(s) for s in dec.tolist()], 0, left)
         caps = dict(zip(dec.tolist(), np.clip(left, 0, self.spec.k).tolist(), strict=True))

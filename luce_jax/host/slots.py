@@ -135,8 +135,10 @@ def padding_inputs(S: int) -> dict[str, np.ndarray]:
     """Sampling inputs of S padding rows: floats [6, S] (FLOAT_FIELDS, NEUTRAL), and int32
     top_k, seeds (the uint32 seed's bits), steps (tokens generated before the row's first
     sample, which with the seed fixes its noise), fresh (1: the slot's first row, whose
-    sampler state is reset for a new request) [S], want_logprobs [1]."""
-    out = {k: np.zeros(S, np.int32) for k in ("top_k", "seeds", "steps", "fresh")}
+    sampler state is reset for a new request), behind (1: the row's slot has a step in flight
+    whose accepted proposals the host has not counted; the device shifts the row by them,
+    host/engine.py) [S], want_logprobs [1]."""
+    out = {k: np.zeros(S, np.int32) for k in ("top_k", "seeds", "steps", "fresh", "behind")}
     out["floats"] = np.repeat(NEUTRAL[:, None], S, axis=1)
     out["want_logprobs"] = np.zeros(1, np.int32)
     return out

@@ -60,6 +60,7 @@ def forward(
     grouped_matmul=None,
     quant_matmul: QuantMatmul | None = None,
     rope_write=None,
+    hidden: bool = False,
 ):
     """One model step over packed tokens; writes this step's K/V and returns requested logits.
 
@@ -77,9 +78,11 @@ def forward(
       quant_matmul: how projections with quantized weights run (models/linear.py).
       rope_write: q and k's norms, rope and the KV write in one kernel
         (pallas_kernels/rope_write.py's signature), for the layers it fits; None: XLA's ops.
+      hidden: also return the logits rows' residual stream (what a draft head reads).
     Returns:
       (logits [R, V] float32, new kv, stats): stats holds expert_counts [L_moe, E] int32
-      (real tokens routed to each expert in each MoE layer) for MoE models, else nothing.
+      (real tokens routed to each expert in each MoE layer) for MoE models, and with `hidden`
+      "hidden": float32 [R, d], the last layer's output before the final norm.
     """
     attn = attention_fn or paged_attention_xla
     with jax.named_scope("embed"):
@@ -95,6 +98,8 @@ def forward(
         new_kv.append((kc, vc))
     logits = head(params, x, batch, cfg, quant_matmul)
     stats = {"expert_counts": moe.expert_counts(jnp.stack(pairs), cfg.n_experts)} if pairs else {}
+    if hidden:
+        stats["hidden"] = x[batch["logit_rows"]].astype(jnp.float32)
     return logits, new_kv, stats
 
 
@@ -200,15 +205,21 @@ def swiglu(lp: dict, h, quant_matmul, live, splits=False):
 def head(params: dict, x, batch: dict, cfg: ModelConfig, quant_matmul):
     """Logits [R, V] of the wanted rows (batch logit_rows) of the residual stream x [T, d]."""
     with jax.named_scope("lm_head"):
-        h = Normed(x[batch["logit_rows"]], params["final_norm"], cfg.rms_eps)
         # padding logits rows (offset -1) trail the real ones
         live_logits = jnp.sum(batch["logit_off"] >= 0) if "logit_off" in batch else None
-        if quant_matmul is not None:  # unlike token buckets, any row bucket can hold one live
-            # row (a lone prompt's last token), so the kernel always gets the live count
-            quant_matmul = quant_matmul._replace(live_rows_max=quant_matmul.max_rows)
-        if "lm_head" in params:
-            return linear(h, params["lm_head"], quant_matmul, live_logits)
-        return unembed(h, params["embed"], quant_matmul, live_logits)
+        return logits_of(params, x[batch["logit_rows"]], cfg, quant_matmul, live_logits)
+
+
+def logits_of(params: dict, rows, cfg: ModelConfig, quant_matmul, live=None):
+    """Logits [R, V] float32 of residual-stream rows [R, d]: the final norm and the lm_head
+    (live: how many leading rows are real, for the quantized kernel; None: all)."""
+    h = Normed(rows, params["final_norm"], cfg.rms_eps)
+    if quant_matmul is not None:  # unlike token buckets, any row bucket can hold one live
+        # row (a lone prompt's last token), so the kernel always gets the live count
+        quant_matmul = quant_matmul._replace(live_rows_max=quant_matmul.max_rows)
+    if "lm_head" in params:
+        return linear(h, params["lm_head"], quant_matmul, live)
+    return unembed(h, params["embed"], quant_matmul, live)
 
 
 def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=None) -> KV:

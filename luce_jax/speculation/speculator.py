@@ -5,7 +5,8 @@ outcome to `record`:
   1. Cap each decoding slot's proposals by K and by its remaining max_tokens, so a verify
      row never writes KV past the slot's reservation or emits past max_tokens.
   2. Ask the proposer how many it can offer (prompt lookup: the continuation it found; draft
-     model: K once the draft has caught up with the slot's sequence).
+     model: K once the draft has caught up with the slot's sequence; draft head: K, kept on
+     the device by the slot's last step).
   3. Let SpecPolicy pick counts per slot for the best expected tokens per second over the
      token buckets, then fetch that many proposals (a draft model runs its steps here).
   4. After the step, `record` feeds acceptance back to the policy, the accepted tokens to
@@ -24,9 +25,9 @@ class Speculator:
     """A Proposer, a SpecPolicy and the counters /metrics and the trace read.
 
     Args:
-      proposer: ngram.NgramProposer or draft.DraftProposer.
+      proposer: ngram.NgramProposer, draft.DraftProposer or head.HeadProposer.
       policy: SpecPolicy over the engine's token buckets.
-      mode: "ngram" | "draft" (reported in metrics).
+      mode: "ngram" | "draft" | "head" (reported in metrics).
     """
 
     def __init__(self, proposer, policy: SpecPolicy, mode: str):

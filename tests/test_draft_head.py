@@ -1,0 +1,168 @@
+"""Speculation with a draft head on the target's hidden states (--spec-mode head).
+
+The target is the tiny random qwen3 with its layers' outputs (o_proj, down_proj) scaled by
+eps, and the head passes the sampled token's embedding through (fc = [0; I], no MLP): at
+eps = 0 the target's hidden state at a position is exactly its token's embedding, so the
+head predicts every token the target samples; at eps = 0.05 the layers' small contribution
+flips some, so verify rows keep all, some or none of their proposals.
+"""
+
+import copy
+
+import jax
+import numpy as np
+import pytest
+import torch
+from test_speculation import K, prompts, run
+
+from luce_jax.build import load_engine
+from luce_jax.config import EngineConfig
+from luce_jax.models import draft_head
+from luce_jax.sampling_params import SamplingParams
+from luce_jax.speculation.policy import SpecPolicy
+
+from hf_gguf import hf_to_gguf, make_hf_model
+
+D, VOCAB = 64, 320  # the tiny models' width and vocabulary (hf_gguf.make_hf_model)
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_models, tmp_path_factory):
+    """eps -> GGUF of the tiny qwen3 with its layers' outputs scaled by eps."""
+    d = tmp_path_factory.mktemp("head_targets")
+    out = {}
+    for eps in (0.0, 0.05):
+        m = copy.deepcopy(tiny_models["qwen3"][0])
+        with torch.no_grad():
+            for name, w in m.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    w.mul_(eps)
+        out[eps] = str(hf_to_gguf(m, "qwen3", d / f"eps{eps}.gguf"))
+    return out
+
+
+def write_head(path, d=D, vocab=VOCAB):
+    """The embedding pass-through head (module docstring)."""
+    cfg = draft_head.HeadConfig(d=d, ffn=32)
+    hp = {k: np.asarray(v) for k, v in draft_head.init(cfg, jax.random.key(0)).items()}
+    hp["fc"] = np.concatenate([np.zeros((d, d)), np.eye(d)]).astype(np.float32)
+    hp["wd"] = np.zeros_like(hp["wd"])
+    draft_head.save(str(path), cfg, hp, vocab, "tiny")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def head_gguf(tmp_path_factory):
+    return write_head(tmp_path_factory.mktemp("head") / "head.gguf")
+
+
+@pytest.fixture(scope="module")
+def engines(engine_config, targets, head_gguf):
+    """(eps, mode) -> loaded engine; head engines always propose K (flat step times)."""
+    base = engine_config.replace(max_concurrency=8, prefill_chunk=32, prefill_token_budget=64)
+    out = {}
+    for eps, path in targets.items():
+        out[eps, "off"] = load_engine(base.replace(model=path))
+        loaded = load_engine(
+            base.replace(model=path, spec_mode="head", draft=head_gguf, draft_tokens=K)
+        )
+        engine = loaded[1]
+        engine.spec.policy = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
+        engine.spec.policy.observe_step = lambda seconds: None  # keep it proposing
+        out[eps, "head"] = loaded
+    return out
+
+
+SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=20, repetition_penalty=1.2,
+               presence_penalty=0.4, frequency_penalty=0.2, logprobs=2)  # fmt: skip
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_an_exact_head_has_every_proposal_kept(engines, sampled):
+    """Proposals come from the hidden state and token of each row's last emitted position,
+    picked with the noise the target's next row draws at each offset: a head that predicts the
+    target exactly has all of them kept, greedy and sampled."""
+    kw = dict(temperature=1.0, seed=5) if sampled else dict(temperature=0)
+    arrivals = [
+        (i, p, SamplingParams(max_tokens=14, ignore_eos=True, **{**kw, "seed": i}))
+        for i, p in enumerate(prompts())
+    ]
+    want, _ = run(engines[0.0, "off"], arrivals)
+    got, engine = run(engines[0.0, "head"], arrivals)
+    assert got == want
+    st = engine.spec.stats()
+    assert st["proposed"] > 50 and st["accepted"] == st["proposed"], st
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-with-penalties"])
+def test_output_is_token_identical_with_proposals_kept_in_full_in_part_and_not_at_all(
+    engines, sampled
+):
+    arrivals = [
+        (i // 3 * 2, p, SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True, seed=100 + i,
+                                       **(SAMPLED if sampled else {"temperature": 0})))
+        for i, p in enumerate(prompts())
+    ]  # fmt: skip
+    want, _ = run(engines[0.05, "off"], arrivals)
+    got, engine = run(engines[0.05, "head"], arrivals)
+    assert got == want
+    lengths = engine.spec.stats()["accept_lengths"]
+    if not sampled:  # penalties make the head's (penalty-free) picks miss more often
+        assert {0, K} <= set(lengths) and set(lengths) & set(range(1, K)), lengths
+
+
+def test_stop_token_inside_an_accepted_block_ends_the_request_there(engines):
+    p = prompts()[1]
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = run(engines[0.0, "off"], [(0, p, greedy)])[0][0]
+    stop = ref[7]
+    cut = ref[: ref.index(stop) + 1]
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    assert run(engines[0.0, "head"], [(0, p, sp)])[0][0] == cut
+
+
+def test_steps_overlap_and_verify_rows_catch_up_on_the_device(engines, monkeypatch):
+    """Proposals stay on the device, so step N+1 is dispatched before step N is collected: its
+    verify rows carry markers instead of tokens, and rows of slots whose step in flight may
+    keep proposals are marked behind (the device moves them on)."""
+    loaded = engines[0.0, "head"]
+    engine = loaded[1]
+    assert engine.overlap
+    seen = []
+    launch = engine.runner.launch_forward
+
+    def spy(b, T, S):
+        seen.append((engine.in_flight, int(b["behind"].sum()), int((b["tokens"] <= -2).sum())))
+        return launch(b, T, S)
+
+    monkeypatch.setattr(engine.runner, "launch_forward", spy)
+    arrivals = [(0, prompts()[1], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))]
+    want, _ = run(engines[0.0, "off"], arrivals)
+    assert run(loaded, arrivals)[0] == want
+    ahead = [s for s in seen if s[0] == 1 and s[1] > 0 and s[2] > 0]
+    assert len(ahead) >= 3, seen  # dispatched with a step in flight, behind, markers fed
+
+
+def test_a_head_round_trips_through_gguf_and_must_fit_the_model(tmp_path):
+    path = write_head(tmp_path / "h.gguf")
+    cfg, params = draft_head.load(path, D, VOCAB, "float32")
+    assert (cfg.d, cfg.ffn) == (D, 32) and params["fc"].shape == (2 * D, D)
+    np.testing.assert_array_equal(np.asarray(params["fc"][D:]), np.eye(D))
+    with pytest.raises(ValueError, match="width 64"):
+        draft_head.load(path, 128, VOCAB, "float32")
+    with pytest.raises(ValueError, match="vocabulary 320"):
+        draft_head.load(path, D, 1000, "float32")
+
+
+def test_head_flags_are_validated(engine_config, tiny_gguf, head_gguf, tiny_models, tmp_path):
+    with pytest.raises(ValueError, match="draft head"):
+        EngineConfig(model=tiny_gguf, spec_mode="head")  # own model, no head given
+    assert EngineConfig(spec_mode="head").draft_model.endswith("luce-stdlib-head.gguf")
+    with pytest.raises(ValueError, match="architecture"):  # a model is no head
+        load_engine(engine_config.replace(spec_mode="head", draft=tiny_gguf))
+    wide = write_head(tmp_path / "wide.gguf", d=128)
+    with pytest.raises(ValueError, match="width 128"):
+        load_engine(engine_config.replace(spec_mode="head", draft=wide))
+    hybrid = hf_to_gguf(make_hf_model("qwen35", seed=2), "qwen35", tmp_path / "hy.gguf")
+    with pytest.raises(ValueError, match="hybrid"):
+        load_engine(engine_config.replace(model=str(hybrid), spec_mode="head", draft=head_gguf))
