@@ -178,6 +178,8 @@ def _load(config: EngineConfig, clock: StartupClock):
         fixed = max(t1 - per_depth, 0.0)
     with clock.phase("step timing"):
         runner.time_steps(pairs)
+    if config.spec_mode == "head":  # the head runs in the step before the proposals' step
+        fixed = runner.head_time
     step_time = {t: runner.step_time[(t, s)] for t, s in pairs}
     policy = SpecPolicy(spec_k, step_time, proposal_time=per_depth, proposal_fixed=fixed)
     engine.enable_speculation(Speculator(proposer, policy, config.spec_mode))

@@ -143,6 +143,30 @@ def test_steps_overlap_and_verify_rows_catch_up_on_the_device(engines, monkeypat
     assert len(ahead) >= 3, seen  # dispatched with a step in flight, behind, markers fed
 
 
+def test_the_head_runs_only_in_steps_whose_proposals_may_be_verified(engines, monkeypatch):
+    """A policy that never proposes (no gain is worth it, no probes) leaves the head out of
+    every step but those completing a prompt (a new slot starts from the prior estimate):
+    speculation that does not pay costs no head."""
+    loaded = engines[0.0, "head"]
+    engine = loaded[1]
+    never = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=2.0,
+                       probe_every=10**6)  # fmt: skip
+    monkeypatch.setattr(engine.spec, "policy", never)
+    seen = []
+    launch = engine.runner.launch_sample
+
+    def spy(fwd, b):
+        seen.append((bool(b.get("propose")), int(b["sample_mask"].sum()), int(b["n_draft"].sum())))
+        return launch(fwd, b)
+
+    monkeypatch.setattr(engine.runner, "launch_sample", spy)
+    arrivals = [(i, p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+                for i, p in enumerate(prompts(3))]  # fmt: skip
+    assert run(loaded, arrivals)[0] == run(engines[0.0, "off"], arrivals)[0]
+    assert not any(n_draft for _, _, n_draft in seen)
+    assert 1 <= sum(p for p, _, _ in seen) <= 3 < len(seen)  # prompt-completing steps only
+
+
 def test_a_head_round_trips_through_gguf_and_must_fit_the_model(tmp_path):
     path = write_head(tmp_path / "h.gguf")
     cfg, params = draft_head.load(path, D, VOCAB, "float32")

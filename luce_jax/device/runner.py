@@ -128,6 +128,7 @@ class Runner:
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         self.kv, self.state = jax.eval_shape(allocate) if abstract else allocate()
         self.step_time: dict[tuple[int, int], float] = {}  # seconds per bucket, time_steps
+        self.head_time = 0.0  # seconds the draft head adds to a step (time_steps)
         # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
         # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
         self.last_stats: dict = {}
@@ -140,8 +141,8 @@ class Runner:
             self.step_function, donate=(1, 2, 3), name="step",
             options=functools.partial(graph_options, graph_max_tokens),
         )  # fmt: skip
-        # keyed by (R, S, filtered, logprobs): the sampling program reads no [T] array, and the
-        # host picks its variant (sampling.py says why it is no lax.cond)
+        # keyed by (R, S, filtered, logprobs, propose): the sampling program reads no [T] array,
+        # and the host picks its variant (sampling.py says why it is no lax.cond)
         self.sample_programs = BucketPrograms(self.sample_function, donate=(2,), name="sampling")
         self._open: dict[int, jax.Array] = {}  # S -> all-allowed masks [S, words]
 
@@ -200,10 +201,10 @@ class Runner:
         return out + (stats.pop("hidden", None), offsets)
 
     def _sample_fn(self, logits, row_tokens, state, prompt_mask, sints, floats, allow, head_in,
-                   *, R, S, filtered, logprobs):  # fmt: skip
+                   *, R, S, filtered, logprobs, propose):  # fmt: skip
         """Sampling and verification of one step's logits (device/sampling.py); R, S, filtered
-        (some row samples under top-k/p or min-p) and logprobs (some row wants top logprobs)
-        static.
+        (some row samples under top-k/p or min-p), logprobs (some row wants top logprobs) and
+        propose (run the draft head: a later step may verify its proposals) static.
 
         Args: logits float32 [R, V]; row_tokens int32 [R, K + 1]; state (donated): the
           sampler's counts and last; prompt_mask (read); sints: int32 packed per
@@ -227,14 +228,17 @@ class Runner:
                 logprobs,
             )  # fmt: skip
         if head_in is not None:
-            hidden, _, hp, lm = head_in
-            with jax.named_scope("draft_head"):
-                props = self._head_proposals(hidden, hp, lm, packed, batch, floats, filtered)
-            oob = spec["acc"].shape[0]  # rows that sample nothing (and padding) write nothing
+            # rows that sample nothing (and padding) write nothing; without `propose` the slots
+            # keep older proposals, which only cost a rejection if a step verifies them
+            oob = spec["acc"].shape[0]
             at = jnp.where(batch["sample_mask"] > 0, batch["slots"], oob)
-            accepted = packed[2 * R :]
-            state["acc"] = spec["acc"].at[at].set(accepted, mode="drop")
-            state["props"] = spec["props"].at[at].set(props, mode="drop")
+            state["acc"] = spec["acc"].at[at].set(packed[2 * R :], mode="drop")
+            state["props"] = spec["props"]
+            if propose:
+                hidden, _, hp, lm = head_in
+                with jax.named_scope("draft_head"):
+                    props = self._head_proposals(hidden, hp, lm, packed, batch, floats, filtered)
+                state["props"] = spec["props"].at[at].set(props, mode="drop")
         return packed, top_ids, top_lp, state
 
     def _head_proposals(self, hidden, hp, lm, packed, batch, floats, filtered):
@@ -283,9 +287,9 @@ class Runner:
                 self._ahead(st), ints)  # fmt: skip
         return functools.partial(self._step_fn, T=T, S=S), args
 
-    def sample_function(self, R: int, S: int, filtered: bool, logprobs: bool):
+    def sample_function(self, R: int, S: int, filtered: bool, logprobs: bool, propose: bool):
         """The sampling program for R logits rows and S rows (and the variant: filtered,
-        logprobs), and abstract arguments for it."""
+        logprobs, propose), and abstract arguments for it."""
         sints = jax.ShapeDtypeStruct((layout_size(sample_layout(S, R)),), jnp.int32)
         logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32)
         row_tokens = jax.ShapeDtypeStruct((R, self.k + 1), jnp.int32)
@@ -295,14 +299,19 @@ class Runner:
         offsets = jax.ShapeDtypeStruct((S,), jnp.int32)
         args = (logits, row_tokens, self._sampler_state(), self.state["prompt_mask"], sints,
                 floats, allow, self._head_inputs(hidden, offsets))  # fmt: skip
-        fn = functools.partial(self._sample_fn, R=R, S=S, filtered=filtered, logprobs=logprobs)
+        fn = functools.partial(
+            self._sample_fn, R=R, S=S, filtered=filtered, logprobs=logprobs, propose=propose
+        )
         return fn, args
 
-    def sample_buckets(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int, bool, bool]]:
-        """The (R, S, filtered, logprobs) sampling programs that the (T, S) bucket pairs need:
-        each (R, S) in its four variants."""
+    def sample_buckets(self, pairs: list[tuple[int, int]]) -> list[tuple]:
+        """The (R, S, filtered, logprobs, propose) sampling programs that the (T, S) bucket
+        pairs need: each (R, S) in its four variants, and with a draft head each with and
+        without running it."""
         rs = sorted({(self.logit_width(t, s), s) for t, s in pairs})
-        return [(r, s, f, lp) for r, s in rs for f in (False, True) for lp in (False, True)]
+        heads = (False, True) if self.head is not None else (False,)
+        return [(r, s, f, lp, p) for r, s in rs for f in (False, True) for lp in (False, True)
+                for p in heads]  # fmt: skip
 
     def executable(self, T: int, S: int):
         """The compiled forward pass of a warmed bucket (for cost analysis and HLO text)."""
@@ -333,7 +342,8 @@ class Runner:
 
     def launch_sample(self, fwd: Forward, b: dict[str, np.ndarray]) -> Launched:
         """Dispatch the sampling of a launched forward pass (b: its lowered arrays; "allow",
-        when present, the rows' grammar masks) and start copying its outputs to the host.
+        when present, the rows' grammar masks; "propose", when true, runs the draft head) and
+        start copying its outputs to the host.
         Sampling programs run in launch order, each after the forward pass it samples, so
         the next forward pass reads the tokens this one samples."""
         allow = b.get("allow")
@@ -341,7 +351,9 @@ class Runner:
             allow = self._open_mask(fwd.S)
         sints = pack(b, sample_layout(fwd.S, fwd.R))
         want_top = bool(b["want_logprobs"][0])
-        variant = (fwd.R, fwd.S, sampling.needs_filter(b["floats"], b["top_k"]), want_top)
+        propose = self.head is not None and bool(b.get("propose", False))
+        filtered = sampling.needs_filter(b["floats"], b["top_k"])
+        variant = (fwd.R, fwd.S, filtered, want_top, propose)
         packed, top_ids, top_lp, state = self.sample_programs[variant](
             fwd.logits, fwd.row_tokens, self._sampler_state(), self.state["prompt_mask"],
             sints, b["floats"], allow, self._head_inputs(fwd.hidden, fwd.offsets),
@@ -420,4 +432,9 @@ class Runner:
             self.step_time[(t, s)] = best_of_3(
                 lambda t=t, s=s, b=b: self.fetch(self.launch(b, t, s))
             )
+        if self.head is not None:  # what running the draft head adds to a step
+            t, s = pairs[0]
+            b = {**self.idle_batch(t, s), "propose": True}
+            with_head = best_of_3(lambda: self.fetch(self.launch(b, t, s)))
+            self.head_time = max(with_head - self.step_time[(t, s)], 0.0)
         jax.block_until_ready((self.kv, self.state))

@@ -239,6 +239,8 @@ class DenseEngine:
         b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
         b.update(sl.row_inputs(rows.slots, rows.starts, rows.sample, S))
         b["behind"][: len(dec)] = behind
+        if self.overlap and self.spec is not None:  # a draft head: run it only if it may pay
+            b["propose"] = self.spec.wants_proposals(bool(rows.sample[len(dec) :].any()))
         # a row under a grammar needs the step in flight's tokens: this sampling waits for them
         wait = self.constraining and any(map(self.grammars.constrained, rows.slots[rows.sample]))
         if self._launched and self._launched[-1].handle is None:

@@ -177,6 +177,10 @@ class SpecPolicy:
         o = self.overhead
         o[proposing] += self.smoothing * (seconds - predicted - o[proposing])
 
+    def probe_due(self) -> bool:
+        """Whether some idle slot will be probed within the next two plans."""
+        return any(s.idle + 2 >= self.probe_interval for s in self._slots.values())
+
     def _probe(self, out: dict[int, int], available: dict[int, int], used: int) -> None:
         """When a slot is due, one proposal for every idle slot, while the step stays in its
         bucket."""

@@ -38,6 +38,7 @@ class Speculator:
         self.verify_rows = 0  # rows that verified at least one proposal
         self.accept_lengths: Counter[int] = Counter()  # kept proposals per verify row
         self.last: dict[int, tuple[int, int]] = {}  # slot -> (proposed, accepted), last step
+        self.proposing = False  # the last step verified proposals
 
     def start(self, slot: int, prompt: list[int], max_len: int) -> None:
         self.proposer.start(slot, prompt, max_len)
@@ -57,12 +58,20 @@ class Speculator:
           slot -> proposed tokens (empty: an ordinary decode row).
         """
         self.last = {}
+        self.proposing = False
         if not caps:
             return {}
         available = self.proposer.available(caps)
         counts = self.policy.plan(available, other_tokens)
+        self.proposing = any(counts.values())
         props = self.proposer.propose(counts)
         return {s: list(props.get(s, ()))[: counts[s]] for s in caps}
+
+    def wants_proposals(self, new_decoders: bool) -> bool:
+        """Whether the next step may verify proposals, so that this one should make them (a
+        draft head runs in the step before): it verified some, a probe is due, or slots
+        start decoding (new_decoders), whose estimates are the prior's."""
+        return new_decoders or self.proposing or self.policy.probe_due()
 
     def record(self, slot: int, proposed: int, accepted: int, tokens: list[int]) -> None:
         """A row's outcome: the tokens it emitted, in order (proposed 0: a decode row, or the
