@@ -167,6 +167,20 @@ def test_the_head_runs_only_in_steps_whose_proposals_may_be_verified(engines, mo
     assert 1 <= sum(p for p, _, _ in seen) <= 3 < len(seen)  # prompt-completing steps only
 
 
+def test_the_head_adds_no_branch_to_the_sampling_program(engines):
+    """The head's K steps are unrolled, so its sampling variants, lowered for CUDA, hold no
+    lax.cond or while loop (test_engine.py says why that matters)."""
+    import re
+
+    runner = engines[0.05, "head"][1].runner
+    keys = [k for k in runner.sample_programs._exec if k[-1]]  # the variants running the head
+    assert keys
+    for key in keys[:2]:
+        fn, args = runner.sample_function(*key)
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert not re.findall(r"stablehlo\.(?:case|if|while)\b", text), key
+
+
 def test_a_head_round_trips_through_gguf_and_must_fit_the_model(tmp_path):
     path = write_head(tmp_path / "h.gguf")
     cfg, params = draft_head.load(path, D, VOCAB, "float32")

@@ -154,7 +154,8 @@ def test_no_sampling_program_branches_on_the_device(loaded):
     _, engine = loaded
     runner = engine.runner
     keys = list(runner.sample_programs._exec)
-    assert {(f, lp) for _, _, f, lp in keys} == {(f, lp) for f in (0, 1) for lp in (0, 1)}
+    assert {(f, lp) for _, _, f, lp, _ in keys} == {(f, lp) for f in (0, 1) for lp in (0, 1)}
+    assert not any(propose for *_, propose in keys)  # no draft head, no variant running one
     for key in keys:
         fn, args = runner.sample_function(*key)
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

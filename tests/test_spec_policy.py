@@ -68,6 +68,23 @@ def test_measured_host_cost_of_speculating_steps_turns_it_down():
     assert p.overhead[False] == pytest.approx(0.0)
 
 
+def test_observations_go_to_the_steps_they_measure_in_dispatch_order():
+    """With overlapped steps the next step is planned before this one's time is known: each
+    observation belongs to the oldest step not yet observed, and a step that planned nothing
+    (no decode rows) teaches nothing."""
+    p = policy(FLAT, k=4, rates={0: 0.6}, smoothing=1.0)
+    assert sum(p.plan({0: 4}).values()) > 0  # step 1 proposes
+    p.skip()  # step 2: prompt rows only
+    p._slots[0].rate = 0.0
+    assert not any(p.plan({0: 4}).values())  # step 3 does not
+    p.observe_step(0.030)  # step 1's time
+    assert p.overhead[True] == pytest.approx(0.020) and p.overhead[False] == 0.0
+    p.observe_step(0.500)  # step 2's: nothing to learn
+    assert p.overhead[False] == 0.0
+    p.observe_step(0.012)  # step 3's
+    assert p.overhead[False] == pytest.approx(0.002)
+
+
 def test_a_draft_models_cost_is_weighed_per_depth():
     """Draft steps of 4 ms fixed + 2 ms per depth on 10 ms target steps: with acceptance 0.9
     one slot proposes; with 0.3 (1.3 tokens for 16 ms against 1 for 10) it does not."""

@@ -94,6 +94,7 @@ class DenseEngine:
         self.grammars = None  # grammar.Grammars: structured output, when the builder sets it
         self.refeed = bool(runner.cfg.recurrent)
         self.last_bucket = (0, 0)  # (T, S) of the last dispatched step, for the trace
+        self._last_collect = 0.0  # perf_counter when the last step's results came
         self._launched: deque[_Launched] = deque()
 
     def enable_speculation(self, speculator) -> None:
@@ -320,7 +321,12 @@ class DenseEngine:
                 n_draft = int(rows.n_draft[i])
                 self.spec.record(slot, n_draft, kept, [t.token for t in result.tokens[slot]])
         if self.spec is not None:
-            self.spec.step_done(time.perf_counter() - f.t0)
+            # What a step costs: from its dispatch to its results, or, while steps overlap,
+            # the time between results (a step's dispatch-to-results spans the next dispatch).
+            now = time.perf_counter()
+            since = self._last_collect if self._last_collect > f.t0 else f.t0
+            self.spec.step_done(now - since)
+            self._last_collect = now
         return result
 
     @property
@@ -343,7 +349,10 @@ class DenseEngine:
         row never emits past max_tokens (which also keeps its KV writes inside the slot's
         reservation). Generated is exact here unless the slot is `behind` by up to K kept
         proposals of a step in flight: those rows leave room for K more."""
-        if self.spec is None or not len(dec):
+        if self.spec is None:
+            return []
+        if not len(dec):
+            self.spec.choose({}, prompt_tokens)  # keeps the policy's plans and steps in step
             return []
         sl = self.slots
         left = sl.max_tokens[dec] - sl.generated[dec] - 1 - behind * self.spec.k

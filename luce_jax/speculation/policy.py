@@ -36,6 +36,7 @@ Shapes: none; slots are ints, times are seconds per step.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -87,7 +88,10 @@ class SpecPolicy:
         self.probe_interval = round(probe_every * (1 + draft / min(step_time.values())))
         self._slots: dict[int, _SlotStats] = {}
         self.overhead = {False: 0.0, True: 0.0}  # learned seconds beyond the prediction
-        self._pending: tuple[float, bool] | None = None  # last plan's prediction, proposing?
+        # per step dispatched and not yet observed, in order: (predicted seconds, proposing?),
+        # or None for a step without decode rows (nothing planned; with overlapped steps the
+        # next plan comes before this step's observation)
+        self._pending: deque[tuple[float, bool] | None] = deque()
 
     def start(self, slot: int) -> None:
         self._slots[slot] = _SlotStats(self.prior)
@@ -160,8 +164,13 @@ class SpecPolicy:
             st.idle = 0 if out[s] else st.idle + 1
         used, cap = base + sum(out.values()), max(out.values(), default=0)
         bucket = next((b for b in self.buckets if b >= used), self.buckets[-1])
-        self._pending = (self._predict(bucket, cap), cap > 0)
+        self._pending.append((self._predict(bucket, cap), cap > 0))
         return out
+
+    def skip(self) -> None:
+        """A step was dispatched without a plan (no decode rows): its observation teaches
+        nothing."""
+        self._pending.append(None)
 
     def _predict(self, bucket: int, cap: int) -> float:
         """Warmup-measured seconds of a step in `bucket` proposing up to `cap` per slot."""
@@ -169,11 +178,13 @@ class SpecPolicy:
         return self.step_time[bucket] + draft
 
     def observe_step(self, seconds: float) -> None:
-        """The measured duration of the step the last `plan` was for."""
-        if self._pending is None:
+        """The measured duration of the oldest step not yet observed."""
+        if not self._pending:
             return
-        predicted, proposing = self._pending
-        self._pending = None
+        item = self._pending.popleft()
+        if item is None:
+            return
+        predicted, proposing = item
         o = self.overhead
         o[proposing] += self.smoothing * (seconds - predicted - o[proposing])
 

@@ -60,6 +60,7 @@ class Speculator:
         self.last = {}
         self.proposing = False
         if not caps:
+            self.policy.skip()
             return {}
         available = self.proposer.available(caps)
         counts = self.policy.plan(available, other_tokens)
@@ -86,7 +87,8 @@ class Speculator:
             self.last[slot] = (proposed, accepted)
 
     def step_done(self, seconds: float) -> None:
-        """The engine step's measured seconds, from before `choose` to its results."""
+        """The oldest unobserved step's measured seconds (host/engine.py: from its dispatch to
+        its results, or with overlapped steps from the results before it)."""
         self.policy.observe_step(seconds)
 
     def stats(self) -> dict:
