@@ -10,7 +10,9 @@ must hold exactly its prompt and delivered tokens up to its kv length, in the ta
 the draft model's mirror, and no block may be lost. As a hybrid model's device, the runner also
 keeps per slot the tokens its recurrent state has absorbed (reset on a fresh row, advanced
 through each row but its proposals): every row must start where its slot's state stands, and
-the state must hold exactly the sequence up to there.
+the state must hold exactly the sequence up to there. As a draft head's device, it keeps each
+slot's proposals and the count its last row kept, feeds the proposal markers of verify rows and
+moves rows lowered behind their slot's step in flight (steps overlap in that mode).
 """
 
 import random
