@@ -83,6 +83,12 @@ def test_observations_go_to_the_steps_they_measure_in_dispatch_order():
     assert p.overhead[False] == 0.0
     p.observe_step(0.012)  # step 3's
     assert p.overhead[False] == pytest.approx(0.002)
+    p._slots[0].rate = 0.6
+    p.plan({0: 4})  # a proposing step whose launch raised: it never gets a time
+    p.forget_last()
+    p.skip()
+    p.observe_step(0.500)  # the next step's, which planned nothing
+    assert p.overhead[True] == pytest.approx(0.020)
 
 
 def test_a_draft_models_cost_is_weighed_per_depth():

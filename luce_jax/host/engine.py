@@ -251,6 +251,8 @@ class DenseEngine:
             handle = None if wait else self.runner.launch_sample(fwd, b)
         except Exception:
             self.pool.clear_cache()  # a launch that raised may have left the KV half-written
+            if self.spec is not None:  # no results will come for this step's plan
+                self.spec.policy.forget_last()
             raise
         n_dec = len(dec)
         sl.prefilled[rows.slots[n_dec:]] += rows.lens[n_dec:]

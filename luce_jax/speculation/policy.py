@@ -167,6 +167,11 @@ class SpecPolicy:
         self._pending.append((self._predict(bucket, cap), cap > 0))
         return out
 
+    def forget_last(self) -> None:
+        """The step the last plan (or skip) was for was never launched."""
+        if self._pending:
+            self._pending.pop()
+
     def skip(self) -> None:
         """A step was dispatched without a plan (no decode rows): its observation teaches
         nothing."""
