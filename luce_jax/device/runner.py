@@ -30,9 +30,8 @@ from ..config import ModelConfig
 from ..host.batch import layout_size, lower, pack, sample_layout, step_layout, unpack
 from ..host.grammar import words as mask_words
 from ..host.slots import FLOAT_FIELDS, padding_inputs
-from ..models import dense, draft_head, hybrid
-from ..models.linear import embed
-from . import sampling
+from ..models import dense, hybrid
+from . import proposals, sampling
 from .programs import BucketPrograms, best_of_3, compile_all, graph_options
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,6 @@ class Forward:
     R: int
     S: int
     hidden: jax.Array | None = None  # float32 [R, d], the draft head's input (head mode)
-    offsets: jax.Array | None = None  # int32 [S], sampling.catch_up's (head mode)
 
 
 @dataclass(frozen=True)
@@ -79,8 +77,8 @@ class Runner:
         (graph_options; 0: all use them).
       head: (draft_head.HeadConfig, params) of a draft head (dense models): every sampling
         program then proposes K tokens per sampled row for the slot's next verify row and
-        keeps them on the device, with the proposals each row kept; a later step's verify
-        rows read both (sampling.feed, sampling.catch_up), so the host never waits for them
+        keeps them on the device, with the proposals each row kept (device/proposals.py); a
+        later step's verify rows read both, so the host never waits for them
         (speculation/head.py).
     """
 
@@ -102,8 +100,8 @@ class Runner:
         graph_max_tokens: int = 0,
         head=None,
     ):
-        if head is not None and (cfg.recurrent or not max_proposals):
-            raise ValueError("a draft head needs a dense (not hybrid) model and max_proposals")
+        # build.py refuses a head on a hybrid model; speculation sets max_proposals
+        assert head is None or (not cfg.recurrent and max_proposals), "head: dense, K > 0"
         self.cfg = cfg
         self.head = head
         self.k = max_proposals
@@ -119,8 +117,7 @@ class Runner:
             if cfg.recurrent:  # the linear layers' per-slot state rides with the sampler's
                 state["model"] = hybrid.init_state(cfg, max_slots)
             if head is not None:  # per slot: proposals kept by its last row, and the next ones
-                state["acc"] = jnp.zeros((max_slots,), jnp.int32)
-                state["props"] = jnp.zeros((max_slots, max_proposals), jnp.int32)
+                state.update(proposals.init(max_slots, max_proposals))
             return kv, state
 
         self._allocate = allocate
@@ -172,18 +169,17 @@ class Runner:
         Args: params; kv, model_state (a hybrid model's per-slot state, else None) and
           prompt_mask [S_max, V] (the tokens each slot has seen), all three donated; last
           [S_max]: each slot's last sampled token, fed to its decode row; ahead: with a draft
-          head, {"acc" [S_max], "props" [S_max, K]} (read; sampling.feed, catch_up), else
-          None; ints: int32 [N] packed per `layout`.
+          head, its state (device/proposals.py; read), else None; ints: int32 [N] packed per
+          `layout`.
         Returns: (logits float32 [R, V], row tokens int32 [R, K + 1] (sampling.mark_fed's),
           kv, model_state, prompt_mask, model stats (dense.forward's), and with a draft head
-          the logits rows' hidden states float32 [R, d] and the rows' offsets [S] (catch_up),
-          else None, None).
+          the logits rows' hidden states float32 [R, d], else None).
         """
         batch = unpack(ints, self.layout(T, S))
         batch["tokens"] = sampling.feed(batch, {"last": last, **(ahead or {})})
-        offsets = None
         if ahead is not None:
-            batch, offsets = sampling.catch_up(batch, ahead["acc"], self.block_size)
+            off = proposals.offsets(ahead["acc"], batch)
+            batch = sampling.catch_up(batch, off, self.block_size)
         if model_state is None:
             logits, kv, stats = dense.forward(
                 params, kv, batch, self.cfg, self._attention, self._grouped_matmul,
@@ -198,7 +194,7 @@ class Runner:
         with jax.named_scope("sampling"):
             prompt_mask, row_tokens = sampling.mark_fed(prompt_mask, batch, self.k)
         out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, stats)
-        return out + (stats.pop("hidden", None), offsets)
+        return out + (stats.pop("hidden", None),)
 
     def _sample_fn(self, logits, row_tokens, state, prompt_mask, sints, floats, allow, head_in,
                    *, R, S, filtered, logprobs, propose):  # fmt: skip
@@ -211,55 +207,34 @@ class Runner:
           host.batch.sample_layout; floats: float32 [6, S] sampling parameters (FLOAT_FIELDS);
           allow: int32 [S, ceil(V / 32)] bitmasks of the tokens each row may sample
           (host/grammar.py; all bits set: any); head_in: None, or with a draft head (hidden
-          [R, d], offsets [S] (catch_up's), the head's params, the target's embed /
-          final_norm / lm_head params).
+          [R, d], the head's params, the target's embed / final_norm / lm_head params).
         Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state; with
-          a draft head the state also holds each sampled row's slot's kept proposals (acc)
-          and next proposals (props)).
+          a draft head, state's device/proposals.py part updated).
         """
         batch = unpack(sints, sample_layout(S, R))
-        spec = None
-        if head_in is not None:  # the noise of a row that caught up is that many steps on
-            spec = {k: state.pop(k) for k in ("acc", "props")}
-            batch["steps"] = batch["steps"] + head_in[1]
+        if head_in is not None:
+            ahead = {k: state.pop(k) for k in ("acc", "props")}
+            # the noise of a row that caught up is as many steps on as it moved
+            batch["steps"] = batch["steps"] + proposals.offsets(ahead["acc"], batch)
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             packed, top_ids, top_lp, state = sampling.sample_rows(
                 logits, row_tokens, state, prompt_mask, batch, floats, self.k, allow, filtered,
                 logprobs,
             )  # fmt: skip
         if head_in is not None:
-            # rows that sample nothing (and padding) write nothing; without `propose` the slots
-            # keep older proposals, which only cost a rejection if a step verifies them
-            oob = spec["acc"].shape[0]
-            at = jnp.where(batch["sample_mask"] > 0, batch["slots"], oob)
-            state["acc"] = spec["acc"].at[at].set(packed[2 * R :], mode="drop")
-            state["props"] = spec["props"]
-            if propose:
-                hidden, _, hp, lm = head_in
-                with jax.named_scope("draft_head"):
-                    props = self._head_proposals(hidden, hp, lm, packed, batch, floats, filtered)
-                state["props"] = spec["props"].at[at].set(props, mode="drop")
+            hidden, hp, lm = head_in
+            head = proposals.bind(self.cfg, self.head[0], hp, lm, self._quant_matmul, self.k)
+            with jax.named_scope("draft_head"):
+                run = (head, hidden, floats, filtered) if propose else None
+                state.update(proposals.update(ahead, packed, batch, R, run))
         return packed, top_ids, top_lp, state
 
-    def _head_proposals(self, hidden, hp, lm, packed, batch, floats, filtered):
-        """The draft head's K proposals [S, K] for each row's next verify row
-        (sampling.next_proposals picks the rows and the noise)."""
-        cfg, qmm = self.cfg, self._quant_matmul
-
-        def head(h, tokens, pick):
-            return draft_head.propose(
-                hp, h, tokens, self.k, lambda t: embed(lm["embed"], t),
-                lambda f: dense.logits_of(lm, f, cfg, qmm), pick, self.head[0].eps,
-            )  # fmt: skip
-
-        return sampling.next_proposals(head, hidden, packed, batch, floats, filtered)
-
-    def _head_inputs(self, hidden, offsets):
+    def _head_inputs(self, hidden):
         """The sampling program's head_in for a forward pass's outputs (None: no head)."""
         if self.head is None:
             return None
         lm = {k: self.params[k] for k in ("embed", "final_norm", "lm_head") if k in self.params}
-        return hidden, offsets, self.head[1], lm
+        return hidden, self.head[1], lm
 
     def _ahead(self, state: dict):
         """The draft head's device state a forward pass reads (None: no head)."""
@@ -286,9 +261,8 @@ class Runner:
         floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
         allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
         hidden = jax.ShapeDtypeStruct((R, self.cfg.d_model), jnp.float32)
-        offsets = jax.ShapeDtypeStruct((S,), jnp.int32)
         args = (logits, row_tokens, self._sampler_state(), self.state["prompt_mask"], sints,
-                floats, allow, self._head_inputs(hidden, offsets))  # fmt: skip
+                floats, allow, self._head_inputs(hidden))  # fmt: skip
         fn = functools.partial(
             self._sample_fn, R=R, S=S, filtered=filtered, logprobs=logprobs, propose=propose
         )
@@ -346,7 +320,7 @@ class Runner:
         variant = (fwd.R, fwd.S, filtered, want_top, propose)
         packed, top_ids, top_lp, state = self.sample_programs[variant](
             fwd.logits, fwd.row_tokens, self._sampler_state(), self.state["prompt_mask"],
-            sints, b["floats"], allow, self._head_inputs(fwd.hidden, fwd.offsets),
+            sints, b["floats"], allow, self._head_inputs(fwd.hidden),
         )  # fmt: skip
         self.state.update(state)
         top = (top_ids, top_lp) if want_top else None

@@ -57,7 +57,7 @@ def feed(batch: dict, state: dict):
     return out
 
 
-def catch_up(batch: dict, acc, block_size: int) -> tuple[dict, jax.Array]:
+def catch_up(batch: dict, off, block_size: int) -> dict:
     """Shift the rows the host lowered behind their slot's device state.
 
     A row marked `behind` belongs to a slot whose last step, still in flight when the host
@@ -65,20 +65,18 @@ def catch_up(batch: dict, acc, block_size: int) -> tuple[dict, jax.Array]:
     starts that many positions later. Its positions, KV write slots and kv length move by
     that offset (the host claimed blocks for the largest). Other rows and padding stay.
 
-    Args: batch: the step's arrays (host.batch.lower's, and "behind" [S]); acc: [S_max]
-      proposals each slot's last sampled row kept; block_size: P.
-    Returns: (the shifted batch, offsets [S]).
+    Args: batch: the step's arrays (host.batch.lower's); off: int32 [S] each row's move
+      (device/proposals.offsets); block_size: P.
+    Returns: the shifted batch.
     """
-    S_max, T = acc.shape[0], batch["tokens"].shape[0]
-    off = acc[jnp.clip(batch["slots"], 0, S_max - 1)] * (batch["behind"] > 0)  # [S]
+    T = batch["tokens"].shape[0]
     seg, bt = batch["seg_ids"], batch["block_tables"]
     real = jnp.arange(T) < batch["cu_q_lens"][-1]
     shift = jnp.where(real, off[seg], 0)
     pos = batch["positions"] + shift
     blk = bt[seg, jnp.clip(pos // block_size, 0, bt.shape[1] - 1)]
     moved = jnp.where(shift > 0, blk * block_size + pos % block_size, batch["write_idx"])
-    out = {**batch, "positions": pos, "write_idx": moved, "kv_lens": batch["kv_lens"] + off}
-    return out, off
+    return {**batch, "positions": pos, "write_idx": moved, "kv_lens": batch["kv_lens"] + off}
 
 
 def apply_penalties(logits, counts, prompt_mask, sp):

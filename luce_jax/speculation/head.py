@@ -2,10 +2,10 @@
 
 With `--spec-mode head` every sampling program runs the draft head (models/draft_head.py) from
 each sampled row's hidden state and emitted token, and keeps its K proposals per slot on the
-device, beside how many proposals the row kept (device/runner.py). A verify row then carries
-markers, not tokens (host.batch.proposal_from_device): the device feeds the slot's proposals
-and shifts the row past the proposals its last step kept (sampling.catch_up). So proposing
-needs nothing from the host, and steps overlap as without speculation: the host dispatches
+device, beside how many proposals the row kept (device/proposals.py). A verify row then
+carries markers, not tokens (host.batch.proposal_from_device): the device feeds the slot's
+proposals and shifts the row past the proposals its last step kept (sampling.catch_up). So
+proposing needs nothing from the host, and steps overlap as without speculation: the host dispatches
 step N+1 before it reads step N's tokens, and learns what was kept one step later.
 """
 

@@ -1,0 +1,60 @@
+"""A draft head's proposals kept on the device: per-slot state, its update in the sampling
+program, and the offset by which a row lowered behind its slot's state moves.
+
+Per slot the state holds `props` [S_max, K], the head's proposals for the slot's next verify
+row, and `acc` [S_max], the proposals the slot's last sampled row kept. The forward pass reads
+both (sampling.feed resolves proposal markers, sampling.catch_up moves rows by `offsets`); the
+sampling program rewrites them after verification. Shapes: S rows, S_max slots, K proposals.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ..models import dense, draft_head
+from ..models.linear import embed
+from . import sampling
+
+
+def init(max_slots: int, k: int) -> dict:
+    """Zeroed state: acc [S_max], props [S_max, K]."""
+    return {
+        "acc": jnp.zeros((max_slots,), jnp.int32),
+        "props": jnp.zeros((max_slots, k), jnp.int32),
+    }
+
+
+def offsets(acc, batch: dict):
+    """int32 [S]: how far each row the host marked `behind` really starts past where it was
+    lowered (its slot's last row's kept proposals); 0 for every other row."""
+    return acc[jnp.clip(batch["slots"], 0, acc.shape[0] - 1)] * (batch["behind"] > 0)
+
+
+def update(state: dict, packed, batch: dict, R: int, head=None) -> dict:
+    """The state after a sampling program: each sampled row's kept count, and with `head`
+    (head(hidden rows, tokens, pick) -> [S, K], see `bind`) its next proposals. Rows that sample
+    nothing (and padding) write nothing; without `head` the slots keep older proposals, which
+    only cost a rejection if a step verifies them.
+
+    Args: state: acc and props; packed: sampling.sample_rows' output; batch: the sampling
+      program's rows; R: logits rows; head: (function, hidden [R, d], floats, filtered) or None.
+    """
+    at = jnp.where(batch["sample_mask"] > 0, batch["slots"], state["acc"].shape[0])
+    out = {"acc": state["acc"].at[at].set(packed[2 * R :], mode="drop"), "props": state["props"]}
+    if head is not None:
+        props = sampling.next_proposals(head[0], head[1], packed, batch, *head[2:])
+        out["props"] = state["props"].at[at].set(props, mode="drop")
+    return out
+
+
+def bind(cfg, hcfg, hp: dict, lm: dict, quant_matmul, k: int):
+    """The head as sampling.next_proposals' `propose`: K steps of models/draft_head.py over the
+    target's embedding and lm_head (lm: its embed, final_norm and lm_head params)."""
+
+    def propose(h, tokens, pick):
+        return draft_head.propose(
+            hp, h, tokens, k, lambda t: embed(lm["embed"], t),
+            lambda f: dense.logits_of(lm, f, cfg, quant_matmul), pick, hcfg.eps,
+        )  # fmt: skip
+
+    return propose
