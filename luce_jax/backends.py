@@ -21,14 +21,14 @@ def gated_delta_fn(backend: str):
     """A hybrid model's gated delta rule for a resolved attention_backend (the sequence mixers
     go together: pallas on GPU, the jnp reference on CPU)."""
     if backend == "pallas":
-        from pallas_kernels.gated_delta import gated_delta
+        from pallas_kernels.gated_delta import gated_delta_in_place
 
         # Whole chunks of 16 kept tokens in the chunked (WY) form, the rest token by token
         # (decode rows). Not yet timed on a GPU against chunk=0 (all token by token).
-        return functools.partial(gated_delta, chunk=16)
-    from pallas_kernels.gated_delta import gated_delta_reference
+        return functools.partial(gated_delta_in_place, chunk=16)
+    from pallas_kernels.gated_delta import gated_delta_in_place_reference
 
-    return gated_delta_reference
+    return gated_delta_in_place_reference
 
 
 def rope_write_fn(backend: str):

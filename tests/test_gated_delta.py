@@ -117,3 +117,34 @@ def test_a_verify_rows_proposals_get_outputs_but_not_the_kept_state(chunk):
     )
     np.testing.assert_allclose(h[1], h_one[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(h[0], h_all[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_in_place_kernel_updates_only_its_slots_rows_of_its_layer(chunk):
+    """The served form: states read from and written to each segment's slot of one layer of
+    the whole state array (aliased), in value-column blocks (block_v 16 of Dv 64). A fresh row
+    starts from zero, a padding row (slot -1) touches nothing, a verify row keeps its first
+    token's state; every other row of the array is left as it was."""
+    from pallas_kernels.gated_delta import gated_delta_in_place, gated_delta_in_place_reference
+
+    q, k, v, g, beta, _, cu = inputs([18, 4, 1, 0], 24, Dv=64, seed=3)
+    rng = np.random.default_rng(4)
+    state = jnp.asarray(rng.standard_normal((3, 6, 4, 16, 64)) * 0.3, jnp.float32)
+    slots = jnp.array([4, 1, 0, -1], jnp.int32)
+    fresh = jnp.array([0, 0, 1, 0], jnp.int32)
+    keep = jnp.array([18, 1, 1, 0], jnp.int32)  # the second segment: a verify row
+    args = (q, k, v, g, beta, state, jnp.int32(1), slots, fresh, cu, keep)
+    o, new = gated_delta_in_place(*args, interpret=True, chunk=chunk, block_v=16)
+    o_ref, new_ref = gated_delta_in_place_reference(*args)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(new, new_ref, rtol=1e-5, atol=1e-5)
+    untouched = np.ones((3, 6), bool)
+    untouched[1, [4, 1, 0]] = False
+    np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(state)[untouched])
+    assert not np.allclose(new[1, 4], state[1, 4])
+    # the fresh row's state is what its one token makes of zero
+    _, h_fresh = gated_delta_reference(
+        q[22:23], k[22:23], v[22:23], g[22:23], beta[22:23], jnp.zeros_like(state[1, :1]),
+        jnp.array([0, 1]),
+    )  # fmt: skip
+    np.testing.assert_allclose(new[1, 0], h_fresh[0], rtol=1e-5, atol=1e-5)

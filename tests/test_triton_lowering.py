@@ -203,8 +203,9 @@ def test_grouped_matmul_of_quantized_experts_lowers(verified, qtype):
 @pytest.mark.parametrize("chunk", [0, 16, 64])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_gated_delta_lowers_to_a_valid_triton_module(verified, dtype, chunk):
-    """Qwen3.5-27B's linear-layer sizes: 16 key heads, 48 value heads, Dk = Dv = 128."""
-    from pallas_kernels.gated_delta import gated_delta
+    """Qwen3.5-27B's linear-layer sizes: 16 key heads, 48 value heads, Dk = Dv = 128; the
+    served form, on a state array of 4 layers x 8 slots updated in place."""
+    from pallas_kernels.gated_delta import gated_delta_in_place
 
     T, S, Hk, Hv, D = 64, 4, 16, 48, 128
     args = (
@@ -213,8 +214,11 @@ def test_gated_delta_lowers_to_a_valid_triton_module(verified, dtype, chunk):
         jnp.zeros((T, Hv, D), dtype),
         jnp.zeros((T, Hv), jnp.float32),
         jnp.zeros((T, Hv), jnp.float32),
-        jnp.zeros((S, Hv, D, D), jnp.float32),
-        jnp.asarray([0, 40, 41, 42, 60], jnp.int32),
+        jnp.zeros((4, 8, Hv, D, D), jnp.float32),
+        jnp.int32(2),
+        jnp.asarray([5, 0, 3, -1], jnp.int32),
+        jnp.asarray([0, 1, 0, 0], jnp.int32),
+        jnp.asarray([0, 40, 41, 42, 42], jnp.int32),
     )
-    lower_for_cuda(lambda *a: gated_delta(*a, interpret=False, chunk=chunk), *args)
+    lower_for_cuda(lambda *a: gated_delta_in_place(*a, interpret=False, chunk=chunk), *args)
     assert len(verified) == 1

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_cache
-from pallas_kernels.gated_delta import gated_delta_reference
+from pallas_kernels.gated_delta import gated_delta_in_place_reference
 
 from ..config import ModelConfig
 from . import moe
@@ -83,12 +83,14 @@ def l2norm(x, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def linear_attention(lp, h, conv_hist, ssm_h0, batch, cfg: ModelConfig, qmm, live, delta_fn):
+def linear_attention(lp, h, conv_hist, ssm, li, batch, cfg: ModelConfig, qmm, live, delta_fn):
     """One Gated DeltaNet mixer over the packed step (HF's Qwen3_5GatedDeltaNet; V heads in
     llama.cpp's tiled order: value head j reads key head j % Hk).
 
-    delta_fn: the gated delta rule (pallas_kernels/gated_delta.py: the kernel or its reference).
-    Returns: (out [T, d], new conv history [S, Kc-1, C], final states [S, Hv, Dk, Dv])."""
+    ssm, li: every linear layer's per-slot states [Lr, S_max, Hv, Dk, Dv] and this layer's
+    index in them; delta_fn: the gated delta rule in place (pallas_kernels/gated_delta.py: the
+    kernel or its reference), which reads and writes the rows of the step's slots only.
+    Returns: (out [T, d], new conv history [S, Kc-1, C], the updated ssm)."""
     T = h.shape[0]
     Hk, Hv, Dk, Dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
     C = cfg.conv_dim
@@ -104,10 +106,11 @@ def linear_attention(lp, h, conv_hist, ssm_h0, batch, cfg: ModelConfig, qmm, liv
     k = mixed[:, Hk * Dk : 2 * Hk * Dk].reshape(T, Hk, Dk)
     v = mixed[:, 2 * Hk * Dk :].reshape(T, Hv, Dv)
     g = lp["ssm_a"] * jax.nn.softplus(a + lp["dt_bias"])
-    o, hs = delta_fn(l2norm(q) * Dk**-0.5, l2norm(k), v, g, jax.nn.sigmoid(b), ssm_h0, cu, n_keep)
+    o, ssm = delta_fn(l2norm(q) * Dk**-0.5, l2norm(k), v, g, jax.nn.sigmoid(b), ssm, li,
+                      batch["slots"], batch["fresh"], cu, n_keep)  # fmt: skip
     o = rms_norm(o, lp["ssm_norm"], cfg.rms_eps) * jax.nn.silu(z.reshape(T, Hv, Dv))
     out = linear(o.reshape(T, Hv * Dv).astype(weight_dtype(lp["w_out"])), lp["w_out"], qmm, live)
-    return out, new_hist, hs
+    return out, new_hist, ssm
 
 
 def gated_attention(lp, h, kc, vc, cos, sin, batch, cfg: ModelConfig, attn, qmm, live):
@@ -133,17 +136,18 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
     """One hybrid layer: its sequence mixer, then the FFN, both residual.
 
     Args:
-      mix: a Gated DeltaNet layer's (conv history [S, Kc-1, C], state [S, Hv, Dk, Dv]) for its
-        rows, or a gated attention layer's (k, v) caches; kernels: (attention_fn,
+      mix: a Gated DeltaNet layer's (conv history [S, Kc-1, C] of its rows, every linear
+        layer's states [Lr, S_max, Hv, Dk, Dv], its index in them), or a gated attention
+        layer's (k, v) caches; kernels: (attention_fn,
         quant_matmul, delta_fn, grouped_matmul), static.
     Returns:
-      (x, the mixer's new (history, state) or (k, v) caches).
+      (x, the mixer's new (history, states) or (k, v) caches).
     """
     attn, qmm, delta, grouped_matmul = kernels
     h = Normed(x, lp["attn_norm"], cfg.rms_eps)  # its projection's kernel may norm it
     if recurrent:
-        y, hist, hs = linear_attention(lp, h, *mix, batch, cfg, qmm, live, delta)
-        mix = (hist, hs)
+        y, hist, ssm = linear_attention(lp, h, *mix, batch, cfg, qmm, live, delta)
+        mix = (hist, ssm)
     else:
         y, kc, vc = gated_attention(lp, h, *mix, cos, sin, batch, cfg, attn, qmm, live)
         mix = (kc, vc)
@@ -173,12 +177,12 @@ def forward(
       state: init_state's arrays; batch: dense.forward's arrays plus slots [S] (-1 for
         padding rows) and fresh [S] (1 on a slot's first row: its state starts from zero).
       attention_fn, quant_matmul, grouped_matmul: as dense.forward; delta_fn: the gated delta
-        rule (default: gated_delta_reference).
+        rule in place (default: gated_delta_in_place_reference).
     Returns:
       (logits [R, V] float32, new kv, new state).
     """
     attn = attention_fn or paged_attention_xla
-    delta = delta_fn or gated_delta_reference
+    delta = delta_fn or gated_delta_in_place_reference
     live = batch["cu_q_lens"][-1]
     slots = batch["slots"]
     oob = state["ssm"].shape[1]  # padding rows read slot 0 (masked) and write nowhere
@@ -188,7 +192,9 @@ def forward(
     x = embed(params["embed"], batch["tokens"])
     cos, sin = rope_tables(batch["positions"], cfg)
     # Updated in place, layer by layer (the runner donates the state): one [Lr, S_max, ...]
-    # copy a step would cost as much as reading the state twice.
+    # copy a step would cost as much as reading the state twice. The ssm rows are read and
+    # written by the delta rule itself (a decode step gathering a padded bucket's rows and
+    # scattering them back had moved 20x the bytes of its live rows' states).
     conv, ssm = state["conv"], state["ssm"]
     new_kv = []
     li = ai = 0
@@ -196,11 +202,9 @@ def forward(
     for lp, recurrent in zip(params["layers"], cfg.recurrent, strict=True):
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
-            h0 = jnp.where(keep[:, None, None, None], ssm[li, read], 0.0)
-            x, (hist, hs) = layer(lp, x, (hist, h0), cos, sin, batch, live, cfg=cfg,
-                                  kernels=kernels, recurrent=True)  # fmt: skip
+            x, (hist, ssm) = layer(lp, x, (hist, ssm, jnp.int32(li)), cos, sin, batch, live,
+                                   cfg=cfg, kernels=kernels, recurrent=True)  # fmt: skip
             conv = conv.at[li, write].set(hist, mode="drop")
-            ssm = ssm.at[li, write].set(hs, mode="drop")
             li += 1
         else:
             x, kv_l = layer(lp, x, kv[ai], cos, sin, batch, live, cfg=cfg, kernels=kernels,
