@@ -127,21 +127,7 @@ def _in_place(x, state, li, slots, fresh, cu, **kw):
                                 fresh, cu, **kw)  # fmt: skip
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--variants", type=variant, nargs="+", default=[(16, 32, 4)])
-    ap.add_argument("--decode", type=int, nargs="+", default=[1, 8], help="live decode rows")
-    ap.add_argument("--prefill", type=int, nargs="*", default=[256, 512], help="chunk tokens")
-    ap.add_argument("--layers", type=int, default=8, help="dependent calls a timed run")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    bw = copy_bandwidth()
-    rows = []
-    for n in a.decode:
-        rows += time_case(f"decode {n} rows", [1] * n, 8 if n <= 8 else n, a.variants, bw, a.layers)
-    for n in a.prefill:
-        rows += time_case(f"prompt chunk {n}", [n], n, a.variants, bw, a.layers)
+def report(rows: list[dict], bw: float, out: str | None) -> None:
     lines = [
         f"Gated delta rule, one linear layer of Qwen3.5-27B shape (Hk {Hk}, Hv {Hv}, Dk = Dv = "
         f"{D}), state array {LAYERS} layers x {SLOTS} slots; copy bandwidth {bw / 1e9:.0f} GB/s. "
@@ -160,7 +146,25 @@ def main():
                      f"{r['GBs']:.0f} | {r['of_copy_bw']:.0%} |")  # fmt: skip
     meta = run_meta()
     lines += ["", meta_line(meta)]
-    write_result(dict(bench="gated_delta_kernel", **meta, rows=rows), "\n".join(lines), a.out)
+    write_result(dict(bench="gated_delta_kernel", **meta, rows=rows), "\n".join(lines), out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--variants", type=variant, nargs="+", default=[(16, 32, 4)])
+    ap.add_argument("--decode", type=int, nargs="+", default=[1, 8], help="live decode rows")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[256, 512], help="chunk tokens")
+    ap.add_argument("--layers", type=int, default=8, help="dependent calls a timed run")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    bw = copy_bandwidth()
+    rows = []
+    cases = [(f"decode {n} rows", [1] * n, max(8, n)) for n in a.decode]
+    cases += [(f"prompt chunk {n}", [n], n) for n in a.prefill]
+    for name, lens, T in cases:
+        rows += time_case(name, lens, T, a.variants, bw, a.layers)
+        report(rows, bw, a.out)  # after each case: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

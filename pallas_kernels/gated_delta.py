@@ -17,8 +17,13 @@ of many or one token; a segment never waits for another. Value head j reads key 
 
 Two forms. The token-recurrent one (chunk=0) costs n dependent rank-1 updates per head for n
 tokens; it is all a decode row needs. The chunked (WY / UT) one (chunk=16, 32 or 64) runs a
-segment's whole chunks of kept tokens as a few matmuls each (`_chunk`) and the rest token by
-token. Both are exact against the reference.
+segment's whole chunks of kept tokens in two phases: what a chunk contributes independently of
+the state (its WY inverse, u, w, the masked q k^T) for every chunk of the step at once in XLA
+(`_chunk_parts`), then in the kernel the chunk-to-chunk recurrence of the state, four small
+matmuls a chunk; the rest of a segment token by token. (Computing a chunk's parts inside the
+serial loop, 13 dependent matmuls a chunk, took 177 ms of a 512-token prompt step of the 27B
+hybrid on the H200: bench/results/2026-12-03_profile_prefill_qwen35-27b-q4_k_m_e53d7e7.md.)
+Both forms are exact against the reference.
 
 Triton backend (CUDA; ROCm through Triton too): no scalar prefetch, so cu_q_lens is an ordinary
 input read in the kernel, and the token loop has a dynamic trip count. Dk and Dv must be powers
@@ -34,7 +39,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
 
@@ -107,28 +111,37 @@ def _dot(a, b, ta: bool = False, tb: bool = False):
 
 
 def _kernel(
-    meta_ref, cu_ref, keep_ref, q_ref, k_ref, v_ref, g_ref, b_ref, st_in, o_ref, st_ref,
-    *, n_k, BT, BV,
+    meta_ref, cu_ref, keep_ref, first_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *refs,
+    n_k, BT, BV,
 ):  # fmt: skip
     """Program (s, j, c): segment s, value head j, value columns c * BV to (c + 1) * BV.
 
     The state comes from the slot's row of layer meta[0] of the state array (zero on a fresh
     row) and goes back there after the kept tokens; a padding row (slot < 0) does nothing.
-    A segment's whole chunks of BT kept tokens run in the chunked (WY / UT) form (BT > 0), the
-    kept tokens after them (fewer than BT: all of a decode row) and the proposals after those
-    token by token.
-
-    Per chunk, with G the chunk's cumulative log decay and D[i, j] = exp(G_i - G_j) (j <= i):
-    L = strictly_lower(beta_i k_i.k_j D), and (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
-    (L is nilpotent); u = (I + L)^-1 (beta v), w = (I + L)^-1 (beta k exp(G));
-    v' = u - w h; o = exp(G) q h + lower(q k^T D) v'; h = exp(G_last) h + (k exp(G_last - G))^T v'.
+    A segment's whole chunks of BT kept tokens (BT > 0; their chunk-local parts computed
+    beforehand by `_chunk_parts`, from chunk first_ref[s] on) carry the state in four small
+    matmuls each; the kept tokens after them (fewer than BT: all of a decode row) and the
+    proposals after those run token by token.
     """
+    if BT:
+        u_ref, w_ref, a_ref, qg_ref, kg_ref, decay_ref, st_in, o_ref, st_ref = refs
+    else:
+        st_in, o_ref, st_ref = refs
     s, j, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, slot, fresh = meta_ref[0], meta_ref[1 + s], meta_ref[1 + meta_ref.shape[0] // 2 + s]
     kh = j % n_k
     Dk = q_ref.shape[2]
     cols = pl.ds(c * BV, BV)
     f32 = jnp.float32
+
+    def chunk(start, i, h):
+        """Whole chunk i of the segment: v' = u - w h; o = q exp(G) h + A v';
+        h = exp(G_last) h + (k exp(G_last - G))^T v'."""
+        ci = first_ref[s] + i
+        vn = u_ref[ci, j, :, cols] - _dot(w_ref[ci, j], h)  # [BT, BV]
+        o = _dot(qg_ref[ci, j], h) + _dot(a_ref[ci, j], vn)
+        o_ref[pl.ds(start + i * BT, BT), j, cols] = o.astype(o_ref.dtype)
+        return h * decay_ref[ci, j] + _dot(kg_ref[ci, j], vn)  # kg stored [Dk, BT]
 
     @pl.when(slot >= 0)
     def _():
@@ -139,44 +152,67 @@ def _kernel(
         token = functools.partial(_token, q_ref, k_ref, v_ref, g_ref, b_ref, o_ref, kh, j, cols)
         full = (mid - start) // BT if BT else 0
         if BT:
-            h = jax.lax.fori_loop(0, full, functools.partial(_chunk, q_ref, k_ref, v_ref, g_ref,
-                                  b_ref, o_ref, kh, j, c, start, BT, BV), h)  # fmt: skip
+            h = jax.lax.fori_loop(0, full, functools.partial(chunk, start), h)
         h = jax.lax.fori_loop(start + full * BT, mid, token, h)
         st_ref[layer, slot, j, :, cols] = h
         jax.lax.fori_loop(mid, end, token, h)
 
 
-def _chunk(q_ref, k_ref, v_ref, g_ref, b_ref, o_ref, kh, j, c, start, BT, BV, i, h):
-    """Whole chunk i of a segment in the chunked form: its outputs, and the state after it."""
-    Dk = q_ref.shape[2]
+def _chunk_parts(q, k, v, g, beta, cu_q_lens, n_keep, BT: int):
+    """What each whole chunk of BT kept tokens contributes independently of the state, for
+    every chunk of every segment at once (XLA, float32).
+
+    Per chunk, with G the chunk's cumulative log decay and D[i, j] = exp(G_i - G_j) (j <= i):
+    L = strictly_lower(beta_i k_i.k_j D), and (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...
+    (L is nilpotent); u = (I + L)^-1 (beta v), w = (I + L)^-1 (beta k exp(G)),
+    A = lower(q k^T D), q exp(G), (k exp(G_last - G))^T and exp(G_last).
+
+    Returns:
+      (first [S] int32: each segment's first chunk; (u [NC, Hv, BT, Dv], w [NC, Hv, BT, Dk],
+      A [NC, Hv, BT, BT], q exp(G) [NC, Hv, BT, Dk], kg [NC, Hv, Dk, BT], exp(G_last)
+      [NC, Hv])), NC = T // BT + 1 chunks (the last never used: a bound that keeps NC >= 1).
+    """
+    T, Hk, _ = q.shape
+    Hv = v.shape[1]
+    full = n_keep // BT
+    ends = jnp.cumsum(full)
+    first = (ends - full).astype(jnp.int32)
+    NC = T // BT + 1
+    i = jnp.arange(NC)
+    seg = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"), len(full) - 1)
+    start = cu_q_lens[seg] + (i - first[seg]) * BT
+    t = jnp.clip(start[:, None] + jnp.arange(BT)[None, :], 0, T - 1)  # [NC, BT]
+    heads = jnp.arange(Hv) % Hk
+    f32 = jnp.float32
+
+    def chunks(x, key_heads=False):  # [T, H, D] -> [NC, Hv, BT, D]
+        x = x.astype(f32)[t]
+        return jnp.moveaxis(x[:, :, heads] if key_heads else x, 2, 1)
+
+    qc, kc, vc = chunks(q, True), chunks(k, True), chunks(v)
+    gc, bc = jnp.moveaxis(g.astype(f32)[t], 2, 1), jnp.moveaxis(beta.astype(f32)[t], 2, 1)
     r = jnp.arange(BT)
     lower, strict = r[:, None] >= r[None, :], r[:, None] > r[None, :]
-    eye = (r[:, None] == r[None, :]).astype(jnp.float32)
-    ck, cv = jnp.arange(Dk)[None, :], c * BV + jnp.arange(BV)[None, :]
-    f32 = jnp.float32
-    t = (start + i * BT + r)[:, None]  # whole chunks: every index is the segment's
-    q = plgpu.load(q_ref.at[t, kh, ck]).astype(f32)
-    k = plgpu.load(k_ref.at[t, kh, ck]).astype(f32)
-    v = plgpu.load(v_ref.at[t, j, cv]).astype(f32)
-    g = plgpu.load(g_ref.at[t[:, 0], j]).astype(f32)
-    b = plgpu.load(b_ref.at[t[:, 0], j]).astype(f32)
-    G = jnp.sum(jnp.where(lower, g[None, :], 0.0), axis=1)  # inclusive cumsum
-    D = jnp.exp(jnp.where(lower, G[:, None] - G[None, :], -1e30))
-    kb = k * b[:, None]
-    L = jnp.where(strict, _dot(kb, k, tb=True) * D, 0.0)
+    eye = jnp.eye(BT, dtype=f32)
+    G = jnp.cumsum(gc, axis=-1)  # [NC, Hv, BT]
+    D = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -1e30))
+
+    def mm(a, b):
+        return jnp.einsum("...ij,...jk->...ik", a, b, precision=jax.lax.Precision.HIGHEST)
+
+    kb = kc * bc[..., None]
+    L = jnp.where(strict, mm(kb, jnp.swapaxes(kc, -1, -2)) * D, 0.0)
     inv, p = eye - L, L
     for _ in range(BT.bit_length() - 2):  # L^(2^i) for 2^i < BT
-        p = _dot(p, p)
-        inv = _dot(inv, eye + p)
+        p = mm(p, p)
+        inv = mm(inv, eye + p)
     eg = jnp.exp(G)
-    u = _dot(inv, v * b[:, None])
-    w = _dot(inv, kb * eg[:, None])
-    vn = u - _dot(w, h)
-    a = jnp.where(lower, _dot(q, k, tb=True) * D, 0.0)
-    o = _dot(q * eg[:, None], h) + _dot(a, vn)
-    plgpu.store(o_ref.at[t, j, cv], o.astype(o_ref.dtype))
-    g_last = jnp.sum(jnp.where(r == BT - 1, G, 0.0))
-    return h * jnp.exp(g_last) + _dot(k * jnp.exp(g_last - G)[:, None], vn, ta=True)
+    g_last = G[..., -1]
+    u = mm(inv, vc * bc[..., None])
+    w = mm(inv, kb * eg[..., None])
+    a = jnp.where(lower, mm(qc, jnp.swapaxes(kc, -1, -2)) * D, 0.0)
+    kg = jnp.swapaxes(kc * jnp.exp(g_last[..., None] - G)[..., None], -1, -2)
+    return first, (u, w, a, qc * eg[..., None], kg, jnp.exp(g_last))
 
 
 def _check(q, k, v, g, beta, state, cu_q_lens, chunk):
@@ -243,10 +279,13 @@ def gated_delta_in_place(
     if n_keep is None:
         n_keep = cu_q_lens[1:] - cu_q_lens[:-1]
     BV = min(block_v, Dv)
+    chunk = chunk if chunk <= T else 0  # no whole chunk fits the step
     i32 = jnp.int32
     meta = jnp.concatenate([jnp.reshape(layer, (1,)).astype(i32), slots.astype(i32),
                             fresh.astype(i32)])  # fmt: skip
-    args = (meta, cu_q_lens.astype(i32), n_keep.astype(i32), q, k, v, g, beta, state)
+    cu, keep = cu_q_lens.astype(i32), n_keep.astype(i32)
+    first, parts = _chunk_parts(q, k, v, g, beta, cu, keep, chunk) if chunk else (keep, ())
+    args = (meta, cu, keep, first, q, k, v, g, beta, *parts, state)
     o, state = pl.pallas_call(
         functools.partial(_kernel, n_k=q.shape[1], BT=chunk, BV=BV),
         grid=(S, Hv, Dv // BV),
@@ -256,7 +295,7 @@ def gated_delta_in_place(
             jax.ShapeDtypeStruct((T, Hv, Dv), jnp.float32),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
         ],
-        input_output_aliases={8: 1},
+        input_output_aliases={len(args) - 1: 1},
         name="gated_delta",
         **call_options(interpret, num_warps, 1),
     )(*args)

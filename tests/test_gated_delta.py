@@ -34,6 +34,7 @@ def inputs(lens, T, Hk=2, Hv=4, Dk=16, Dv=16, dtype=jnp.float32, seed=0):
         ([13], 16),  # not a multiple, bucket padding after it
         ([45, 3], 64),  # whole chunks, then fewer tokens than a chunk
         ([130, 2], 136),  # many chunks
+        ([20, 33, 1], 64),  # two segments with whole chunks, and the chunks' parts of each
         ([5, 1, 1, 9, 1], 32),  # prompt chunks and decode rows of one step
         ([1, 1, 1, 1], 8),  # decode rows only
         ([7, 0, 0], 8),  # padding segments (no tokens)
