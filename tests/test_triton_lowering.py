@@ -207,7 +207,7 @@ def test_gated_delta_lowers_to_a_valid_triton_module(verified, dtype, chunk):
     served form, on a state array of 4 layers x 8 slots updated in place."""
     from pallas_kernels.gated_delta import gated_delta_in_place
 
-    T, S, Hk, Hv, D = 64, 4, 16, 48, 128
+    T, Hk, Hv, D = 64, 16, 48, 128
     args = (
         jnp.zeros((T, Hk, D), dtype),
         jnp.zeros((T, Hk, D), dtype),
