@@ -436,3 +436,35 @@ def test_attention_bench_counts_causal_work_and_checks_tilings_against_each_othe
     assert attention_kernel.variant("64:256:4:128:1") == (64, 256, 4, 128, 1)
     assert rows[0]["max_diff_vs_xla"] == 0.0  # the first variant is the baseline
     assert rows[1]["max_diff_vs_xla"] < 2e-2 and rows[1]["max_diff_vs_f32_ref"] < 2e-2
+
+
+def test_gated_delta_bench_times_two_forms_that_compute_the_same(tmp_path, monkeypatch):
+    """bench/gated_delta_kernel.py (at toy sizes): the served in-place kernel and the former
+    gather-kernel-scatter path give the same outputs and state, and the run writes a row per
+    case and form with the live states' bytes."""
+    import gated_delta_kernel as gd
+    import jax.numpy as jnp
+    import numpy as np
+
+    for name, value in dict(LAYERS=3, SLOTS=4, Hv=4, Hk=2, D=32).items():
+        monkeypatch.setattr(gd, name, value)
+    x, cu, slots, fresh = gd.case_inputs([1, 5], 8)
+    assert list(np.asarray(slots)[2:]) == [-1] * 6  # the bucket's padding rows
+    state = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4, 4, 32, 32)), jnp.float32)
+    kw = dict(chunk=0, num_warps=4)
+    o1, s1 = gd._in_place(x, state, jnp.int32(1), slots, fresh, cu, block_v=16, **kw)
+    o2, s2 = gd.gathered(x, state, jnp.int32(1), slots, fresh, cu, block_v=32, **kw)
+    np.testing.assert_allclose(o1, o2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s1, s2, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(s1, state)
+    monkeypatch.setattr(gd, "copy_bandwidth", lambda: 1e11)
+    out = tmp_path / "gd.json"
+    argv = ["gd", "--variants", "0:16:4", "--decode", "1", "--prefill", "4", "--layers", "2"]
+    monkeypatch.setattr(sys, "argv", argv + ["--out", str(out)])
+    gd.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"], r["form"]) for r in rows] == [
+        ("decode 1 rows", "in place"), ("decode 1 rows", "gathered"),
+        ("prompt chunk 4", "in place"), ("prompt chunk 4", "gathered"),
+    ]  # fmt: skip
+    assert all(r["us"] > 0 and r["GBs"] > 0 for r in rows)
