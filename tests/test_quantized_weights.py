@@ -439,3 +439,54 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     assert any(re.search(integer, str(v.module)) for v in verified)
     # no predicate the GPU runtime would read on the host (test_engine's sampling test says why)
     assert not re.findall(r"stablehlo\.(?:case|if|while)\b", module)
+
+
+def test_the_hybrid_step_exports_for_rocm_with_its_state_updated_in_place(
+    tmp_path, fixtures_dir, verified
+):
+    """A qwen35 Q4_K_M step (decode rows, and a prompt bucket whose whole chunks take the
+    chunked gated delta form) exports for rocm with every Triton module verified: one gated
+    delta call a linear layer, on the whole state array (in place), and no host predicate."""
+    import functools
+
+    from jax import export
+
+    from luce_jax.backends import served_quant_matmul
+    from luce_jax.device.runner import Runner
+    from pallas_kernels.gated_delta import gated_delta_in_place
+    from pallas_kernels.paged_attention import paged_attention
+
+    path = str(tmp_path / "h.gguf")
+    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    shape = dict(d=256, L=4, H=2, K=1, D=128, F=256, tied=False, Hk=2, Hv=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(make_model.SHAPES, "qwen35-tiny", shape)
+        make_model.write("qwen35-tiny", "q4_k_m", vocab, path)
+    _, cfg, params = load(path, True)
+    gpu = functools.partial  # the kernels as on a GPU: Triton, not interpret mode
+    runner = Runner(
+        cfg, params, 9, 16, 4, 8, (jnp.bfloat16, jnp.bfloat16),
+        gpu(paged_attention, interpret=False), None,
+        QuantMatmul(gpu(served_quant_matmul, interpret=False, int8_x=True)),
+        delta_fn=gpu(gated_delta_in_place, chunk=16, interpret=False),
+    )  # fmt: skip
+    triton = "__gpu$xla.gpu.triton"
+    for T in (8, 64):
+        fn, args = runner.step_function(T, 4)
+        exp = export.export(
+            jax.jit(fn), platforms=["rocm"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
+        )(*args)  # fmt: skip
+        module = exp.mlir_module()
+        state = "x".join(map(str, (sum(cfg.recurrent), 4, 4, 128, 128)))
+        # every layer a call of a layer function (one per layer kind and weight-type mix);
+        # the linear ones' gated delta runs on the whole state array, its output aliased to it
+        # (the kernel writes the step's slots' rows in place)
+        assert len(re.findall(r"call @layer(?:_\d+)?\(", module)) == cfg.n_layers
+        deltas = len(re.findall(r"call @gated_delta_in_place(?:_\d+)?\(", module))
+        assert 1 <= deltas <= sum(cfg.recurrent)
+        kernel = [ln for ln in module.splitlines() if triton in ln and f"{state}xf32>)" in ln]
+        assert kernel and all("output_operand_alias" in ln for ln in kernel)
+        assert all(f"tensor<{state}xf32>)" in ln.split("->")[-1] for ln in kernel)
+        assert not re.findall(r"stablehlo\.(?:case|if|while)\b", module)
+    assert len(verified) > 0
