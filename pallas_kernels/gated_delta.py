@@ -284,6 +284,7 @@ def gated_delta_in_place(
     meta = jnp.concatenate([jnp.reshape(layer, (1,)).astype(i32), slots.astype(i32),
                             fresh.astype(i32)])  # fmt: skip
     cu, keep = cu_q_lens.astype(i32), n_keep.astype(i32)
+    # without chunks the kernel reads no chunk parts, and `first` only stands in its place
     first, parts = _chunk_parts(q, k, v, g, beta, cu, keep, chunk) if chunk else (keep, ())
     args = (meta, cu, keep, first, q, k, v, g, beta, *parts, state)
     o, state = pl.pallas_call(
