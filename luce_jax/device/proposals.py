@@ -15,6 +15,13 @@ from ..models import dense, draft_head
 from ..models.linear import embed
 from . import sampling
 
+KEYS = ("acc", "props")  # the state's entries, beside the sampler's in the runner's state
+
+
+def of(state: dict) -> dict:
+    """This state's entries out of the runner's state (a forward pass reads them)."""
+    return {k: state[k] for k in KEYS}
+
 
 def init(max_slots: int, k: int) -> dict:
     """Zeroed state: acc [S_max], props [S_max, K]."""

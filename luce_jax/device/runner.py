@@ -213,7 +213,7 @@ class Runner:
         """
         batch = unpack(sints, sample_layout(S, R))
         if head_in is not None:
-            ahead = {k: state.pop(k) for k in ("acc", "props")}
+            ahead = {k: state.pop(k) for k in proposals.KEYS}
             # the noise of a row that caught up is as many steps on as it moved
             batch["steps"] = batch["steps"] + proposals.offsets(ahead["acc"], batch)
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
@@ -238,10 +238,10 @@ class Runner:
 
     def _ahead(self, state: dict):
         """The draft head's device state a forward pass reads (None: no head)."""
-        return {"acc": state["acc"], "props": state["props"]} if self.head is not None else None
+        return proposals.of(state) if self.head is not None else None
 
     def _sampler_state(self) -> dict:
-        keys = ("counts", "last") + (("acc", "props") if self.head is not None else ())
+        keys = ("counts", "last") + (proposals.KEYS if self.head is not None else ())
         return {k: self.state[k] for k in keys}
 
     def step_function(self, T: int, S: int):
