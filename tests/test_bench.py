@@ -468,3 +468,22 @@ def test_gated_delta_bench_times_two_forms_that_compute_the_same(tmp_path, monke
         ("prompt chunk 4", "in place"), ("prompt chunk 4", "gathered"),
     ]  # fmt: skip
     assert all(r["us"] > 0 and r["GBs"] > 0 for r in rows)
+
+
+def test_backend_tokens_reports_where_pallas_and_xla_part_and_the_top_two_there(made):
+    """bench/backend_tokens.py: the tiny file's greedy tokens with the Pallas kernels
+    (interpret mode) equal the references'; a pair that parts is reported at its first
+    differing token with each side's two best logprobs there."""
+    import backend_tokens as bt
+
+    from luce_jax.llm import Completion
+
+    dense, _, _ = made
+    prompts = bt.PROMPTS[:2]
+    pallas, xla = (bt.run(str(dense), b, None, prompts, 3) for b in ("pallas", "xla"))
+    assert bt.compare(pallas, xla) == [{"same": True}] * 2
+    a = Completion("", [1, 2, 3], "length", logprobs=[(0, [(1, 0)])] * 3)
+    tops = [(0, [(1, -0.1), (5, -0.2)])] * 2 + [(0, [(7, -0.3), (3, -0.4), (9, -2.0)])]
+    b = Completion("", [1, 2, 7], "length", logprobs=tops)
+    (row,) = bt.compare([a], [b])
+    assert row["first_difference"] == 2 and row["xla_top2"] == [(7, -0.3), (3, -0.4)]
