@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -145,6 +146,12 @@ def main():
     one(prefix + text_of(200, 99, count), "warm, traced", trace=True)
     one(system_prefix(a.prefix_tokens, 200, count) + text_of(200, 98, count), "cold, traced",
         trace=True)  # fmt: skip
+    # Greedy tokens of a warm and a cold request, as a digest: runs under different XLA flags
+    # (or commits) must print the same one.
+    pair = [prefix + text_of(200, 97, count), system_prefix(a.prefix_tokens, 300, count)]
+    outs = llm.generate(pair, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    digest = hashlib.sha256(json.dumps([o.token_ids for o in outs]).encode()).hexdigest()[:16]
+    log.info("greedy tokens digest (a warm and a cold request, 32 each): %s", digest)
     llm.close()
 
 

@@ -1,6 +1,7 @@
 """The benchmark tools: model files, roofline arithmetic, harnesses against a real server."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -487,3 +488,17 @@ def test_backend_tokens_reports_where_pallas_and_xla_part_and_the_top_two_there(
     b = Completion("", [1, 2, 7], "length", logprobs=tops)
     (row,) = bt.compare([a], [b])
     assert row["first_difference"] == 2 and row["xla_top2"] == [(7, -0.3), (3, -0.4)]
+
+
+def test_dispatch_cost_times_launches_by_argument_count(tmp_path):
+    """bench/dispatch_cost.py: one row per case and donation, each a positive launch time."""
+    out = tmp_path / "d.json"
+    cmd = [sys.executable, str(BENCH / "dispatch_cost.py"), "--cases", "2:0", "2:3"]
+    subprocess.run(
+        [*cmd, "--out", str(out)], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["weights"], r["caches"], r["donated"]) for r in rows] == [
+        (2, 0, False), (2, 3, False), (2, 3, True)
+    ]  # fmt: skip
+    assert all(r["launch_ms"] > 0 for r in rows)
