@@ -472,17 +472,21 @@ def test_gated_delta_bench_times_two_forms_that_compute_the_same(tmp_path, monke
 
 
 def test_backend_tokens_reports_where_pallas_and_xla_part_and_the_top_two_there(made):
-    """bench/backend_tokens.py: the tiny file's greedy tokens with the Pallas kernels
-    (interpret mode) equal the references'; a pair that parts is reported at its first
-    differing token with each side's two best logprobs there."""
+    """bench/backend_tokens.py: a run gives each prompt's greedy tokens with two logprobs a
+    token and puts the engine's gated delta form back after it; a pair that parts is reported
+    at its first differing token with each side's two best logprobs there. (That the Pallas
+    kernels give the references' tokens is test_paged_attention's and test_hybrid_model's.)"""
     import backend_tokens as bt
 
+    from luce_jax import backends
     from luce_jax.llm import Completion
 
     dense, _, _ = made
-    prompts = bt.PROMPTS[:2]
-    pallas, xla = (bt.run(str(dense), b, None, prompts, 3) for b in ("pallas", "xla"))
-    assert bt.compare(pallas, xla) == [{"same": True}] * 2
+    default = backends.gated_delta_fn
+    (out,) = bt.run(str(dense), "xla", 16, bt.PROMPTS[:1], 3)
+    assert backends.gated_delta_fn is default
+    assert len(out.token_ids) == 3 and all(len(top) == 2 for _, top in out.logprobs)
+    assert bt.compare([out], [out]) == [{"same": True}]
     a = Completion("", [1, 2, 3], "length", logprobs=[(0, [(1, 0)])] * 3)
     tops = [(0, [(1, -0.1), (5, -0.2)])] * 2 + [(0, [(7, -0.3), (3, -0.4), (9, -2.0)])]
     b = Completion("", [1, 2, 7], "length", logprobs=tops)
