@@ -138,10 +138,11 @@ class EngineConfig:
     admission_coalesce_ms: float = 0.0
     max_queue: int = 256
     # steps of more tokens than this compile without CUDA graphs (0: every step uses them): a
-    # prompt step's graph update is host time before its first kernel (2.3 ms of a warm
-    # prefix-cached request's first token on the H200), but launching its kernels one by one
-    # took 6.3-6.8 ms and warm TTFT stayed 22-23 ms (bench/results/
-    # 2026-12-03_prefix_cuda_graph_max_tokens_h200.md), so graphs stay on by default.
+    # warm prefix-cached request's prompt step waits 2.3 ms for its launch on the H200 host,
+    # but launching its kernels one by one took 6.3-6.8 ms and warm TTFT stayed 22-23 ms
+    # (bench/results/2026-12-03_prefix_cuda_graph_max_tokens_h200.md), so graphs stay on by
+    # default. (About 1.3 ms of that launch is its ~370 arguments, and keeping the graph's
+    # temporaries at fixed addresses did not shorten it: ..._command_buffer_update_mode_h200.md.)
     cuda_graph_max_tokens: int = 0
     prefix_cache: bool = True  # share full KV blocks of equal prompt prefixes across requests
     chat_template_file: str | None = None
