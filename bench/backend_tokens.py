@@ -29,10 +29,8 @@ def run(model: str, backend: str, chunk: int | None, prompts, max_tokens: int) -
     if chunk is not None:
         from pallas_kernels.gated_delta import gated_delta_in_place
 
-        def fn(b):
-            return functools.partial(gated_delta_in_place, chunk=chunk) if b == "pallas" else None
-
-        backends.gated_delta_fn = lambda b: fn(b) or default(b)
+        pallas = functools.partial(gated_delta_in_place, chunk=chunk)
+        backends.gated_delta_fn = lambda b: pallas if b == "pallas" else default(b)
     try:
         with LLM(model=model, attention_backend=backend, max_concurrency=4, max_ctx=1024,
                  prefill_chunk=64, prefill_token_budget=64, dtype="float32",
