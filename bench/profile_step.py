@@ -9,6 +9,10 @@ With --prefill the traced steps are prefill steps (chunks of --chunk tokens of C
 
     python bench/profile_step.py --model qwen3-8b-bf16.gguf --concurrency 1 8 --out prof.json
     python bench/profile_step.py --model m.gguf --prefill --chunk 512 --ctx 8192 --steps 8
+
+With --spec-mode the policy proposes K for every decoding slot in every step (flat step times),
+so each traced step verifies and proposes; the draft's kernels count as part `draft` (the
+draft model's, in the forward pass and the sampling program) or `draft_head`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from meta import run_meta, write_result
 
 log = logging.getLogger("profile_step")
 
-SCOPES = ("embed", "qkv", "kv_write", "attention", "attn_out", "mlp", "lm_head", "sampling")
+SCOPES = ("draft", "draft_head", "embed", "qkv", "kv_write", "attention", "attn_out", "mlp",
+          "lm_head", "sampling")  # fmt: skip
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
 
 
@@ -248,6 +253,8 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="trace prefill steps of ctx prompts")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk and token budget")
     ap.add_argument("--compile-cache-dir", default=None)
+    ap.add_argument("--spec-mode", default="off", help="EngineConfig.spec_mode")
+    ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--title", default="decode step profile")
     ap.add_argument("--out", default=None, help="JSON path; .md beside it")
     ap.add_argument("--save-raw", default=None, help="folder for each C's trace and HLO text")
@@ -276,8 +283,17 @@ def main():
         prefill_token_budget=a.chunk,
         max_concurrent_prefills=cmax,
         compile_cache_dir=a.compile_cache_dir,
+        spec_mode=a.spec_mode,
+        draft_tokens=a.draft_tokens,
     )
     tok, engine = load_engine(cfg)
+    if engine.spec is not None:  # propose K every step, whatever acceptance random text gets
+        from luce_jax.speculation.policy import SpecPolicy
+
+        engine.spec.policy = SpecPolicy(
+            a.draft_tokens, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0
+        )
+        engine.spec.policy.observe_step = lambda seconds: None
     results = [
         profile(engine, tok, C, a.ctx, a.steps, a.warm, a.save_raw, a.prefill)
         for C in a.concurrency

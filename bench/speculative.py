@@ -11,6 +11,9 @@ bf16 numerics may differ between bucket shapes, so this need not be 1 on a GPU).
     python bench/speculative.py --modes off draft head ngram --concurrency 1 2 5 8 \
         --out bench/results/DATE_speculative_embedded.json
     python bench/speculative.py --model qwen3-8b-bf16.gguf --modes off ngram ...
+
+A mode may name its own K after a colon (draft:3); without one it takes --draft-tokens. A
+third part is its EngineConfig.spec_policy (draft:4:adaptive, ngram:4:always; default auto).
 """
 
 from __future__ import annotations
@@ -30,16 +33,19 @@ def humaneval_prompts(n: int) -> list[str]:
     return [p["prompt"] for p in list(read_problems().values())[:n]]
 
 
-def build(args, mode: str):
+def build(args, name: str):
     from luce_jax import LLM
 
+    mode, _, rest = name.partition(":")
+    k, _, policy = rest.partition(":")
     kw = dict(
         max_concurrency=max(args.concurrency),
         max_ctx=args.max_ctx,
         kv_pool_tokens=max(args.concurrency) * args.max_ctx,
         compile_cache_dir=args.compile_cache_dir,
         spec_mode=mode,
-        draft_tokens=args.draft_tokens,
+        draft_tokens=int(k or args.draft_tokens),
+        spec_policy=policy or "auto",
     )
     if mode == "draft" and args.draft:
         kw["draft"] = args.draft
@@ -86,6 +92,7 @@ def run_all(args, prompts: list[str]) -> dict:
         out[mode] = {
             "load_s": load_s,
             "step_ms": {t: round(v * 1e3, 3) for (t, _), v in r.step_time.items()},
+            "propose_ms": round(r.propose_time * 1e3, 3),  # proposals on the device
             "rows": [],
         }
     for c in args.concurrency:
@@ -198,7 +205,12 @@ def main() -> None:
     )
     md += table(res) + "\n\n"
     for m, v in res["modes"].items():
-        md += f"- {m}: load + compile {v['load_s']:.0f} s, step ms by bucket {v['step_ms']}\n"
+        per_step = {r["concurrency"]: round(r["seconds"] / r["steps"] * 1e3, 2) for r in v["rows"]}
+        md += (
+            f"- {m}: load + compile {v['load_s']:.0f} s, step ms by bucket {v['step_ms']}, "
+            f"proposing on the device adds {v['propose_ms']} ms; served ms per step by C "
+            f"{per_step}\n"
+        )
     write_result(res, md, args.out)
     if args.out:
         plot(res, args.out.rsplit(".", 1)[0] + ".png")

@@ -57,8 +57,8 @@ def _load(config: EngineConfig, clock: StartupClock):
     from .loading.tokenizer import GGUFTokenizer, GGUFVocab
     from .speculation.draft import DraftProposer
     from .speculation.draft_runner import DraftRunner
-    from .speculation.head import HeadProposer
     from .speculation.ngram import NgramProposer
+    from .speculation.on_device import OnDeviceProposer
     from .speculation.policy import SpecPolicy
     from .speculation.speculator import Speculator
 
@@ -125,10 +125,20 @@ def _load(config: EngineConfig, clock: StartupClock):
         )
 
     spec_k = config.draft_tokens if config.spec_mode != "off" else 0
+    # A dense target runs its draft on the device, in its own step (device/proposals.py); a
+    # hybrid one on the host, in a program of the draft's own (speculation/draft.py), which
+    # feeds the proposals a hybrid slot's state kept again.
+    on_device = None
+    if draft is not None and not mc.recurrent:
+        dcfg, dparams = draft
+        qm = quant_matmul_fn(
+            config.quant_backend, quant_activations_for(config.quant_activations, dcfg)
+        )
+        on_device, draft = (dcfg, dparams, kv_cache_types(config, dcfg)[0], qm), None
     runner = runner_for(
         Runner, mc, shapes, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend),
         rope_write_fn=rope_write_fn(config.attention_backend),
-        graph_max_tokens=config.cuda_graph_max_tokens, head=head,
+        graph_max_tokens=config.cuda_graph_max_tokens, head=head, draft=on_device,
     )  # fmt: skip
     engine = DenseEngine(config, runner, num_blocks)
     # structured output: xgrammar loads on the first request that asks for it
@@ -153,8 +163,8 @@ def _load(config: EngineConfig, clock: StartupClock):
     if config.spec_mode == "off":
         return tokenizer, engine
     per_depth = fixed = 0.0
-    if config.spec_mode == "head":  # proposals come with each step: no program of their own
-        proposer = HeadProposer()
+    if runner.ahead:  # proposals come with each step: no program of their own
+        proposer = OnDeviceProposer()
     elif draft is None:
         proposer = NgramProposer()
     else:
@@ -178,16 +188,20 @@ def _load(config: EngineConfig, clock: StartupClock):
         fixed = max(t1 - per_depth, 0.0)
     with clock.phase("step timing"):
         runner.time_steps(pairs)
-    if config.spec_mode == "head":  # the head runs in the step before the proposals' step
-        fixed = runner.head_time
+    if runner.ahead:  # proposing runs in the step before the proposals' step
+        fixed = runner.propose_time
     step_time = {t: runner.step_time[(t, s)] for t, s in pairs}
-    policy = SpecPolicy(spec_k, step_time, proposal_time=per_depth, proposal_fixed=fixed)
+    auto_always = config.spec_policy == "auto" and runner.draft is not None
+    always = config.spec_policy == "always" or auto_always
+    policy = SpecPolicy(spec_k, step_time, proposal_time=per_depth, proposal_fixed=fixed,
+                        always=always)  # fmt: skip
     engine.enable_speculation(Speculator(proposer, policy, config.spec_mode))
     log.info(
-        "speculation: %s, up to %d proposals per sequence; step ms by bucket %s; draft ms "
-        "%.2f + %.2f per proposal",
+        "speculation: %s, up to %d proposals per sequence (%s policy); step ms by bucket %s; "
+        "draft ms %.2f + %.2f per proposal",
         config.spec_mode,
         spec_k,
+        "always" if always else "adaptive",
         {t: round(v * 1e3, 2) for t, v in step_time.items()},
         fixed * 1e3,
         per_depth * 1e3,

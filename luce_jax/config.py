@@ -43,6 +43,14 @@ QUANT_ACTIVATIONS = ("auto", "int8", "float")
 # Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
 # the sequence itself), verified by the target in the same packed step as everything else.
 SPEC_MODES = ("off", "ngram", "draft", "head")
+# How many proposals a step verifies: adaptive (speculation/policy.py: by estimated acceptance
+# and measured step cost, probing slots that stopped), always (K for every decoding slot, as
+# vLLM does), auto (always for a draft model on the device, else adaptive). On the H200 the
+# embedded pair ran 1.36x to 2.07x mode off at C1 to C32 with always, 0.86x to 1.41x with
+# adaptive (bench/results/2026-12-03_speculative_embedded_h200.md): proposing costs a draft on
+# the device about 0.4 ms, less than the adaptive policy's missed proposals lost. A draft
+# that rarely agrees costs that much a step under always.
+SPEC_POLICIES = ("auto", "adaptive", "always")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -150,6 +158,7 @@ class EngineConfig:
     # draft GGUF (spec_mode=draft) or draft head GGUF (spec_mode=head); None: the embedded one
     draft: str | None = None
     draft_tokens: int = 4  # K: most proposals one sequence verifies per step
+    spec_policy: str = "auto"  # SPEC_POLICIES
     compile_cache_dir: str | None = field(default_factory=default_compile_cache_dir)
     seed: int = 0
 
@@ -169,6 +178,8 @@ class EngineConfig:
             bad("quant_activations", f"must be one of {QUANT_ACTIVATIONS}")
         if self.spec_mode not in SPEC_MODES:
             bad("spec_mode", f"must be one of {SPEC_MODES}")
+        if self.spec_policy not in SPEC_POLICIES:
+            bad("spec_policy", f"must be one of {SPEC_POLICIES}")
         if self.draft is not None and not Path(self.draft).is_file():
             bad("draft", "no such file")
         if self.draft is not None and self.spec_mode not in ("draft", "head"):

@@ -23,6 +23,7 @@ from .config import (
     QUANT_ACTIVATIONS,
     QUANT_BACKENDS,
     SPEC_MODES,
+    SPEC_POLICIES,
     EngineConfig,
 )
 
@@ -70,6 +71,9 @@ HELP = {
     "draft": "draft GGUF for --spec-mode draft (same vocabulary), or draft head GGUF for "
     "--spec-mode head (default: the embedded model's)",
     "draft_tokens": "most proposals one sequence verifies per step (K)",
+    "spec_policy": f"{', '.join(SPEC_POLICIES)}: how many proposals a step verifies (always: K "
+    "a sequence; adaptive: by acceptance and step cost; auto: always for a draft model on the "
+    "device, else adaptive)",
     "seed": "seed for requests that do not give one",
 }
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from test_speculation import K, prompts, run
+from test_speculation import N_CHI, K, chi_square, first_tokens, prompts, run
 
 from luce_jax.build import load_engine
 from luce_jax.config import EngineConfig
@@ -92,6 +92,17 @@ def test_an_exact_head_has_every_proposal_kept(engines, sampled):
     assert got == want
     st = engine.spec.stats()
     assert st["proposed"] > 50 and st["accepted"] == st["proposed"], st
+
+
+def test_sampled_token_distribution_matches_the_target(engines):
+    """The chi-square test of test_speculation.py (its negative control is there): the first
+    three tokens at temperature 0.8 with the head's proposals (eps 0.05) against none."""
+    a, _ = first_tokens(engines[0.05, "off"], 0)
+    b, engine = first_tokens(engines[0.05, "head"], 10**6)
+    stat, threshold = chi_square(a, b)
+    assert stat < threshold, (stat, threshold)
+    assert len(set(a) | set(b)) <= 8  # nothing outside the target's top 2
+    assert engine.spec.stats()["accepted"] > N_CHI / 4, engine.spec.stats()
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-with-penalties"])

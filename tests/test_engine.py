@@ -22,7 +22,7 @@ def run_schedule(engine, tok, arrivals, config=None):
     """arrivals: list of (step index, prompt ids, SamplingParams). Returns token ids per request."""
     if config is not None:
         engine.config = config
-    sched = Scheduler(engine, tok)
+    sched = Scheduler(engine, tok, max_queue=max(256, len(arrivals)))  # arrivals may outpace
     reqs = [Request(list(p), sp) for _, p, sp in arrivals]
     pending = sorted((a[0], i) for i, a in enumerate(arrivals))
     step = 0

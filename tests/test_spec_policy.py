@@ -12,6 +12,7 @@ LINEAR = {8: 0.010, 16: 0.020, 32: 0.040, 64: 0.080}  # compute-bound: time grow
 
 
 def policy(step_time=FLAT, k=4, rates=None, **kw):
+    kw.setdefault("probe_soon", 0)  # the full interval only, unless a test asks
     p = SpecPolicy(k, step_time, probe_every=kw.pop("probe_every", 10**9), **kw)
     for s, a in (rates or {}).items():
         p.start(s)
@@ -114,7 +115,7 @@ def test_prompt_tokens_in_the_step_leave_less_room():
 
 
 def test_an_idle_slot_is_probed_with_one_proposal_when_it_fits():
-    p = policy(LINEAR, k=4, rates={0: 0.0, 1: 0.0}, probe_every=3)
+    p = policy(LINEAR, k=4, rates={0: 0.0, 1: 0.0}, probe_every=3, proposal_time=1e-6)
     plans = [p.plan({0: 4, 1: 4}) for _ in range(3)]
     assert plans[:2] == [{0: 0, 1: 0}] * 2 and plans[2] == {0: 1, 1: 1}
     assert p.plan({0: 4, 1: 4}) == {0: 0, 1: 0}  # probed: idle again from zero
@@ -126,7 +127,38 @@ def test_probes_come_together_and_rarer_when_proposals_cost_a_draft_step():
     assert p.probe_interval == 6
     plans = [p.plan({0: 4}) for _ in range(2)]  # slot 0 alone for two steps
     plans += [p.plan({0: 4, 1: 4}) for _ in range(4)]  # then slot 1 joins, less idle
-    assert [sum(x.values()) for x in plans] == [0, 0, 0, 0, 0, 2]  # both probed at once
+    # both probed at once, with as many proposals as fit bucket 8 (depth costs nothing)
+    assert [sum(x.values()) for x in plans] == [0, 0, 0, 0, 0, 6]
+
+
+def test_the_always_policy_verifies_k_for_every_slot_within_the_largest_bucket():
+    p = policy(LINEAR, k=4, rates={s: 0.0 for s in range(16)}, always=True)
+    assert p.plan({0: 4, 1: 2, 2: 0}) == {0: 4, 1: 2, 2: 0}  # estimates of 0 do not matter
+    plan = p.plan(dict.fromkeys(range(16), 4), other_tokens=20)  # 36 tokens before proposals
+    assert sum(plan.values()) == 64 - 36 and max(plan.values()) == 4  # bucket 64 is full
+
+
+def test_a_probe_verifies_as_many_proposals_as_fit_when_depth_costs_nothing():
+    p = policy(FLAT, k=4, rates={0: 0.0, 1: 0.0}, probe_every=2)
+    assert p.plan({0: 4, 1: 4}) == {0: 0, 1: 0}
+    assert p.plan({0: 4, 1: 2}) == {0: 4, 1: 2}  # 2 rows + 6 proposals fit bucket 8
+
+
+def test_a_slot_that_stopped_is_probed_soon_then_less_often_while_nothing_is_kept():
+    p = policy(FLAT, k=4, rates={0: 0.0}, probe_every=20, probe_soon=2)
+
+    def probes(steps, kept=0):
+        out = []
+        for i in range(steps):
+            if n := p.plan({0: 4})[0]:
+                out.append(i)
+                p.observe(0, proposed=n, accepted=min(kept, n))
+                p._slots[0].rate = 0.0  # stays below what pays: only probes propose
+        return out
+
+    # waits 2, 4, 8, 16, then the full interval (20)
+    assert probes(70) == [1, 5, 13, 29, 49, 69]
+    assert probes(25, kept=1) == [19, 21, 23]  # a kept proposal: 2 again
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -12,7 +12,11 @@ keeps per slot the tokens its recurrent state has absorbed (reset on a fresh row
 through each row but its proposals): every row must start where its slot's state stands, and
 the state must hold exactly the sequence up to there. As a draft head's device, it keeps each
 slot's proposals and the count its last row kept, feeds the proposal markers of verify rows and
-moves rows lowered behind their slot's step in flight (steps overlap in that mode).
+moves rows lowered behind their slot's step in flight (steps overlap in that mode). As a draft
+model's device (mode device-draft), it also keeps the draft's cache on the target's block ids:
+every fed token is written there too, and each sampled row's K decode steps write the row's
+last token and its first K - 1 proposals after it, inside blocks the host claimed unless past
+the slot's reservation; that cache must hold the sequence as exactly as the target's.
 """
 
 import random
@@ -28,8 +32,8 @@ from luce_jax.host.request import Request
 from luce_jax.host.scheduler import Scheduler
 from luce_jax.sampling_params import SamplingParams
 from luce_jax.speculation.draft import DraftProposer
-from luce_jax.speculation.head import HeadProposer
 from luce_jax.speculation.ngram import NgramProposer
+from luce_jax.speculation.on_device import OnDeviceProposer
 from luce_jax.speculation.policy import SpecPolicy
 from luce_jax.speculation.speculator import Speculator
 
@@ -40,11 +44,17 @@ class FakeRunner:
     """Runner.launch / fetch over a token-id 'cache'; samples at random. Like the device, it
     keeps each slot's last emitted token and feeds it to rows that ask for it (FROM_DEVICE)."""
 
-    def __init__(self, num_blocks, block_size, max_slots, k, rng, recurrent=False, head=False):
+    def __init__(self, num_blocks, block_size, max_slots, k, rng, recurrent=False, head=False,
+                 draft=False):  # fmt: skip
         self.cfg = SimpleNamespace(recurrent=(True,) if recurrent else ())
         # A draft head: each sampled row leaves K proposals and its kept count on the device,
         # and later rows read them (markers) and move on by them (behind), as sampling.py does.
-        self.head = head
+        # A draft model on the device does the same, and writes its own cache (dkv).
+        self.head = head or draft
+        self.draft = draft
+        self.writes_ahead = k if draft else 0
+        self.dkv = np.full(num_blocks * block_size, -1, np.int64)
+        self.slots = None  # the engine's SlotTable (device-draft: where reservations end)
         self.acc = np.zeros(max_slots, np.int64)
         self.props = np.zeros((max_slots, max(k, 1)), np.int64)
         self.state = {s: [] for s in range(max_slots)}  # tokens each slot's state absorbed
@@ -73,6 +83,8 @@ class FakeRunner:
                          b["write_idx"][:n_tok])  # fmt: skip
         assert (write[off[seg] > 0] >= P).all(), "a moved row writes outside its blocks"
         self.kv[write] = fed
+        if self.draft:
+            self.dkv[write] = fed
         n = int((b["slots"] >= 0).sum())
         if self.cfg.recurrent:
             for i in range(n):
@@ -99,6 +111,15 @@ class FakeRunner:
                     self.acc[b["slots"][i]] = accepted[i]
                     props = [self.rng.randrange(VOCAB) for _ in range(self.k)]
                     self.props[b["slots"][i]] = props
+                if self.draft:  # decode j feeds the last token (j = 0) or proposal j - 1
+                    slot = b["slots"][i]
+                    at = int(pos[b["cu_q_lens"][i + 1] - 1 - b["n_draft"][i]]) + accepted[i] + 1
+                    end = self.slots.prompt_len[slot] + self.slots.max_tokens[slot]
+                    fed_j = [self.last[slot], *self.props[slot][: self.k - 1]]
+                    for j, t in enumerate(fed_j):
+                        blk = b["block_tables"][i, (at + j) // P]
+                        assert blk != 0 or at + j >= end, "draft decode past the claimed blocks"
+                        self.dkv[blk * P + (at + j) % P] = t
         return {"tokens": tokens, "logprob": np.zeros(R, np.float32), "accepted": accepted}
 
     def launch_forward(self, b, T, S):  # the whole step runs when its sampling launches
@@ -127,10 +148,11 @@ class FakeRunner:
                 self.kv[blk * self.block_size + pos % self.block_size] = out[i, j]
         return out.reshape(len(rows), 3)
 
-    def cached(self, table, n):
-        """Token ids at positions 0..n-1 of a sequence with block table `table`."""
+    def cached(self, table, n, kv=None):
+        """Token ids at positions 0..n-1 of a sequence with block table `table` (in the
+        target's cache, or in `kv`)."""
         pos = np.arange(n)
-        return self.kv[
+        return (self.kv if kv is None else kv)[
             np.asarray(table, np.int64)[pos // self.block_size] * self.block_size
             + pos % self.block_size
         ]
@@ -146,6 +168,9 @@ def check_caches(sched, engine, draft):
         kv_len = int(sl.kv_len([req.slot])[0])
         cached = engine.runner.cached(engine.pool.tables[req.slot], kv_len)
         assert cached.tolist() == seq[:kv_len], f"slot {req.slot} cache corrupted"
+        if engine.runner.draft:
+            dcached = engine.runner.cached(engine.pool.tables[req.slot], kv_len, engine.runner.dkv)
+            assert dcached.tolist() == seq[:kv_len], f"slot {req.slot} draft cache corrupted"
         if engine.refeed and sched.decoding(req):
             state = engine.runner.state[req.slot]
             assert len(state) == kv_len - engine._lag[req.slot] and state == seq[: len(state)]
@@ -156,9 +181,12 @@ def check_caches(sched, engine, draft):
             assert got.tolist() == seq[:fed], f"slot {req.slot} draft cache corrupted"
 
 
-# a draft head runs on dense models only (Runner refuses a hybrid one)
+# a draft head and a draft on the device run on dense models only (Runner refuses hybrids)
 MODES = [
-    (m, h) for m in ("off", "ngram", "draft", "head") for h in (False, True) if m != "head" or not h
+    (m, h)
+    for m in ("off", "ngram", "draft", "head", "device-draft")
+    for h in (False, True)
+    if m not in ("head", "device-draft") or not h
 ]
 
 
@@ -175,13 +203,15 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
         prefill_chunk=8,
         prefill_token_budget=16,
         draft_tokens=3,
-        spec_mode=mode,
+        spec_mode="draft" if mode == "device-draft" else mode,
         prefix_cache=not hybrid,  # as build.hybrid_limits: a hybrid's state is not cached
     )
     blocks = 40
     k = 0 if mode == "off" else 3
-    runner = FakeRunner(blocks, 4, 4, k, rng, recurrent=hybrid, head=mode == "head")
+    runner = FakeRunner(blocks, 4, 4, k, rng, recurrent=hybrid, head=mode == "head",
+                        draft=mode == "device-draft")  # fmt: skip
     engine = DenseEngine(cfg, runner, blocks)
+    runner.slots = engine.slots
     assert engine.refeed == hybrid
     draft = None
     if mode == "off":  # overlapped steps: each is collected after the next is dispatched
@@ -192,8 +222,8 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
             dr, blocks, 4, 4, cfg.max_blocks_per_seq, engine.token_buckets, engine.rows_for, 8
         )
         proposer = draft
-    elif mode == "head":
-        proposer = HeadProposer()
+    elif mode in ("head", "device-draft"):
+        proposer = OnDeviceProposer()
     else:
         proposer = NgramProposer()
     if proposer is not None:
@@ -233,7 +263,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
             break
     assert sched.idle and cancelled > 0
     assert engine.pool.available == engine.pool.capacity
-    assert engine.overlap == (mode in ("off", "head"))
+    assert engine.overlap == (mode in ("off", "head", "device-draft"))
     if engine.overlap:
         assert sum(early) > 10  # the one-step lag was exercised, and its tokens dropped
     if mode != "off":

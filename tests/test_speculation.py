@@ -40,6 +40,7 @@ def engines(engine_config, draft_gguf):
     out = {"off": load_engine(base)}
     out["ngram"] = load_engine(base.replace(spec_mode="ngram", draft_tokens=K))
     out["draft"] = load_engine(base.replace(spec_mode="draft", draft=draft_gguf, draft_tokens=K))
+    out["auto_always"] = {m: out[m][1].spec.policy.always for m in ("ngram", "draft")}
     for mode in ("ngram", "draft"):
         engine = out[mode][1]
         flat = dict.fromkeys(engine.token_buckets, 1.0)
@@ -51,7 +52,8 @@ def engines(engine_config, draft_gguf):
 def run(loaded, arrivals):
     """arrivals: (step, prompt, SamplingParams). Returns token ids per request and the engine."""
     tok, engine = loaded
-    draft = engine.spec.proposer if engine.spec and engine.spec.mode == "draft" else None
+    draft = getattr(engine.spec, "proposer", None)
+    draft = draft if hasattr(draft, "runner") else None  # a draft on the host (hybrid)
     runners = [engine.runner] + ([draft.runner] if draft else [])
     compiles = [r.compiles for r in runners]
     outs, _ = run_schedule(engine, tok, arrivals)  # checks the pool is whole again
@@ -124,35 +126,79 @@ def test_stop_token_inside_an_accepted_block_ends_the_request_there(engines):
         assert run(engines[mode], [(0, p, sp)])[0][0] == cut
 
 
-def test_sampled_token_distribution_matches_the_target(engines):
-    """Two-sample chi-square on the first three output tokens, speculation (draft, which is
-    accepted often) against none, N = 800 independent seeds per arm, top_k 2 so there are at
-    most 8 sequences (df 7). Threshold: alpha = 0.001. Power (simulated on a 0.6/0.4 split
-    per token): a shift of 0.1 probability between two sequences is detected with
-    probability 0.999, of 0.05 with 0.26. A rule that kept every proposal would move the
-    2nd and 3rd tokens entirely to the draft's choice."""
-    n = 800
-    p = prompts()[1][:12]
+N_CHI = 800  # independent seeds per arm
 
-    def sample(loaded, seed0):
-        arrivals = [
-            (i // 2, p, SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=seed0 + i))
-            for i in range(n)
-        ]
-        outs, engine = run(loaded, arrivals)
-        return [tuple(o) for o in outs], engine
 
-    a, _ = sample(engines["off"], 0)
-    b, engine = sample(engines["draft"], 10**6)
+def first_tokens(loaded, seed0, n=N_CHI, prompt_len=12, temperature=0.8):
+    """The first three output tokens of n requests with seeds seed0.., top_k 2 (so the second
+    and third come from verify rows). Returns (outcomes, engine)."""
+    p = prompts()[1][:prompt_len]
+    arrivals = [
+        (i // 2, p, SamplingParams(max_tokens=3, temperature=temperature, top_k=2, seed=seed0 + i))
+        for i in range(n)
+    ]
+    outs, engine = run(loaded, arrivals)
+    return [tuple(o) for o in outs], engine
+
+
+def chi_square(a, b) -> tuple[float, float]:
+    """Two-sample chi-square statistic of outcome lists a, b (equal sizes) and its threshold at
+    alpha = 0.001 (df: outcomes seen - 1; with top_k 2 the target has at most 8). Power
+    (simulated on a 0.6/0.4 split per token): a shift of 0.1 probability between two outcomes
+    is detected with probability 0.999, of 0.05 with 0.26."""
     bins = sorted(set(a) | set(b))
     ca = np.array([a.count(x) for x in bins], float)
     cb = np.array([b.count(x) for x in bins], float)
     tot = ca + cb
     stat = float((((ca - tot / 2) ** 2 + (cb - tot / 2) ** 2) / (tot / 2)).sum())
-    assert len(bins) <= 8
-    assert stat < chi2.ppf(0.999, len(bins) - 1), (bins, ca, cb)
-    st = engine.spec.stats()
-    assert st["accepted"] > n / 4, st  # the draft's proposals were often kept
+    return stat, float(chi2.ppf(0.999, len(bins) - 1))
+
+
+def test_sampled_token_distribution_matches_the_target(engines):
+    """Two-sample chi-square on the first three output tokens at temperature 0.8, the draft
+    model (its sampled proposals often kept) against no speculation, other seeds per arm (so
+    the arms are independent samples). Prompt lookup verifies by the same rule, and proposes
+    nothing on this random model's samples."""
+    a, _ = first_tokens(engines["off"], 0)
+    b, engine = first_tokens(engines["draft"], 10**6)
+    stat, threshold = chi_square(a, b)
+    assert stat < threshold, (stat, threshold)
+    assert len(set(a) | set(b)) <= 8  # nothing outside the target's top 2
+    assert engine.spec.stats()["accepted"] > N_CHI / 4, engine.spec.stats()  # often kept
+
+
+def test_the_distribution_test_fails_a_rule_that_keeps_every_proposal(
+    engine_config, engines, draft_gguf
+):
+    """Negative control: a verifier that keeps every proposal (the next position then samples
+    after a proposal the target did not pick) moves the distribution, and the chi-square test
+    above rejects it. The engine is a small one (two token buckets, K = 1)."""
+    from luce_jax.device import sampling
+
+    right = sampling.sample_rows
+
+    def keep_all(*args, **kw):
+        packed, top_ids, top_lp, state = right(*args, **kw)
+        batch, R = args[4], args[0].shape[0]
+        S = batch["slots"].shape[0]
+        return packed.at[2 * R : 2 * R + S].set(batch["n_draft"]), top_ids, top_lp, state
+
+    base = engine_config.replace(max_concurrency=8, prefill_chunk=16, prefill_token_budget=16)
+    sampling.sample_rows = keep_all
+    try:  # the programs are compiled here, with the wrong rule
+        loaded = load_engine(base.replace(spec_mode="draft", draft=draft_gguf, draft_tokens=1))
+    finally:
+        sampling.sample_rows = right
+    engine = loaded[1]
+    engine.spec.policy = SpecPolicy(1, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
+    engine.spec.policy.observe_step = lambda seconds: None
+    # the shift is large: a smaller sample; short prompts leave the steps room to verify
+    n = N_CHI // 2
+    a, _ = first_tokens(engines["off"], 0, n, prompt_len=4)
+    b, _ = first_tokens(loaded, 10**6, n, prompt_len=4)
+    stat, threshold = chi_square(a, b)
+    assert loaded[1].spec.stats()["accepted"] > n / 2, loaded[1].spec.stats()
+    assert stat > threshold, (stat, threshold)
 
 
 def test_sampled_proposals_share_the_targets_noise_and_are_kept(engines, engine_config, tiny_gguf):
@@ -174,6 +220,12 @@ def test_sampled_proposals_share_the_targets_noise_and_are_kept(engines, engine_
     assert got == want
     st = engine.spec.stats()
     assert st["proposed"] > 50 and st["accepted"] >= 0.95 * st["proposed"], st
+
+
+def test_the_auto_policy_always_proposes_with_a_draft_on_the_device_and_adapts_for_lookup(
+    engines,
+):
+    assert engines["auto_always"] == {"ngram": False, "draft": True}
 
 
 def test_speculation_flags_are_validated(tiny_gguf):
@@ -202,6 +254,10 @@ def test_serve_flags_map_to_the_speculation_fields(capsys):
 
     _, cfg = parse_config(["--spec-mode", "draft", "--draft-tokens", "3"])
     assert (cfg.spec_mode, cfg.draft, cfg.draft_tokens) == ("draft", None, 3)
+    assert cfg.spec_policy == "auto"
+    assert parse_config(["--spec-policy", "adaptive"])[1].spec_policy == "adaptive"
+    with pytest.raises(ValueError, match="spec_policy"):
+        EngineConfig(spec_policy="greedy")
     assert cfg.draft_model.endswith("luce-stdlib-draft.gguf")
     with pytest.raises(SystemExit):
         parse_config(["--spec-mode", "eagle"])

@@ -1,10 +1,13 @@
-"""A draft head's proposals kept on the device: per-slot state, its update in the sampling
-program, and the offset by which a row lowered behind its slot's state moves.
+"""Proposals kept on the device: per-slot state, its update in the sampling program, the
+draft head bound to the target, and the offset by which a row lowered behind its slot's state
+moves (a draft model's proposals: device/draft_model.py).
 
-Per slot the state holds `props` [S_max, K], the head's proposals for the slot's next verify
-row, and `acc` [S_max], the proposals the slot's last sampled row kept. The forward pass reads
-both (sampling.feed resolves proposal markers, sampling.catch_up moves rows by `offsets`); the
-sampling program rewrites them after verification. Shapes: S rows, S_max slots, K proposals.
+Per slot the state holds `props` [S_max, K], the proposals for the slot's next verify row (a
+draft head's or a draft model's), and `acc` [S_max], the proposals the slot's last sampled
+row kept. The forward pass reads both (sampling.feed resolves proposal markers,
+sampling.catch_up moves rows by `offsets`); the sampling program rewrites them after
+verification. Shapes: S rows, R logits rows, S_max slots, K proposals, V vocabulary, MB
+blocks per sequence, P block size.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import jax.numpy as jnp
 
 from ..models import dense, draft_head
 from ..models.linear import embed
-from . import sampling
 
 KEYS = ("acc", "props")  # the state's entries, beside the sampler's in the runner's state
 
@@ -37,19 +39,17 @@ def offsets(acc, batch: dict):
     return acc[jnp.clip(batch["slots"], 0, acc.shape[0] - 1)] * (batch["behind"] > 0)
 
 
-def update(state: dict, packed, batch: dict, R: int, head=None) -> dict:
-    """The state after a sampling program: each sampled row's kept count, and with `head`
-    (head(hidden rows, tokens, pick) -> [S, K], see `bind`) its next proposals. Rows that sample
-    nothing (and padding) write nothing; without `head` the slots keep older proposals, which
-    only cost a rejection if a step verifies them.
+def update(state: dict, packed, batch: dict, R: int, props=None) -> dict:
+    """The state after a sampling program: each sampled row's kept count, and its next
+    proposals props [S, K] (None: the slots keep older ones, which only cost a rejection if a
+    step verifies them). Rows that sample nothing (and padding) write nothing.
 
     Args: state: acc and props; packed: sampling.sample_rows' output; batch: the sampling
-      program's rows; R: logits rows; head: (function, hidden [R, d], floats, filtered) or None.
+      program's rows; R: logits rows.
     """
     at = jnp.where(batch["sample_mask"] > 0, batch["slots"], state["acc"].shape[0])
     out = {"acc": state["acc"].at[at].set(packed[2 * R :], mode="drop"), "props": state["props"]}
-    if head is not None:
-        props = sampling.next_proposals(head[0], head[1], packed, batch, *head[2:])
+    if props is not None:
         out["props"] = state["props"].at[at].set(props, mode="drop")
     return out
 

@@ -32,6 +32,7 @@ from ..host.grammar import words as mask_words
 from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense, hybrid
 from . import proposals, sampling
+from .draft_model import DraftModel
 from .programs import BucketPrograms, best_of_3, compile_all, graph_options
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,9 @@ class Forward:
     row_tokens: jax.Array  # int32 [R, K + 1] (sampling.mark_fed's)
     R: int
     S: int
-    hidden: jax.Array | None = None  # float32 [R, d], the draft head's input (head mode)
+    # what proposing reads in the sampling program: a draft head's hidden states float32
+    # [R, d]; a draft model's (logits rows' positions [R], block tables [S, MB]); else None
+    reads: object = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,12 @@ class Runner:
         program then proposes K tokens per sampled row for the slot's next verify row and
         keeps them on the device, with the proposals each row kept (device/proposals.py); a
         later step's verify rows read both, so the host never waits for them
-        (speculation/head.py).
+        (speculation/on_device.py).
+      draft: (ModelConfig, params, kv_types, quant_matmul) of a dense draft model with the
+        target's vocabulary, run on the device (dense targets): every forward pass also
+        feeds it the step's tokens, into its own caches on the target's block ids, and the
+        sampling programs that propose run its K decode steps after verification, keeping
+        the proposals as a head's (device/proposals.py).
     """
 
     def __init__(
@@ -99,11 +107,22 @@ class Runner:
         rope_write_fn=None,
         graph_max_tokens: int = 0,
         head=None,
+        draft=None,
     ):
-        # build.py refuses a head on a hybrid model; speculation sets max_proposals
-        assert head is None or (not cfg.recurrent and max_proposals), "head: dense, K > 0"
+        # build.py refuses a head on a hybrid model and runs its draft on the host
+        for x in (head, draft):
+            assert x is None or (not cfg.recurrent and max_proposals), "dense, K > 0"
+        assert head is None or draft is None, "one proposer"
         self.cfg = cfg
-        self.head = head
+        self.head, self.draft = head, None
+        if draft is not None:
+            self.draft = DraftModel(*draft[:3], draft[3], attention_fn, grouped_matmul_fn,
+                                    rope_write_fn, k=max_proposals, block_size=block_size,
+                                    vocab=cfg.vocab_size)  # fmt: skip
+        self.ahead = head is not None or draft is not None  # proposals kept on the device
+        # Positions past a sampled row's last token that its draft decodes write: the host
+        # claims blocks for them (host/engine.py).
+        self.writes_ahead = max_proposals if draft is not None else 0
         self.k = max_proposals
         self.params = params
         self.block_size = block_size
@@ -116,16 +135,17 @@ class Runner:
             state = sampling.init_state(max_slots, cfg.vocab_size)
             if cfg.recurrent:  # the linear layers' per-slot state rides with the sampler's
                 state["model"] = hybrid.init_state(cfg, max_slots)
-            if head is not None:  # per slot: proposals kept by its last row, and the next ones
+            if self.ahead:  # per slot: proposals kept by its last row, and the next ones
                 state.update(proposals.init(max_slots, max_proposals))
-            return kv, state
+            dkv = self.draft.init_kv(num_blocks) if self.draft is not None else None
+            return kv, state, dkv
 
         self._allocate = allocate
         # Abstract params (loading.params.abstract_params): compile now, `materialize` later.
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
-        self.kv, self.state = jax.eval_shape(allocate) if abstract else allocate()
+        self.kv, self.state, self.draft_kv = jax.eval_shape(allocate) if abstract else allocate()
         self.step_time: dict[tuple[int, int], float] = {}  # seconds per bucket, time_steps
-        self.head_time = 0.0  # seconds the draft head adds to a step (time_steps)
+        self.propose_time = 0.0  # seconds proposing (head or draft) adds to a step (time_steps)
         # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
         # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
         self.last_stats: dict = {}
@@ -135,12 +155,12 @@ class Runner:
         self._delta = delta_fn
         self._rope_write = rope_write_fn
         self.programs = BucketPrograms(
-            self.step_function, donate=(1, 2, 3), name="step",
+            self.step_function, donate=(1, 2, 3, 4), name="step",
             options=functools.partial(graph_options, graph_max_tokens),
         )  # fmt: skip
         # keyed by (R, S, filtered, logprobs, propose): the sampling program reads no [T] array,
         # and the host picks its variant (sampling.py says why it is no lax.cond)
-        self.sample_programs = BucketPrograms(self.sample_function, donate=(2,), name="sampling")
+        self.sample_programs = BucketPrograms(self.sample_function, donate=(2, 3), name="sampling")
         self._open: dict[int, jax.Array] = {}  # S -> all-allowed masks [S, words]
 
     def materialize(self, params: dict) -> None:
@@ -150,7 +170,7 @@ class Runner:
         shape = functools.partial(jax.tree.map, lambda x: (x.shape, jnp.dtype(x.dtype)))
         assert shape(params) == shape(self.params), "params differ from those compiled for"
         self.params = params
-        self.kv, self.state = self._allocate()
+        self.kv, self.state, self.draft_kv = self._allocate()
 
     @property
     def compiles(self) -> int:
@@ -163,17 +183,19 @@ class Runner:
     def layout(self, T: int, S: int):
         return step_layout(T, S, self.logit_width(T, S), self.max_blocks)
 
-    def _step_fn(self, params, kv, model_state, prompt_mask, last, ahead, ints, *, T: int, S: int):
+    def _step_fn(self, params, kv, model_state, prompt_mask, dkv, last, ahead, dparams, ints, *,
+                 T: int, S: int):  # fmt: skip
         """One model forward pass and the fed-token bookkeeping; T, S static.
 
-        Args: params; kv, model_state (a hybrid model's per-slot state, else None) and
-          prompt_mask [S_max, V] (the tokens each slot has seen), all three donated; last
-          [S_max]: each slot's last sampled token, fed to its decode row; ahead: with a draft
-          head, its state (device/proposals.py; read), else None; ints: int32 [N] packed per
-          `layout`.
+        Args: params; kv, model_state (a hybrid model's per-slot state, else None),
+          prompt_mask [S_max, V] (the tokens each slot has seen) and dkv (a draft model's
+          caches, else None), all four donated; last [S_max]: each slot's last sampled token,
+          fed to its decode row; ahead: with proposals kept on the device, their state
+          (device/proposals.py; read), else None; dparams: a draft model's params, else None;
+          ints: int32 [N] packed per `layout`.
         Returns: (logits float32 [R, V], row tokens int32 [R, K + 1] (sampling.mark_fed's),
-          kv, model_state, prompt_mask, model stats (dense.forward's), and with a draft head
-          the logits rows' hidden states float32 [R, d], else None).
+          kv, model_state, prompt_mask, dkv, model stats (dense.forward's), and what the
+          sampling program's proposing reads (Forward.reads)).
         """
         batch = unpack(ints, self.layout(T, S))
         batch["tokens"] = sampling.feed(batch, {"last": last, **(ahead or {})})
@@ -193,26 +215,33 @@ class Runner:
             stats = {}
         with jax.named_scope("sampling"):
             prompt_mask, row_tokens = sampling.mark_fed(prompt_mask, batch, self.k)
-        out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, stats)
-        return out + (stats.pop("hidden", None),)
+        reads = stats.pop("hidden", None)
+        if self.draft is not None:  # the draft's KV of every token fed
+            with jax.named_scope("draft"):
+                dkv, reads = self.draft.feed(dparams, dkv, batch)
+        out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, dkv, stats)
+        return out + (reads,)
 
-    def _sample_fn(self, logits, row_tokens, state, prompt_mask, sints, floats, allow, head_in,
-                   *, R, S, filtered, logprobs, propose):  # fmt: skip
+    def _sample_fn(self, logits, row_tokens, state, dkv, prompt_mask, sints, floats, allow,
+                   reads, *, R, S, filtered, logprobs, propose):  # fmt: skip
         """Sampling and verification of one step's logits (device/sampling.py); R, S, filtered
         (some row samples under top-k/p or min-p), logprobs (some row wants top logprobs) and
-        propose (run the draft head: a later step may verify its proposals) static.
+        propose (run the draft head or the draft's decodes: a later step may verify their
+        proposals) static.
 
         Args: logits float32 [R, V]; row_tokens int32 [R, K + 1]; state (donated): the
-          sampler's counts and last; prompt_mask (read); sints: int32 packed per
-          host.batch.sample_layout; floats: float32 [6, S] sampling parameters (FLOAT_FIELDS);
-          allow: int32 [S, ceil(V / 32)] bitmasks of the tokens each row may sample
-          (host/grammar.py; all bits set: any); head_in: None, or with a draft head (hidden
-          [R, d], the head's params, the target's embed / final_norm / lm_head params).
-        Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state; with
-          a draft head, state's device/proposals.py part updated).
+          sampler's counts and last; dkv (donated): a draft model's caches, else None;
+          prompt_mask (read); sints: int32 packed per host.batch.sample_layout; floats:
+          float32 [6, S] sampling parameters (FLOAT_FIELDS); allow: int32 [S, ceil(V / 32)]
+          bitmasks of the tokens each row may sample (host/grammar.py; all bits set: any);
+          reads: None, or with a draft head (hidden [R, d], the head's params, the target's
+          embed / final_norm / lm_head params), with a draft model (logits rows' positions
+          [R], block tables [S, MB], its params).
+        Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state (with
+          proposals on the device, its device/proposals.py part updated), dkv).
         """
         batch = unpack(sints, sample_layout(S, R))
-        if head_in is not None:
+        if self.ahead:
             ahead = {k: state.pop(k) for k in proposals.KEYS}
             # the noise of a row that caught up is as many steps on as it moved
             batch["steps"] = batch["steps"] + proposals.offsets(ahead["acc"], batch)
@@ -221,35 +250,46 @@ class Runner:
                 logits, row_tokens, state, prompt_mask, batch, floats, self.k, allow, filtered,
                 logprobs,
             )  # fmt: skip
-        if head_in is not None:
-            hidden, hp, lm = head_in
-            head = proposals.bind(self.cfg, self.head[0], hp, lm, self._quant_matmul, self.k)
-            with jax.named_scope("draft_head"):
-                run = (head, hidden, floats, filtered) if propose else None
-                state.update(proposals.update(ahead, packed, batch, R, run))
-        return packed, top_ids, top_lp, state
+        if self.ahead:
+            props = None
+            if propose and self.head is not None:
+                hidden, hp, lm = reads
+                head = proposals.bind(self.cfg, self.head[0], hp, lm, self._quant_matmul, self.k)
+                with jax.named_scope("draft_head"):
+                    props = sampling.next_proposals(head, hidden, packed, batch, floats, filtered)
+            elif propose:
+                with jax.named_scope("draft"):
+                    props, dkv = self.draft.propose(reads[-1], dkv, reads[:-1], packed, batch,
+                                                    floats, filtered)  # fmt: skip
+            state.update(proposals.update(ahead, packed, batch, R, props))
+        return packed, top_ids, top_lp, state, dkv
 
-    def _head_inputs(self, hidden):
-        """The sampling program's head_in for a forward pass's outputs (None: no head)."""
+    def _reads(self, fwd_reads):
+        """The sampling program's `reads` for a forward pass's (None: nothing proposes)."""
+        if self.draft is not None:
+            return (*fwd_reads, self.draft.bufs)
         if self.head is None:
             return None
         lm = {k: self.params[k] for k in ("embed", "final_norm", "lm_head") if k in self.params}
-        return hidden, self.head[1], lm
+        return fwd_reads, self.head[1], lm
 
     def _ahead(self, state: dict):
-        """The draft head's device state a forward pass reads (None: no head)."""
-        return proposals.of(state) if self.head is not None else None
+        """The proposals' device state a forward pass reads (None: none on the device)."""
+        return proposals.of(state) if self.ahead else None
 
     def _sampler_state(self) -> dict:
-        keys = ("counts", "last") + (proposals.KEYS if self.head is not None else ())
+        keys = ("counts", "last") + (proposals.KEYS if self.ahead else ())
         return {k: self.state[k] for k in keys}
+
+    def _dparams(self):
+        return self.draft.bufs if self.draft is not None else None
 
     def step_function(self, T: int, S: int):
         """The forward pass of bucket (T, S) and abstract arguments to trace or lower it with."""
         ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
         st = self.state
-        args = (self.params, self.kv, st.get("model"), st["prompt_mask"], st["last"],
-                self._ahead(st), ints)  # fmt: skip
+        args = (self.params, self.kv, st.get("model"), st["prompt_mask"], self.draft_kv,
+                st["last"], self._ahead(st), self._dparams(), ints)  # fmt: skip
         return functools.partial(self._step_fn, T=T, S=S), args
 
     def sample_function(self, R: int, S: int, filtered: bool, logprobs: bool, propose: bool):
@@ -260,9 +300,12 @@ class Runner:
         row_tokens = jax.ShapeDtypeStruct((R, self.k + 1), jnp.int32)
         floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
         allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
-        hidden = jax.ShapeDtypeStruct((R, self.cfg.d_model), jnp.float32)
-        args = (logits, row_tokens, self._sampler_state(), self.state["prompt_mask"], sints,
-                floats, allow, self._head_inputs(hidden))  # fmt: skip
+        if self.draft is not None:
+            fwd_reads = DraftModel.read_shapes(R, S, self.max_blocks)
+        else:
+            fwd_reads = jax.ShapeDtypeStruct((R, self.cfg.d_model), jnp.float32)
+        args = (logits, row_tokens, self._sampler_state(), self.draft_kv, self.state["prompt_mask"],
+                sints, floats, allow, self._reads(fwd_reads))  # fmt: skip
         fn = functools.partial(
             self._sample_fn, R=R, S=S, filtered=filtered, logprobs=logprobs, propose=propose
         )
@@ -270,10 +313,10 @@ class Runner:
 
     def sample_buckets(self, pairs: list[tuple[int, int]]) -> list[tuple]:
         """The (R, S, filtered, logprobs, propose) sampling programs that the (T, S) bucket
-        pairs need: each (R, S) in its four variants, and with a draft head each with and
-        without running it."""
+        pairs need: each (R, S) in its four variants, and with proposals on the device each
+        with and without making them."""
         rs = sorted({(self.logit_width(t, s), s) for t, s in pairs})
-        heads = (False, True) if self.head is not None else (False,)
+        heads = (False, True) if self.ahead else (False,)
         return [(r, s, f, lp, p) for r, s in rs for f in (False, True) for lp in (False, True)
                 for p in heads]  # fmt: skip
 
@@ -296,17 +339,18 @@ class Runner:
         ints = pack(b, self.layout(T, S))
         st = self.state
         out = self.programs[(T, S)](
-            self.params, self.kv, st.get("model"), st["prompt_mask"], st["last"], self._ahead(st),
-            ints,
+            self.params, self.kv, st.get("model"), st["prompt_mask"], self.draft_kv, st["last"],
+            self._ahead(st), self._dparams(), ints,
         )  # fmt: skip
-        logits, row_tokens, self.kv, model_state, st["prompt_mask"], self.last_stats = out[:6]
+        logits, row_tokens, self.kv, model_state, st["prompt_mask"], self.draft_kv = out[:6]
+        self.last_stats = out[6]
         if model_state is not None:
             st["model"] = model_state
-        return Forward(logits, row_tokens, self.logit_width(T, S), S, *out[6:])
+        return Forward(logits, row_tokens, self.logit_width(T, S), S, out[7])
 
     def launch_sample(self, fwd: Forward, b: dict[str, np.ndarray]) -> Launched:
         """Dispatch the sampling of a launched forward pass (b: its lowered arrays; "allow",
-        when present, the rows' grammar masks; "propose", when true, runs the draft head) and
+        when present, the rows' grammar masks; "propose", when true, makes proposals) and
         start copying its outputs to the host.
         Sampling programs run in launch order, each after the forward pass it samples, so
         the next forward pass reads the tokens this one samples."""
@@ -315,12 +359,12 @@ class Runner:
             allow = self._open_mask(fwd.S)
         sints = pack(b, sample_layout(fwd.S, fwd.R))
         want_top = bool(b["want_logprobs"][0])
-        propose = self.head is not None and bool(b.get("propose", False))
+        propose = self.ahead and bool(b.get("propose", False))
         filtered = sampling.needs_filter(b["floats"], b["top_k"])
         variant = (fwd.R, fwd.S, filtered, want_top, propose)
-        packed, top_ids, top_lp, state = self.sample_programs[variant](
-            fwd.logits, fwd.row_tokens, self._sampler_state(), self.state["prompt_mask"],
-            sints, b["floats"], allow, self._head_inputs(fwd.hidden),
+        packed, top_ids, top_lp, state, self.draft_kv = self.sample_programs[variant](
+            fwd.logits, fwd.row_tokens, self._sampler_state(), self.draft_kv,
+            self.state["prompt_mask"], sints, b["floats"], allow, self._reads(fwd.reads),
         )  # fmt: skip
         self.state.update(state)
         top = (top_ids, top_lp) if want_top else None
@@ -379,7 +423,7 @@ class Runner:
         """
         for t, s in pairs:
             self.fetch(self.launch(self.idle_batch(t, s), t, s))
-        jax.block_until_ready((self.kv, self.state))
+        jax.block_until_ready((self.kv, self.state, self.draft_kv))
 
     @property
     def on_accelerator(self) -> bool:
@@ -396,9 +440,9 @@ class Runner:
             self.step_time[(t, s)] = best_of_3(
                 lambda t=t, s=s, b=b: self.fetch(self.launch(b, t, s))
             )
-        if self.head is not None:  # what running the draft head adds to a step
+        if self.ahead:  # what proposing (the head, or the draft's decodes) adds to a step
             t, s = pairs[0]
             b = {**self.idle_batch(t, s), "propose": True}
-            with_head = best_of_3(lambda: self.fetch(self.launch(b, t, s)))
-            self.head_time = max(with_head - self.step_time[(t, s)], 0.0)
-        jax.block_until_ready((self.kv, self.state))
+            proposing = best_of_3(lambda: self.fetch(self.launch(b, t, s)))
+            self.propose_time = max(proposing - self.step_time[(t, s)], 0.0)
+        jax.block_until_ready((self.kv, self.state, self.draft_kv))

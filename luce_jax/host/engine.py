@@ -57,9 +57,10 @@ class DenseEngine:
     wrote are matched at admission and join the new slot's table, and prefill starts after
     them. A slot's full blocks are entered in the cache as soon as the step writing them is
     launched (prompt blocks at dispatch, output blocks at retirement), so a request admitted
-    a step later already shares them. A failed step clears the cache. A speculative draft
-    model recomputes the matched prefix in its own cache: its prefill costs a fraction of the
-    target's, and keeps its pool simple.
+    a step later already shares them. A failed step clears the cache. A draft model on the
+    device keeps its caches on the target's block ids and is fed every token the target is,
+    so a matched block holds its KV too; a draft on the host (hybrid targets) recomputes the
+    matched prefix in its own pool: its prefill costs a fraction of the target's.
     """
 
     def __init__(self, config: EngineConfig, runner, num_blocks: int):
@@ -111,7 +112,7 @@ class DenseEngine:
     @property
     def overlap(self) -> bool:
         """Whether step N+1 may be dispatched before step N is collected: without speculation,
-        and with proposals that stay on the device (draft head)."""
+        and with proposals that stay on the device (draft head, draft model on the device)."""
         return self.spec is None or getattr(self.spec.proposer, "on_device", False)
 
     @property
@@ -210,8 +211,11 @@ class DenseEngine:
             n_draft = np.zeros(len(dec), np.int32)
             tokens = np.full(len(dec), FROM_DEVICE, np.int32)
         lens = lag + 1 + n_draft
+        # A draft model on the device writes its KV up to writes_ahead positions past a
+        # sampled row's last token (device/proposals.draft_decodes).
+        ahead = self.runner.writes_ahead
         ends = np.minimum(
-            starts + lens + behind * self.spec_k, sl.prompt_len[dec] + sl.max_tokens[dec]
+            starts + lens + behind * self.spec_k + ahead, sl.prompt_len[dec] + sl.max_tokens[dec]
         )
         for slot, end in zip(dec.tolist(), ends.tolist(), strict=True):
             # Proposals go past kv_len and overwrite nothing of the sequence; rejected ones
@@ -222,8 +226,9 @@ class DenseEngine:
             begin = int(sl.prefilled[slot])
             end = begin + n
             assert n > 0 and end <= sl.prompt_len[slot], (slot, n)
-            self.pool.ensure(slot, end)
             done = end == sl.prompt_len[slot]
+            reserved = int(sl.prompt_len[slot] + sl.max_tokens[slot])
+            self.pool.ensure(slot, min(end + ahead, reserved) if done else end)
             parts.append(
                 Rows(
                     np.array([slot], np.int32),
@@ -240,7 +245,7 @@ class DenseEngine:
         b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
         b.update(sl.row_inputs(rows.slots, rows.starts, rows.sample, S))
         b["behind"][: len(dec)] = behind
-        if self.overlap and self.spec is not None:  # a draft head: run it only if it may pay
+        if self.overlap and self.spec is not None:  # propose on the device only if it may pay
             b["propose"] = self.spec.wants_proposals(bool(rows.sample[len(dec) :].any()))
         # a row under a grammar needs the step in flight's tokens: this sampling waits for them
         wait = self.constraining and any(map(self.grammars.constrained, rows.slots[rows.sample]))

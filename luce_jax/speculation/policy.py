@@ -23,13 +23,21 @@ The policy maximizes expected emitted tokens per second of step time:
    bucket, so its estimate can recover when its text becomes predictable. Every other
    idle slot is probed in the same step, so probes share one draft program and stay in
    step; with a draft model the interval grows by (draft cost / step time), so probing
-   costs about the same share of time whatever a proposal costs.
+   costs about the same share of time whatever a proposal costs. Acceptance comes in
+   stretches (code, quotes), so a slot that just stopped is probed sooner: after
+   `probe_soon` steps, doubled by every verify in a row that kept nothing, up to the full
+   interval; a kept proposal starts it over. Text that stays unpredictable thus costs a few
+   early probes, then the full interval's share. Where proposals cost no more with depth
+   (on the device, prompt lookup) a probe verifies as many as fit the bucket.
 5. Step times come from warmup, on all-padding batches; a real step also pays host work
    (lowering, proposing, routing more tokens) that those miss and that grows with
    speculation. `observe_step` learns it online: a moving average of measured minus
    predicted seconds, kept apart for steps with and without proposals, added to the cost of
    each kind. Where speculating steps cost more than their accepted tokens return, the
    policy stops proposing (probes keep the estimate current).
+
+With `always` (EngineConfig.spec_policy) none of this applies: every decoding slot verifies K
+proposals, or what it has, while they fit the largest bucket.
 
 Shapes: none; slots are ints, times are seconds per step.
 """
@@ -44,6 +52,7 @@ from dataclasses import dataclass
 class _SlotStats:
     rate: float  # estimated per-proposal acceptance probability
     idle: int = 0  # steps since it last verified a proposal
+    misses: int = 0  # verifies in a row that kept nothing
 
 
 class SpecPolicy:
@@ -55,10 +64,14 @@ class SpecPolicy:
         token buckets, ascending.
       prior: acceptance estimate of a new slot; smoothing: weight of the newest observation.
       probe_every: steps without proposals after which a slot gets one.
+      probe_soon: the first probe's wait after a slot stops, doubled per verify in a row that
+        kept nothing, up to the full interval (0: always the full interval).
       min_gain: smallest probability of acceptance worth a proposal (see the module note).
       proposal_time: seconds one more proposal depth costs (a draft model's decode step; 0
         for prompt lookup, whose proposals cost no device time); proposal_fixed: seconds any
         proposing step costs besides (the draft program's launch and host round trip).
+      always: verify K proposals (or what a slot has) for every decoding slot while they fit
+        the largest bucket, whatever the estimates (EngineConfig.spec_policy "always").
     """
 
     def __init__(
@@ -68,9 +81,11 @@ class SpecPolicy:
         prior: float = 0.5,
         smoothing: float = 0.3,
         probe_every: int = 16,
+        probe_soon: int = 2,
         min_gain: float = 0.1,
         proposal_time: float = 0.0,
         proposal_fixed: float = 0.0,
+        always: bool = False,
     ):
         if max_proposals < 1:
             raise ValueError(f"max_proposals must be >= 1: {max_proposals}")
@@ -82,8 +97,10 @@ class SpecPolicy:
         self.buckets = sorted(step_time)
         self.step_time = dict(step_time)
         self.prior, self.smoothing, self.probe_every = prior, smoothing, probe_every
+        self.probe_soon = probe_soon
         self.min_gain = min_gain
         self.proposal_time, self.proposal_fixed = proposal_time, proposal_fixed
+        self.always = always
         draft = proposal_fixed + proposal_time
         self.probe_interval = round(probe_every * (1 + draft / min(step_time.values())))
         self._slots: dict[int, _SlotStats] = {}
@@ -115,6 +132,7 @@ class SpecPolicy:
         s = self._slots[slot]
         tried = accepted + (accepted < proposed)
         s.rate += self.smoothing * (accepted / tried - s.rate)
+        s.misses = 0 if accepted else s.misses + 1
 
     def expected_tokens(self, slot: int, k: int) -> float:
         """Tokens a slot emits in expectation when it verifies k proposals."""
@@ -131,6 +149,8 @@ class SpecPolicy:
           slot -> proposals to verify (0: an ordinary decode row).
         """
         base = len(available) + other_tokens
+        if self.always:
+            return self._all(available, base)
         gains = sorted(
             (
                 (g, j, s)
@@ -167,6 +187,17 @@ class SpecPolicy:
         self._pending.append((self._predict(bucket, cap), cap > 0))
         return out
 
+    def _all(self, available: dict[int, int], base: int) -> dict[int, int]:
+        """The `always` plan: up to K per slot, in slot order, within the largest bucket."""
+        room, out = self.buckets[-1] - base, {}
+        for s, n in available.items():
+            out[s] = max(min(n, self.k, room), 0)
+            room -= out[s]
+        cap = max(out.values(), default=0)
+        bucket = next((b for b in self.buckets if b >= base + sum(out.values())), self.buckets[-1])
+        self._pending.append((self._predict(bucket, cap), cap > 0))
+        return out
+
     def forget_last(self) -> None:
         """The step the last plan (or skip) was for was never launched."""
         if self._pending:
@@ -193,16 +224,25 @@ class SpecPolicy:
         o = self.overhead
         o[proposing] += self.smoothing * (seconds - predicted - o[proposing])
 
+    def _interval(self, s: _SlotStats) -> int:
+        """Steps without proposals after which slot stats s are probed."""
+        if not self.probe_soon:
+            return self.probe_interval
+        return min(self.probe_interval, self.probe_soon << min(s.misses, 16))
+
     def probe_due(self) -> bool:
         """Whether some idle slot will be probed within the next two plans."""
-        return any(s.idle + 2 >= self.probe_interval for s in self._slots.values())
+        return any(s.idle + 2 >= self._interval(s) for s in self._slots.values())
 
     def _probe(self, out: dict[int, int], available: dict[int, int], used: int) -> None:
-        """When a slot is due, one proposal for every idle slot, while the step stays in its
-        bucket."""
+        """When a slot is due, proposals for every idle slot, while the step stays in its
+        bucket: one each, or as many as fit when depth costs nothing."""
         idle = [s for s, n in available.items() if out[s] == 0 and n > 0]
-        if not any(self._slots[s].idle + 1 >= self.probe_interval for s in idle):
+        if not any(self._slots[s].idle + 1 >= self._interval(self._slots[s]) for s in idle):
             return
         room = next((b for b in self.buckets if b >= used), used) - used
-        for s in idle[:room]:
-            out[s] = 1
+        for s in idle:
+            n = min(available[s], self.k, room) if not self.proposal_time else min(1, room)
+            if n <= 0:
+                break
+            out[s], room = n, room - n

@@ -25,7 +25,7 @@ class Speculator:
     """A Proposer, a SpecPolicy and the counters /metrics and the trace read.
 
     Args:
-      proposer: ngram.NgramProposer, draft.DraftProposer or head.HeadProposer.
+      proposer: ngram.NgramProposer, draft.DraftProposer or on_device.OnDeviceProposer.
       policy: SpecPolicy over the engine's token buckets.
       mode: "ngram" | "draft" | "head" (reported in metrics).
     """

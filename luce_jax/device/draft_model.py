@@ -1,0 +1,128 @@
+"""A dense draft model run inside the target's step: fed in the forward pass, proposing in
+the sampling program, with no program or host round trip of its own.
+
+Its caches mirror the target's pool: the same block count and size, so a row's block table
+and KV write slots serve both, and a prefix-cache hit holds the draft's KV too. Every forward
+pass feeds the draft the step's tokens (`feed`), so its caches hold every sequence as far as
+the target's do (proposals a verify row fed past its kept ones are overwritten later). After
+verification, a sampling program that proposes runs K decode steps (`propose`): each row's
+last emitted token, then its own proposals, and keeps them per slot on the device
+(device/proposals.py), where the next step's verify row reads them.
+
+On the H200 the embedded pair gave the same acceptance this way as with the draft's own
+program and host round trip (1.84 against 1.86 proposals kept per verify row of 4, greedy,
+every step proposing), at 1273 against 680 tok/s at C1.
+
+Shapes: T tokens, S rows, R logits rows, K proposals, V vocabulary, MB blocks per sequence,
+P block size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..models import dense
+from . import packed_params, sampling
+
+# A decode step pads its S rows to at least this many tokens, as the step's smallest token
+# bucket does (XLA's GPU dot for M=1 is slower than for M=8: host/engine.py).
+MIN_DECODE_TOKENS = 8
+
+
+class DraftModel:
+    """A draft's config, packed params (packed_params.py: two launch arguments, not one per
+    tensor) and kernels; the runner owns its caches.
+
+    Args: cfg, params: the draft (loading.params.load_params; its vocabulary the target's or a
+      prefix of it); kv_types: its cache types; quant_matmul, attention_fn, grouped_matmul_fn,
+      rope_write_fn: as the runner's; k: K; block_size: P; vocab: V, the target's.
+    """
+
+    def __init__(self, cfg, params, kv_types, quant_matmul, attention_fn, grouped_matmul_fn,
+                 rope_write_fn, *, k: int, block_size: int, vocab: int):  # fmt: skip
+        self.cfg, self.kv_types, self.k, self.block_size, self.vocab = (
+            cfg,
+            kv_types,
+            k,
+            block_size,
+            vocab,
+        )
+        self.bufs, self._layout = packed_params.pack(params)
+        self._kernels = (attention_fn, grouped_matmul_fn, quant_matmul, rope_write_fn)
+
+    def init_kv(self, num_blocks: int):
+        """Zeroed caches of num_blocks blocks (the target pool's count)."""
+        return dense.init_kv(self.cfg, num_blocks, self.block_size, *self.kv_types)
+
+    def forward(self, bufs, dkv, batch: dict):
+        """dense.forward of the draft over a batch: (logits, dkv, stats)."""
+        attn, grouped, quant, rope = self._kernels
+        params = packed_params.unpack(bufs, self._layout)
+        return dense.forward(params, dkv, batch, self.cfg, attn, grouped, quant, rope)
+
+    def feed(self, bufs, dkv, batch: dict):
+        """The forward pass's part: the draft's KV of every token the step fed (its logits go
+        unused, and XLA drops them). Returns (dkv, reads: the logits rows' positions int32 [R]
+        and the rows' block tables [S, MB], what `propose` needs from the step)."""
+        _, dkv, _ = self.forward(bufs, dkv, batch)
+        return dkv, (batch["positions"][batch["logit_rows"]], batch["block_tables"])
+
+    @staticmethod
+    def read_shapes(R: int, S: int, MB: int) -> tuple:
+        """Abstract `feed` reads, to compile a sampling program with."""
+        return (jax.ShapeDtypeStruct((R,), jnp.int32), jax.ShapeDtypeStruct((S, MB), jnp.int32))
+
+    def propose(self, bufs, dkv, reads, packed, batch: dict, floats, filtered: bool):
+        """K proposals per sampled row, from the token the row emitted last.
+
+        The draft's KV already holds the row's kept proposals (`feed` wrote every token the
+        step fed), so decode step 0 feeds the row's last emitted token at the position after
+        its last kept one, and each step j > 0 feeds proposal j - 1, one batch of S rows
+        (unrolled: K is small and static, and the program keeps no device branch). Each step
+        writes the draft's KV at its position in the row's blocks (the host claimed K positions
+        past a sampled row's last token within the slot's reservation; past the table the
+        write goes to the sink). Proposal j is picked as sampling.next_proposals picks a
+        head's: with the row's parameters and the noise its verify row draws at offset j.
+
+        Args: bufs: the packed params; dkv: the caches; reads: `feed`'s; packed: sample_rows'
+          output; batch: the sampling program's rows (steps already moved by catch_up's
+          offsets); floats: [6, S]; filtered: `sample`'s.
+        Returns: (int32 [S, K], dkv).
+        """
+        lpos, tables = reads
+        R, S = lpos.shape[0], batch["slots"].shape[0]
+        accepted = packed[2 * R : 2 * R + S]
+        last = jnp.minimum(batch["logit_start"] + accepted, R - 1)  # [S] logits row
+        tok, pos0 = packed[last], lpos[last] + 1
+        live = (batch["sample_mask"] > 0) & (batch["slots"] >= 0)
+        sp = sampling.named(floats, batch["top_k"])
+        seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)
+        steps = batch["steps"] + accepted + 1  # generated before the next row's first token
+        P, MB, V = self.block_size, tables.shape[1], self.vocab
+        rows = jnp.arange(S)
+        pad = jnp.zeros(max(S, MIN_DECODE_TOKENS) - S, jnp.int32)
+        none = jnp.zeros((S, V), jnp.int32)  # no penalty state
+        out = []
+        for j in range(self.k):
+            pos = pos0 + j
+            ok = live & (pos // P < MB)
+            blk = tables[rows, jnp.where(ok, pos // P, 0)]
+            dec = {
+                "tokens": jnp.concatenate([tok, pad]),
+                "positions": jnp.concatenate([jnp.where(ok, pos, 0), pad]),
+                "seg_ids": jnp.concatenate([rows, pad + S - 1]),  # past cu_q_lens[-1]: padding
+                "write_idx": jnp.concatenate([jnp.where(ok, blk * P + pos % P, 0), pad]),
+                "block_tables": tables,
+                "kv_lens": jnp.where(ok, pos + 1, 0),
+                "cu_q_lens": jnp.arange(S + 1, dtype=jnp.int32),
+                "logit_rows": rows,
+            }
+            logits, dkv, _ = self.forward(bufs, dkv, dec)
+            if logits.shape[-1] < V:  # ids the draft lacks are never proposed
+                logits = jnp.pad(logits, ((0, 0), (0, V - logits.shape[-1])),
+                                 constant_values=-jnp.inf)  # fmt: skip
+            # the target's width: its noise vector for (seed, step)
+            tok = sampling.sample(logits[:, :V], none, none > 0, sp, seeds, steps + j, filtered)[0]
+            out.append(tok)
+        return jnp.stack(out, axis=1).astype(jnp.int32), dkv
