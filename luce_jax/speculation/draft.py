@@ -1,4 +1,7 @@
-"""Draft-model proposals: a small model with its own paged KV, slots mirrored 1:1 (Proposer).
+"""Draft-model proposals on the host's side, for hybrid targets: a small model with its own
+paged KV, slots mirrored 1:1 (Proposer). A dense target runs its draft inside its own step
+instead (device/draft_model.py); a hybrid one needs the proposals a verify row kept fed again
+to its slot's state, which the host arranges.
 
 The draft runs on a DraftRunner (draft_runner.py) and a KVPool of the same design as the
 target's. Slot s of the draft holds the same sequence as slot s of the target, fed lazily: each

@@ -1,4 +1,5 @@
-"""The draft model's device side: its own KV and one propose program per bucket.
+"""A hybrid target's draft model on the device: its own KV and one propose program per bucket
+(speculation/draft.py drives it; a dense target's draft runs in its step, device/draft_model.py).
 
 One program per (T, S) bucket: a catch-up step, then up to K - 1 batched decode steps in a
 while loop on the device, so K proposals cost one host round trip (draft.py drives it).
