@@ -161,7 +161,7 @@ def test_the_head_runs_only_in_steps_whose_proposals_may_be_verified(engines, mo
     loaded = engines[0.0, "head"]
     engine = loaded[1]
     never = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=2.0,
-                       probe_every=10**6)  # fmt: skip
+                       probe_every=10**6, probe_soon=0)  # fmt: skip
     monkeypatch.setattr(engine.spec, "policy", never)
     seen = []
     launch = engine.runner.launch_sample
