@@ -75,6 +75,9 @@ def measure(llm, prompts: list[str], c: int, waves: int, sp) -> dict:
         st = llm.engine.spec.stats()
         for k in ("proposed", "accepted", "verify_rows"):
             row[k] = st[k] - spec0[k]
+        # what the policy learned a step costs beyond warmup's times, without / with proposals
+        oh = llm.engine.spec.policy.overhead
+        row["overhead_ms"] = [round(oh[False] * 1e3, 3), round(oh[True] * 1e3, 3)]
     return row
 
 
@@ -211,6 +214,10 @@ def main() -> None:
             f"proposing on the device adds {v['propose_ms']} ms; served ms per step by C "
             f"{per_step}\n"
         )
+        if v["rows"] and "overhead_ms" in v["rows"][0]:
+            oh = {r["concurrency"]: r["overhead_ms"] for r in v["rows"]}
+            md += f"  - policy's learned overhead ms (no proposals, proposals) by C: {oh}\n"
+
     write_result(res, md, args.out)
     if args.out:
         plot(res, args.out.rsplit(".", 1)[0] + ".png")

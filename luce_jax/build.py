@@ -125,9 +125,10 @@ def _load(config: EngineConfig, clock: StartupClock):
         )
 
     spec_k = config.draft_tokens if config.spec_mode != "off" else 0
-    # A dense target runs its draft on the device, in its own step (device/proposals.py); a
-    # hybrid one on the host, in a program of the draft's own (speculation/draft.py), which
-    # feeds the proposals a hybrid slot's state kept again.
+    # A dense target runs its draft or prompt lookup on the device, in its own step
+    # (device/proposals.py); a hybrid one on the host, the draft in a program of its own
+    # (speculation/draft.py): a hybrid slot's state is fed the proposals it kept again, which
+    # the host must know.
     on_device = None
     if draft is not None and not mc.recurrent:
         dcfg, dparams = draft
@@ -139,6 +140,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         Runner, mc, shapes, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend),
         rope_write_fn=rope_write_fn(config.attention_backend),
         graph_max_tokens=config.cuda_graph_max_tokens, head=head, draft=on_device,
+        ngram=config.spec_mode == "ngram" and not mc.recurrent,
     )  # fmt: skip
     engine = DenseEngine(config, runner, num_blocks)
     # structured output: xgrammar loads on the first request that asks for it
@@ -191,7 +193,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     if runner.ahead:  # proposing runs in the step before the proposals' step
         fixed = runner.propose_time
     step_time = {t: runner.step_time[(t, s)] for t, s in pairs}
-    auto_always = config.spec_policy == "auto" and runner.draft is not None
+    auto_always = config.spec_policy == "auto" and config.spec_mode == "draft" and runner.ahead
     always = config.spec_policy == "always" or auto_always
     policy = SpecPolicy(spec_k, step_time, proposal_time=per_depth, proposal_fixed=fixed,
                         always=always)  # fmt: skip

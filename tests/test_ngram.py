@@ -71,3 +71,76 @@ def test_bad_ngram_lengths_are_named():
         NgramProposer(3, 2)
     with pytest.raises(ValueError, match="n_min"):
         NgramProposer(0, 2)
+
+
+def continuation_start(tokens, n_min, n_max):
+    """Where brute_force's continuation starts (None: no earlier occurrence)."""
+    end = len(tokens)
+    for n in range(min(n_max, end), n_min - 1, -1):
+        for e in range(end - 1, n - 1, -1):
+            if tokens[e - n : e] == tokens[end - n :]:
+                return e
+    return None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_lookup_reads_paged_sequences_as_the_host_proposer_does(seed):
+    """device/ngram_lookup.py over sequences scattered in shuffled blocks, each row's new token
+    still outside the cache, rejected proposals left past it, and rows that kept proposals
+    (its last logits row further on): the host proposer's tokens, then the continuation
+    repeating itself where the host's runs out (the last token where it has none)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from luce_jax.device.ngram_lookup import NgramLookup
+
+    r = random.Random(seed)
+    K, P, MB, S = 4, 4, 6, 5
+    n_min, n_max = r.choice([(1, 3), (2, 3), (1, 1)])
+    look = NgramLookup(k=K, block_size=P, n_min=n_min, n_max=n_max)
+    ids = list(range(1, S * MB + 1))  # block 0 is the sink
+    r.shuffle(ids)
+    tables = np.array(ids, np.int32).reshape(S, MB)
+    cache = np.asarray(look.init_kv(S * MB + 1)).copy()
+    seqs = [[r.randrange(4) for _ in range(r.randint(1, MB * P - K))] for _ in range(S)]
+    cache[:] = [r.randrange(4) for _ in cache]  # stale tokens everywhere
+    R = S * (K + 1)
+    lpos, tok = np.zeros(R, np.int32), np.zeros(R, np.int32)
+    acc, start = np.zeros(S, np.int32), np.arange(S, dtype=np.int32) * (K + 1)
+    for s, x in enumerate(seqs):
+        for p, t in enumerate(x[:-1]):  # the new token x[-1] is not in the cache yet
+            cache[tables[s, p // P] * P + p % P] = t
+        acc[s] = r.randint(0, min(K, len(x) - 1))
+        for j in range(K + 1):  # the verify row: its last token, then the proposals
+            lpos[start[s] + j] = len(x) - 2 - acc[s] + j
+        tok[start[s] + acc[s]] = x[-1]
+    packed = jnp.asarray(np.concatenate([tok, np.zeros(R, np.int32), acc]))
+    batch = {"slots": jnp.arange(S), "logit_start": jnp.asarray(start)}
+    reads = (jnp.asarray(lpos), jnp.asarray(tables))
+    props, _ = look.propose(None, jnp.asarray(cache), reads, packed, batch, None, False)
+    for s, x in enumerate(seqs):
+        host = NgramProposer(n_min, n_max)
+        host.start(0, x)
+        at = continuation_start(x, n_min, n_max)
+        at = len(x) - 1 if at is None else at
+        want = [x[at + j % (len(x) - at)] for j in range(K)]
+        assert props[s].tolist() == want, (x, acc[s])
+        expected = host.propose({0: K})[0]
+        assert props[s].tolist()[: len(expected)] == expected
+
+
+def test_device_lookup_feed_writes_each_fed_token_where_its_kv_goes():
+    import jax.numpy as jnp
+
+    from luce_jax.device.ngram_lookup import NgramLookup
+
+    look = NgramLookup(k=2, block_size=4)
+    batch = {
+        "tokens": jnp.array([7, 8, 9, 0]),
+        "write_idx": jnp.array([13, 14, 5, 0]),  # padding writes the sink (0)
+        "positions": jnp.array([1, 2, 5, 0]),
+        "logit_rows": jnp.array([1, 2]),
+        "block_tables": jnp.zeros((2, 3), jnp.int32),
+    }
+    cache, (lpos, _) = look.feed(None, look.init_kv(4), batch)
+    assert cache[jnp.array([13, 14, 5])].tolist() == [7, 8, 9] and lpos.tolist() == [2, 5]

@@ -16,7 +16,9 @@ moves rows lowered behind their slot's step in flight (steps overlap in that mod
 model's device (mode device-draft), it also keeps the draft's cache on the target's block ids:
 every fed token is written there too, and each sampled row's K decode steps write the row's
 last token and its first K - 1 proposals after it, inside blocks the host claimed unless past
-the slot's reservation; that cache must hold the sequence as exactly as the target's.
+the slot's reservation; that cache must hold the sequence as exactly as the target's. As
+prompt lookup's device (device-ngram), it keeps a token cache on those block ids, written with
+every fed token, which must hold the sequence as exactly too.
 """
 
 import random
@@ -45,13 +47,13 @@ class FakeRunner:
     keeps each slot's last emitted token and feeds it to rows that ask for it (FROM_DEVICE)."""
 
     def __init__(self, num_blocks, block_size, max_slots, k, rng, recurrent=False, head=False,
-                 draft=False):  # fmt: skip
+                 draft=False, lookup=False):  # fmt: skip
         self.cfg = SimpleNamespace(recurrent=(True,) if recurrent else ())
         # A draft head: each sampled row leaves K proposals and its kept count on the device,
         # and later rows read them (markers) and move on by them (behind), as sampling.py does.
         # A draft model on the device does the same, and writes its own cache (dkv).
-        self.head = head or draft
-        self.draft = draft
+        self.head = head or draft or lookup
+        self.draft, self.lookup = draft, lookup
         self.writes_ahead = k if draft else 0
         self.dkv = np.full(num_blocks * block_size, -1, np.int64)
         self.slots = None  # the engine's SlotTable (device-draft: where reservations end)
@@ -83,7 +85,7 @@ class FakeRunner:
                          b["write_idx"][:n_tok])  # fmt: skip
         assert (write[off[seg] > 0] >= P).all(), "a moved row writes outside its blocks"
         self.kv[write] = fed
-        if self.draft:
+        if self.draft or self.lookup:
             self.dkv[write] = fed
         n = int((b["slots"] >= 0).sum())
         if self.cfg.recurrent:
@@ -168,7 +170,7 @@ def check_caches(sched, engine, draft):
         kv_len = int(sl.kv_len([req.slot])[0])
         cached = engine.runner.cached(engine.pool.tables[req.slot], kv_len)
         assert cached.tolist() == seq[:kv_len], f"slot {req.slot} cache corrupted"
-        if engine.runner.draft:
+        if engine.runner.draft or engine.runner.lookup:
             dcached = engine.runner.cached(engine.pool.tables[req.slot], kv_len, engine.runner.dkv)
             assert dcached.tolist() == seq[:kv_len], f"slot {req.slot} draft cache corrupted"
         if engine.refeed and sched.decoding(req):
@@ -184,9 +186,9 @@ def check_caches(sched, engine, draft):
 # a draft head and a draft on the device run on dense models only (Runner refuses hybrids)
 MODES = [
     (m, h)
-    for m in ("off", "ngram", "draft", "head", "device-draft")
+    for m in ("off", "ngram", "draft", "head", "device-draft", "device-ngram")
     for h in (False, True)
-    if m not in ("head", "device-draft") or not h
+    if m not in ("head", "device-draft", "device-ngram") or not h
 ]
 
 
@@ -203,13 +205,13 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
         prefill_chunk=8,
         prefill_token_budget=16,
         draft_tokens=3,
-        spec_mode="draft" if mode == "device-draft" else mode,
+        spec_mode={"device-draft": "draft", "device-ngram": "ngram"}.get(mode, mode),
         prefix_cache=not hybrid,  # as build.hybrid_limits: a hybrid's state is not cached
     )
     blocks = 40
     k = 0 if mode == "off" else 3
     runner = FakeRunner(blocks, 4, 4, k, rng, recurrent=hybrid, head=mode == "head",
-                        draft=mode == "device-draft")  # fmt: skip
+                        draft=mode == "device-draft", lookup=mode == "device-ngram")  # fmt: skip
     engine = DenseEngine(cfg, runner, blocks)
     runner.slots = engine.slots
     assert engine.refeed == hybrid
@@ -222,7 +224,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
             dr, blocks, 4, 4, cfg.max_blocks_per_seq, engine.token_buckets, engine.rows_for, 8
         )
         proposer = draft
-    elif mode in ("head", "device-draft"):
+    elif mode in ("head", "device-draft", "device-ngram"):
         proposer = OnDeviceProposer()
     else:
         proposer = NgramProposer()
@@ -263,7 +265,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
             break
     assert sched.idle and cancelled > 0
     assert engine.pool.available == engine.pool.capacity
-    assert engine.overlap == (mode in ("off", "head", "device-draft"))
+    assert engine.overlap == (mode in ("off", "head", "device-draft", "device-ngram"))
     if engine.overlap:
         assert sum(early) > 10  # the one-step lag was exercised, and its tokens dropped
     if mode != "off":

@@ -48,6 +48,7 @@ class DraftModel:
             block_size,
             vocab,
         )
+        self.writes_ahead = k  # its decodes write K positions past a row's last token
         self.bufs, self._layout = packed_params.pack(params)
         self._kernels = (attention_fn, grouped_matmul_fn, quant_matmul, rope_write_fn)
 

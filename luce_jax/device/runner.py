@@ -33,6 +33,7 @@ from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense, hybrid
 from . import proposals, sampling
 from .draft_model import DraftModel
+from .ngram_lookup import NgramLookup
 from .programs import BucketPrograms, best_of_3, compile_all, graph_options
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class Forward:
     R: int
     S: int
     # what proposing reads in the sampling program: a draft head's hidden states float32
-    # [R, d]; a draft model's (logits rows' positions [R], block tables [S, MB]); else None
+    # [R, d]; self.draft's (logits rows' positions [R], block tables [S, MB]); else None
     reads: object = None
 
 
@@ -88,6 +89,8 @@ class Runner:
         feeds it the step's tokens, into its own caches on the target's block ids, and the
         sampling programs that propose run its K decode steps after verification, keeping
         the proposals as a head's (device/proposals.py).
+      ngram: prompt lookup on the device (dense targets; device/ngram_lookup.py): a token
+        cache on the target's block ids in the draft model's place, proposals found in it.
     """
 
     def __init__(
@@ -108,21 +111,25 @@ class Runner:
         graph_max_tokens: int = 0,
         head=None,
         draft=None,
+        ngram: bool = False,
     ):
-        # build.py refuses a head on a hybrid model and runs its draft on the host
-        for x in (head, draft):
+        # build.py refuses a head on a hybrid model and runs its draft and lookup on the host
+        for x in (head, draft, ngram or None):
             assert x is None or (not cfg.recurrent and max_proposals), "dense, K > 0"
-        assert head is None or draft is None, "one proposer"
+        assert sum(x is not None for x in (head, draft, ngram or None)) <= 1, "one proposer"
         self.cfg = cfg
+        # self.draft: the proposer whose caches mirror the pool, a draft model or the lookup
         self.head, self.draft = head, None
         if draft is not None:
             self.draft = DraftModel(*draft[:3], draft[3], attention_fn, grouped_matmul_fn,
                                     rope_write_fn, k=max_proposals, block_size=block_size,
                                     vocab=cfg.vocab_size)  # fmt: skip
-        self.ahead = head is not None or draft is not None  # proposals kept on the device
+        elif ngram:
+            self.draft = NgramLookup(k=max_proposals, block_size=block_size)
+        self.ahead = head is not None or self.draft is not None  # proposals kept on the device
         # Positions past a sampled row's last token that its draft decodes write: the host
         # claims blocks for them (host/engine.py).
-        self.writes_ahead = max_proposals if draft is not None else 0
+        self.writes_ahead = self.draft.writes_ahead if self.draft is not None else 0
         self.k = max_proposals
         self.params = params
         self.block_size = block_size
@@ -189,7 +196,7 @@ class Runner:
 
         Args: params; kv, model_state (a hybrid model's per-slot state, else None),
           prompt_mask [S_max, V] (the tokens each slot has seen) and dkv (a draft model's
-          caches, else None), all four donated; last [S_max]: each slot's last sampled token,
+          caches or the lookup's token cache, else None), all four donated; last [S_max]: each slot's last sampled token,
           fed to its decode row; ahead: with proposals kept on the device, their state
           (device/proposals.py; read), else None; dparams: a draft model's params, else None;
           ints: int32 [N] packed per `layout`.
@@ -230,7 +237,7 @@ class Runner:
         proposals) static.
 
         Args: logits float32 [R, V]; row_tokens int32 [R, K + 1]; state (donated): the
-          sampler's counts and last; dkv (donated): a draft model's caches, else None;
+          sampler's counts and last; dkv (donated): self.draft's caches, else None;
           prompt_mask (read); sints: int32 packed per host.batch.sample_layout; floats:
           float32 [6, S] sampling parameters (FLOAT_FIELDS); allow: int32 [S, ceil(V / 32)]
           bitmasks of the tokens each row may sample (host/grammar.py; all bits set: any);
@@ -301,7 +308,7 @@ class Runner:
         floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
         allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
         if self.draft is not None:
-            fwd_reads = DraftModel.read_shapes(R, S, self.max_blocks)
+            fwd_reads = self.draft.read_shapes(R, S, self.max_blocks)
         else:
             fwd_reads = jax.ShapeDtypeStruct((R, self.cfg.d_model), jnp.float32)
         args = (logits, row_tokens, self._sampler_state(), self.draft_kv, self.state["prompt_mask"],
