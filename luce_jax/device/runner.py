@@ -195,9 +195,9 @@ class Runner:
         """One model forward pass and the fed-token bookkeeping; T, S static.
 
         Args: params; kv, model_state (a hybrid model's per-slot state, else None),
-          prompt_mask [S_max, V] (the tokens each slot has seen) and dkv (a draft model's
-          caches or the lookup's token cache, else None), all four donated; last [S_max]: each slot's last sampled token,
-          fed to its decode row; ahead: with proposals kept on the device, their state
+          prompt_mask [S_max, V] (the tokens each slot has seen) and dkv (self.draft's caches,
+          else None), all four donated; last [S_max]: each slot's last sampled token, fed to
+          its decode row; ahead: with proposals kept on the device, their state
           (device/proposals.py; read), else None; dparams: a draft model's params, else None;
           ints: int32 [N] packed per `layout`.
         Returns: (logits float32 [R, V], row tokens int32 [R, K + 1] (sampling.mark_fed's),
