@@ -78,6 +78,10 @@ def measure(llm, prompts: list[str], c: int, waves: int, sp) -> dict:
         # what the policy learned a step costs beyond warmup's times, without / with proposals
         oh = llm.engine.spec.policy.overhead
         row["overhead_ms"] = [round(oh[False] * 1e3, 3), round(oh[True] * 1e3, 3)]
+        g = llm.engine.spec.gate  # spec_policy auto with proposals on the device
+        if g is not None:
+            lr = None if g.log_ratio is None else round(g.log_ratio, 3)
+            row["gate"] = {"on": g.on, "log_ratio": lr, "trials": g.trials}
     return row
 
 
@@ -217,6 +221,9 @@ def main() -> None:
         if v["rows"] and "overhead_ms" in v["rows"][0]:
             oh = {r["concurrency"]: r["overhead_ms"] for r in v["rows"]}
             md += f"  - policy's learned overhead ms (no proposals, proposals) by C: {oh}\n"
+        if v["rows"] and "gate" in v["rows"][0]:
+            g = {r["concurrency"]: r["gate"] for r in v["rows"]}
+            md += f"  - gate after each C (on, mean log(rate on / rate off), trials): {g}\n"
 
     write_result(res, md, args.out)
     if args.out:

@@ -57,6 +57,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     from .loading.tokenizer import GGUFTokenizer, GGUFVocab
     from .speculation.draft import DraftProposer
     from .speculation.draft_runner import DraftRunner
+    from .speculation.gate import SpecGate
     from .speculation.ngram import NgramProposer
     from .speculation.on_device import OnDeviceProposer
     from .speculation.policy import SpecPolicy
@@ -193,17 +194,20 @@ def _load(config: EngineConfig, clock: StartupClock):
     if runner.ahead:  # proposing runs in the step before the proposals' step
         fixed = runner.propose_time
     step_time = {t: runner.step_time[(t, s)] for t, s in pairs}
-    auto_always = config.spec_policy == "auto" and config.spec_mode == "draft" and runner.ahead
-    always = config.spec_policy == "always" or auto_always
+    # auto: with proposals on the device, K for every slot while the gate measures that this
+    # serves faster than no speculation (speculation/gate.py says why); adaptive otherwise.
+    gated = config.spec_policy == "auto" and runner.ahead
+    always = config.spec_policy == "always" or gated
     policy = SpecPolicy(spec_k, step_time, proposal_time=per_depth, proposal_fixed=fixed,
                         always=always)  # fmt: skip
-    engine.enable_speculation(Speculator(proposer, policy, config.spec_mode))
+    gate = SpecGate() if gated else None
+    engine.enable_speculation(Speculator(proposer, policy, config.spec_mode, gate))
     log.info(
         "speculation: %s, up to %d proposals per sequence (%s policy); step ms by bucket %s; "
         "draft ms %.2f + %.2f per proposal",
         config.spec_mode,
         spec_k,
-        "always" if always else "adaptive",
+        "always, gated" if gated else "always" if always else "adaptive",
         {t: round(v * 1e3, 2) for t, v in step_time.items()},
         fixed * 1e3,
         per_depth * 1e3,

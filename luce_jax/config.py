@@ -45,11 +45,13 @@ QUANT_ACTIVATIONS = ("auto", "int8", "float")
 SPEC_MODES = ("off", "ngram", "draft", "head")
 # How many proposals a step verifies: adaptive (speculation/policy.py: by estimated acceptance
 # and measured step cost, probing slots that stopped), always (K for every decoding slot, as
-# vLLM does), auto (always for a draft model on the device, else adaptive). On the H200 the
-# embedded pair ran 1.36x to 2.07x mode off at C1 to C32 with always, 0.86x to 1.41x with
-# adaptive (bench/results/2026-12-03_speculative_embedded_h200.md): proposing costs a draft on
-# the device about 0.4 ms, less than the adaptive policy's missed proposals lost. A draft
-# that rarely agrees costs that much a step under always.
+# vLLM does), auto (with proposals on the device: always, while speculation/gate.py measures it
+# serving faster than no speculation, else none; with proposals from the host: adaptive). On
+# the H200 the embedded pair ran 1.36x to 2.07x mode off at C1 to C32 with always, 0.86x to
+# 1.41x with adaptive (bench/results/2026-12-03_speculative_embedded_h200.md), and prompt
+# lookup 1.11x to 1.67x against 0.71x to 1.38x: the host bounds those steps, and warmup's
+# step times, which the adaptive policy's costs start from, say little. A proposer that
+# rarely agrees costs a step its verify tokens under always; the gate turns it off.
 SPEC_POLICIES = ("auto", "adaptive", "always")
 MAX_DRAFT_TOKENS = 16
 

@@ -72,8 +72,8 @@ HELP = {
     "--spec-mode head (default: the embedded model's)",
     "draft_tokens": "most proposals one sequence verifies per step (K)",
     "spec_policy": f"{', '.join(SPEC_POLICIES)}: how many proposals a step verifies (always: K "
-    "a sequence; adaptive: by acceptance and step cost; auto: always for a draft model on the "
-    "device, else adaptive)",
+    "a sequence; adaptive: by acceptance and step cost; auto: with proposals on the device, "
+    "always while measured faster than none, else adaptive)",
     "seed": "seed for requests that do not give one",
 }
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -111,3 +111,10 @@ class _SpecCollector:
         )
         h.add_metric([st["mode"]], buckets, sum(n * c for n, c in lengths.items()))
         yield h
+        g = GaugeMetricFamily(
+            "luce_spec_active",
+            "1 while speculation runs; 0 while the auto policy's gate measures it slower",
+            labels=["mode"],
+        )
+        g.add_metric([st["mode"]], int(st.get("active", True)))
+        yield g

@@ -210,6 +210,7 @@ def test_metrics_report_speculation_totals_and_acceptance_lengths():
         "accepted": 24,
         "verify_rows": 12,
         "accept_lengths": {0: 2, 1: 3, 3: 7},
+        "active": False,
     }
     m = families(Handle(FakeEngine(), spec=st))
     mode = "('mode', 'ngram')"
@@ -222,6 +223,7 @@ def test_metrics_report_speculation_totals_and_acceptance_lengths():
     }
     assert le == {"0": 2, "1": 5, "2": 5, "3": 12, "+Inf": 12}
     assert m[f"luce_spec_acceptance_length_sum[{mode}]"] == 3 + 21
+    assert m[f"luce_spec_active[{mode}]"] == 0  # the gate has it off
 
 
 @pytest.fixture

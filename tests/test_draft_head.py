@@ -69,6 +69,7 @@ def engines(engine_config, targets, head_gguf):
         engine = loaded[1]
         engine.spec.policy = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
         engine.spec.policy.observe_step = lambda seconds: None  # keep it proposing
+        engine.spec.gate = None  # which no measurement turns off
         out[eps, "head"] = loaded
     return out
 

@@ -208,6 +208,8 @@ def spec_engines(qwen35, tiny_models, compile_cache):
     out = {"off": load_engine(base)}
     out["ngram"] = load_engine(base.replace(spec_mode="ngram", draft_tokens=3))
     out["draft"] = load_engine(base.replace(spec_mode="draft", draft=draft, draft_tokens=3))
+    # proposals come from the host here: auto is the adaptive policy, with no gate
+    out["auto"] = [(out[m][1].spec.policy.always, out[m][1].spec.gate) for m in ("ngram", "draft")]
     for mode in ("ngram", "draft"):
         engine = out[mode][1]
         engine.spec.policy = SpecPolicy(3, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
@@ -236,6 +238,7 @@ def test_speculation_on_a_hybrid_target_gives_its_own_tokens(spec_engines, mode,
     got, engine = run(spec_engines[mode], arrivals)
     assert got == want
     assert engine.spec.stats()["verify_rows"] > 0
+    assert spec_engines["auto"] == [(False, None)] * 2  # host proposals: adaptive, ungated
 
 
 class Oracle:

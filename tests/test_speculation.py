@@ -40,12 +40,16 @@ def engines(engine_config, draft_gguf):
     out = {"off": load_engine(base)}
     out["ngram"] = load_engine(base.replace(spec_mode="ngram", draft_tokens=K))
     out["draft"] = load_engine(base.replace(spec_mode="draft", draft=draft_gguf, draft_tokens=K))
-    out["auto_always"] = {m: out[m][1].spec.policy.always for m in ("ngram", "draft")}
+    out["auto"] = {
+        m: (out[m][1].spec.policy.always, out[m][1].spec.gate is not None)
+        for m in ("ngram", "draft")
+    }
     for mode in ("ngram", "draft"):
         engine = out[mode][1]
         flat = dict.fromkeys(engine.token_buckets, 1.0)
         engine.spec.policy = SpecPolicy(K, flat, min_gain=0.0)
         engine.spec.policy.observe_step = lambda seconds: None  # keep it proposing
+        engine.spec.gate = None  # which no measurement turns off
     return out
 
 
@@ -192,6 +196,7 @@ def test_the_distribution_test_fails_a_rule_that_keeps_every_proposal(
     engine = loaded[1]
     engine.spec.policy = SpecPolicy(1, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
     engine.spec.policy.observe_step = lambda seconds: None
+    engine.spec.gate = None
     # the shift is large: a smaller sample; short prompts leave the steps room to verify
     n = N_CHI // 2
     a, _ = first_tokens(engines["off"], 0, n, prompt_len=4)
@@ -211,6 +216,7 @@ def test_sampled_proposals_share_the_targets_noise_and_are_kept(engines, engine_
     engine = loaded[1]
     engine.spec.policy = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
     engine.spec.policy.observe_step = lambda seconds: None
+    engine.spec.gate = None
     arrivals = [
         (i, p, SamplingParams(max_tokens=16, temperature=1.0, seed=7 + i, ignore_eos=True))
         for i, p in enumerate(prompts())
@@ -222,10 +228,11 @@ def test_sampled_proposals_share_the_targets_noise_and_are_kept(engines, engine_
     assert st["proposed"] > 50 and st["accepted"] >= 0.95 * st["proposed"], st
 
 
-def test_the_auto_policy_always_proposes_with_a_draft_on_the_device_and_adapts_for_lookup(
+def test_the_auto_policy_proposes_k_under_a_throughput_gate_with_proposals_on_the_device(
     engines,
 ):
-    assert engines["auto_always"] == {"ngram": False, "draft": True}
+    # on a dense target prompt lookup and the draft both propose on the device
+    assert engines["auto"] == {"ngram": (True, True), "draft": (True, True)}
 
 
 def test_speculation_flags_are_validated(tiny_gguf):

@@ -312,7 +312,8 @@ class DenseEngine:
             ids, lps = out["top_ids"][:n].tolist(), out["top_logprobs"][:n].tolist()
             top = [tuple(zip(i, p, strict=True)) for i, p in zip(ids, lps, strict=True)]
         result = StepResult()
-        for i in np.flatnonzero(rows.sample & live).tolist():
+        sampled = np.flatnonzero(rows.sample & live).tolist()
+        for i in sampled:
             slot, first, kept = int(rows.slots[i]), int(f.logit_start[i]), int(accepted[i])
             result.tokens[slot] = [
                 TokenOut(tok[j], lp[j], top[j] if top else ())
@@ -332,7 +333,8 @@ class DenseEngine:
             # the time between results (a step's dispatch-to-results spans the next dispatch).
             now = time.perf_counter()
             since = self._last_collect if self._last_collect > f.t0 else f.t0
-            self.spec.step_done(now - since)
+            emitted = int(accepted[sampled].sum()) + len(sampled)
+            self.spec.step_done(now - since, emitted, len(sampled))
             self._last_collect = now
         return result
 

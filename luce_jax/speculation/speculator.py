@@ -11,13 +11,16 @@ outcome to `record`:
      token buckets, then fetch that many proposals (a draft model runs its steps here).
   4. After the step, `record` feeds acceptance back to the policy, the accepted tokens to
      the proposer (which rolls back anything it assumed past them), and the counters;
-     `step_done` tells the policy what the step really cost.
+     `step_done` tells the policy what the step really cost, and the gate (gate.py, policy
+     auto with proposals on the device) what it served. While the gate has speculation off,
+     every slot's cap is 0 and nothing proposes.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from .gate import SpecGate
 from .policy import SpecPolicy
 
 
@@ -28,10 +31,11 @@ class Speculator:
       proposer: ngram.NgramProposer, draft.DraftProposer or on_device.OnDeviceProposer.
       policy: SpecPolicy over the engine's token buckets.
       mode: "ngram" | "draft" | "head" (reported in metrics).
+      gate: a gate.SpecGate that turns speculation off while it measures slower, or None.
     """
 
-    def __init__(self, proposer, policy: SpecPolicy, mode: str):
-        self.proposer, self.policy, self.mode = proposer, policy, mode
+    def __init__(self, proposer, policy: SpecPolicy, mode: str, gate: SpecGate | None = None):
+        self.proposer, self.policy, self.mode, self.gate = proposer, policy, mode, gate
         self.k = policy.k
         self.proposed = 0  # proposals verified, all steps
         self.accepted = 0  # of those, kept
@@ -62,6 +66,8 @@ class Speculator:
         if not caps:
             self.policy.skip()
             return {}
+        if self.gate is not None and not self.gate.on:
+            caps = dict.fromkeys(caps, 0)
         available = self.proposer.available(caps)
         counts = self.policy.plan(available, other_tokens)
         self.proposing = any(counts.values())
@@ -71,7 +77,10 @@ class Speculator:
     def wants_proposals(self, new_decoders: bool) -> bool:
         """Whether the next step may verify proposals, so that this one should make them (a
         draft head runs in the step before): it verified some, a probe is due, or slots
-        start decoding (new_decoders), whose estimates are the prior's."""
+        start decoding (new_decoders), whose estimates are the prior's; never while the gate
+        keeps speculation off, unless it turns it on within two steps."""
+        if self.gate is not None and not self.gate.on_soon:
+            return False
         return new_decoders or self.proposing or self.policy.probe_due()
 
     def record(self, slot: int, proposed: int, accepted: int, tokens: list[int]) -> None:
@@ -86,10 +95,13 @@ class Speculator:
             self.accept_lengths[accepted] += 1
             self.last[slot] = (proposed, accepted)
 
-    def step_done(self, seconds: float) -> None:
+    def step_done(self, seconds: float, tokens: int, rows: int) -> None:
         """The oldest unobserved step's measured seconds (host/engine.py: from its dispatch to
-        its results, or with overlapped steps from the results before it)."""
+        its results, or with overlapped steps from the results before it), and the tokens its
+        `rows` sampled rows emitted."""
         self.policy.observe_step(seconds)
+        if self.gate is not None:
+            self.gate.observe(tokens, rows, seconds)
 
     def stats(self) -> dict:
         """Totals for /metrics: proposed, accepted, verify rows, accept-length counts."""
@@ -100,4 +112,5 @@ class Speculator:
             "accepted": self.accepted,
             "verify_rows": self.verify_rows,
             "accept_lengths": dict(self.accept_lengths),
+            "active": self.gate.on if self.gate is not None else True,
         }

@@ -1,0 +1,107 @@
+"""Whether speculation runs at all, from the throughput measured with it and without (no jax).
+
+A cost model predicts a step's time from warmup's timings, and where the host, not the device,
+bounds the step (a small model, or the H200 at low concurrency) those timings say little: on the
+embedded pair the adaptive policy ran prompt lookup at 0.71 to 1.38x of `off`, where verifying K
+proposals on every step ran at 1.11 to 1.67x, and the draft head at 0.86 to 0.99x whichever
+policy (bench/results/2026-12-03_speculative_ngram_device_embedded_h200.md). So `auto` measures:
+
+1. Run the regime believed best (speculating at first) for a window of steps, then the other
+   for a short trial window, and compare their served rates: tokens emitted per sampled row
+   (per row, so a load that changes between windows weighs less) over the window's median
+   step time. The median, because a pause of the host (a garbage collection) of a few ms in
+   a trial of 16 steps of 2 ms moved a mean by a quarter: the first gate, on means, kept the
+   draft head on at 0.74x to 0.85x of `off` (bench/results/
+   2026-12-03_speculative_gated_mean_embedded_h200.md).
+2. Keep a moving average of log(rate speculating / rate not) over the trials; the better side
+   is the regime from then on.
+3. Each trial that agrees with the standing choice doubles the next window (up to
+   `max_window`), so a clear winner pays ever rarer trials; a trial that disagrees resets it.
+   The trial window is `trial` steps, so with windows of `window` steps a regime that loses
+   x% costs about x * trial / (window + trial) percent, and less as windows grow: with the
+   defaults, speculation that serves 40% slower costs 1.4% over 4000 steps (tested).
+4. The first step after a switch is not counted: it was dispatched under the regime before.
+
+Steps without a sampled row (prefill only) teach nothing and are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+
+class SpecGate:
+    """Alternates measured windows with speculation on and off; `on` says which runs now.
+
+    Args:
+      trial: steps of a trial window (the regime not chosen).
+      window: steps of the chosen regime before the first trial after a switch.
+      max_window: the longest window, reached after agreeing trials.
+      smoothing: weight of the newest trial in the average log ratio.
+    """
+
+    def __init__(self, trial: int = 16, window: int = 128, max_window: int = 2048,
+                 smoothing: float = 0.5):  # fmt: skip
+        if not 0 < trial <= window <= max_window or not 0 < smoothing <= 1:
+            raise ValueError(f"need 0 < trial <= window <= max_window, smoothing in (0, 1]: "
+                             f"{trial}, {window}, {max_window}, {smoothing}")  # fmt: skip
+        self.trial, self.window, self.max_window, self.smoothing = (
+            trial,
+            window,
+            max_window,
+            smoothing,
+        )
+        self.best = True  # the chosen regime: speculating
+        self.on = True  # the regime running now
+        self.log_ratio: float | None = None  # average log(rate on / rate off)
+        self.trials = 0
+        self._agree = 0  # trials in a row that agreed with the choice
+        self._left = trial  # the first window is short: a first trial comes early
+        self._skip = 0  # steps still to leave uncounted
+        self._tokens = self._rows = 0
+        self._seconds: list[float] = []  # the window's step times
+        self._before: float | None = None  # the chosen regime's rate in the window before
+
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        """One collected step: `tokens` emitted by its `rows` sampled rows in `seconds`."""
+        if rows <= 0:
+            return
+        if self._skip:
+            self._skip -= 1
+            return
+        self._tokens += tokens
+        self._rows += rows
+        self._seconds.append(seconds)
+        self._left -= 1
+        if self._left > 0:
+            return
+        rate = self._tokens / self._rows / max(statistics.median(self._seconds), 1e-12)
+        self._tokens = self._rows = 0
+        self._seconds = []
+        if self.on == self.best:  # a window of the chosen regime ends: a trial follows
+            self._before = rate
+            self._switch(not self.best, self.trial)
+            return
+        r = math.log(rate / self._before) if self._before and rate > 0 else 0.0
+        if not self.on:  # the trial ran without speculation
+            r = -r
+        self.trials += 1
+        self.log_ratio = r if self.log_ratio is None else (
+            self.log_ratio + self.smoothing * (r - self.log_ratio)
+        )  # fmt: skip
+        best = self.log_ratio >= 0
+        self._agree = self._agree + 1 if (r >= 0) == self.best and best == self.best else 0
+        self.best = best
+        n = min(self.window << min(self._agree, 8), self.max_window)
+        self._switch(self.best, n)
+
+    @property
+    def on_soon(self) -> bool:
+        """Speculating now, or possibly within the next two plans (so the step before makes
+        proposals for them)."""
+        return self.on or self._left + self._skip <= 2
+
+    def _switch(self, on: bool, steps: int) -> None:
+        self._skip = int(on != self.on)
+        self.on, self._left = on, steps
