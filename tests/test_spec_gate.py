@@ -67,6 +67,18 @@ def test_it_follows_a_change_of_the_faster_regime():
     assert gate.best and gate.on
 
 
+def test_a_change_of_load_brings_a_trial_at_once_and_a_fresh_verdict():
+    """Speculation pays at 1 row a step and loses at 32 (bigger buckets cost more there):
+    when the load moves, the gate turns speculation off within a few trials, not after its
+    longest window."""
+    rng = random.Random(2)
+    gate = SpecGate()
+    serve(gate, 1.5, 1.0, 3000, rng, rows=1)
+    assert gate.best and gate.trials >= 4
+    on = serve(gate, 0.8, 1.0, 400, rng, rows=32)
+    assert not gate.best and on < 100, on
+
+
 def test_steps_without_rows_and_the_first_after_a_switch_are_not_counted():
     gate = SpecGate(trial=2, window=4, max_window=8)
     for _ in range(100):

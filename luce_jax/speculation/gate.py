@@ -21,6 +21,11 @@ policy (bench/results/2026-12-03_speculative_ngram_device_embedded_h200.md). So 
    x% costs about x * trial / (window + trial) percent, and less as windows grow: with the
    defaults, speculation that serves 40% slower costs 1.4% over 4000 steps (tested).
 4. The first step after a switch is not counted: it was dispatched under the regime before.
+5. A chosen window is rated on its last `trial` steps, next to the trial. When the load (the
+   sampled rows a step) moves by more than half or a third from the last trial's, the window
+   ends `trial` steps later (rated on those) and the average restarts: at C32 on a random 8B file the gate kept prompt
+   lookup on, as its trials at C1 to C16 had found faster, where it served 0.95x of `off`
+   (bench/results/2026-12-03_speculative_gated_qwen3-8b-bf16_h200.md).
 
 Steps without a sampled row (prefill only) teach nothing and are skipped.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 
 
 class SpecGate:
@@ -59,9 +65,11 @@ class SpecGate:
         self._agree = 0  # trials in a row that agreed with the choice
         self._left = trial  # the first window is short: a first trial comes early
         self._skip = 0  # steps still to leave uncounted
-        self._tokens = self._rows = 0
-        self._seconds: list[float] = []  # the window's step times
-        self._before: float | None = None  # the chosen regime's rate in the window before
+        # the window's last `trial` steps (tokens, rows, seconds): a chosen window is rated on
+        # the steps next to the trial, under the load the trial runs at
+        self._recent: deque[tuple[int, int, float]] = deque(maxlen=trial)
+        self._before: float | None = None  # the chosen regime's rate just before the trial
+        self._trial_rows = 0.0  # the mean sampled rows of the last trial's steps
 
     def observe(self, tokens: int, rows: int, seconds: float) -> None:
         """One collected step: `tokens` emitted by its `rows` sampled rows in `seconds`."""
@@ -70,19 +78,26 @@ class SpecGate:
         if self._skip:
             self._skip -= 1
             return
-        self._tokens += tokens
-        self._rows += rows
-        self._seconds.append(seconds)
+        self._recent.append((tokens, rows, seconds))
         self._left -= 1
+        full = len(self._recent) == self.trial
+        rows_now = sum(r for _, r, _ in self._recent) / len(self._recent)
+        if full and self.on == self.best and self._trial_rows and self._left > 0:
+            if not 2 / 3 <= rows_now / self._trial_rows <= 3 / 2:  # the load moved: measure anew
+                # the window ends after `trial` steps at the new load, then a trial
+                self.log_ratio, self._agree, self._left, self._trial_rows = None, 0, self.trial, 0
+                self._recent.clear()
+                return
         if self._left > 0:
             return
-        rate = self._tokens / self._rows / max(statistics.median(self._seconds), 1e-12)
-        self._tokens = self._rows = 0
-        self._seconds = []
+        t, n, secs = zip(*self._recent, strict=True)
+        rate = sum(t) / sum(n) / max(statistics.median(secs), 1e-12)
+        self._recent.clear()
         if self.on == self.best:  # a window of the chosen regime ends: a trial follows
             self._before = rate
             self._switch(not self.best, self.trial)
             return
+        self._trial_rows = sum(n) / len(n)
         r = math.log(rate / self._before) if self._before and rate > 0 else 0.0
         if not self.on:  # the trial ran without speculation
             r = -r
