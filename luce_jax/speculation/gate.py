@@ -23,8 +23,9 @@ policy (bench/results/2026-12-03_speculative_ngram_device_embedded_h200.md). So 
 4. The first step after a switch is not counted: it was dispatched under the regime before.
 5. A chosen window is rated on its last `trial` steps, next to the trial. When the load (the
    sampled rows a step) moves by more than half or a third from the last trial's, the window
-   ends `trial` steps later (rated on those) and the average restarts: at C32 on a random 8B file the gate kept prompt
-   lookup on, as its trials at C1 to C16 had found faster, where it served 0.95x of `off`
+   ends `trial` steps later (rated on those) and the average restarts: at C32 on a random 8B
+   file the gate kept prompt lookup on, as its trials at C1 to C16 had found faster, where it
+   served 0.95x of `off`
    (bench/results/2026-12-03_speculative_gated_qwen3-8b-bf16_h200.md).
 
 Steps without a sampled row (prefill only) teach nothing and are skipped.
