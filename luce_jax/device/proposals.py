@@ -1,14 +1,14 @@
 """Proposals kept on the device: per-slot state, its update in the sampling program, the
 draft head bound to the target, and the offset by which a row lowered behind its slot's state
-moves (a draft model's proposals: device/draft_model.py).
+moves (a draft model's proposals: device/draft_model.py; prompt lookup's:
+device/ngram_lookup.py).
 
 Per slot the state holds `props` [S_max, K], the proposals for the slot's next verify row (a
-draft head's or a draft model's), and `acc` [S_max], the proposals the slot's last sampled
-row kept. The forward pass reads both (sampling.feed resolves proposal markers,
+draft head's, a draft model's or the lookup's), and `acc` [S_max], the proposals the slot's
+last sampled row kept. The forward pass reads both (sampling.feed resolves proposal markers,
 sampling.catch_up moves rows by `offsets`); the sampling program rewrites them after
-verification. Shapes: S rows, R logits rows, S_max slots, K proposals, V vocabulary, MB
-blocks per sequence, P block size.
-"""
+verification. Shapes: S rows, R logits rows, S_max slots, K proposals, V vocabulary, MB blocks
+per sequence, P block size."""
 
 from __future__ import annotations
 
