@@ -197,7 +197,9 @@ class DenseEngine:
         behind = self._behind(dec)
         props = self._proposals(dec, sum(n for _, n in plan.prefills) + int(lag.sum()), behind)
         starts = sl.kv_len(dec) - lag
-        if props:  # rows: accepted proposals fed again (hybrid), the last token, proposals
+        # rows: accepted proposals fed again (hybrid), the last token, proposals; a step with
+        # neither (speculation off, or nothing proposed) lowers as without speculation
+        if any(props) or lag.any():
             n_draft = np.fromiter((len(p) for p in props), np.int32, len(dec))
             out = self._outputs
             tokens = np.concatenate(
@@ -207,7 +209,6 @@ class DenseEngine:
                 ]
             )
         else:
-            assert not lag.any(), "only speculation leaves accepted tokens to feed again"
             n_draft = np.zeros(len(dec), np.int32)
             tokens = np.full(len(dec), FROM_DEVICE, np.int32)
         lens = lag + 1 + n_draft
