@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models import dense
-from . import packed_params, sampling
+from . import packed_params, proposals, sampling
 
 # A decode step pads its S rows to at least this many tokens, as the step's smallest token
 # bucket does (XLA's GPU dot for M=1 is slower than for M=8: host/engine.py).
@@ -67,12 +67,9 @@ class DraftModel:
         unused, and XLA drops them). Returns (dkv, reads: the logits rows' positions int32 [R]
         and the rows' block tables [S, MB], what `propose` needs from the step)."""
         _, dkv, _ = self.forward(bufs, dkv, batch)
-        return dkv, (batch["positions"][batch["logit_rows"]], batch["block_tables"])
+        return dkv, proposals.row_reads(batch)
 
-    @staticmethod
-    def read_shapes(R: int, S: int, MB: int) -> tuple:
-        """Abstract `feed` reads, to compile a sampling program with."""
-        return (jax.ShapeDtypeStruct((R,), jnp.int32), jax.ShapeDtypeStruct((S, MB), jnp.int32))
+    read_shapes = staticmethod(proposals.row_read_shapes)
 
     def propose(self, bufs, dkv, reads, packed, batch: dict, floats, filtered: bool):
         """K proposals per sampled row, from the token the row emitted last.
@@ -92,10 +89,8 @@ class DraftModel:
         Returns: (int32 [S, K], dkv).
         """
         lpos, tables = reads
-        R, S = lpos.shape[0], batch["slots"].shape[0]
-        accepted = packed[2 * R : 2 * R + S]
-        last = jnp.minimum(batch["logit_start"] + accepted, R - 1)  # [S] logits row
-        tok, pos0 = packed[last], lpos[last] + 1
+        S = batch["slots"].shape[0]
+        tok, pos0, accepted = proposals.last_emitted(packed, lpos, batch)
         live = (batch["sample_mask"] > 0) & (batch["slots"] >= 0)
         sp = sampling.named(floats, batch["top_k"])
         seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)

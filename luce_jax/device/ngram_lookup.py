@@ -21,8 +21,9 @@ L = MB * P positions.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from . import proposals
 
 
 class NgramLookup:
@@ -37,8 +38,7 @@ class NgramLookup:
     writes_ahead = 0  # proposing writes nothing past a row's last token
 
     def __init__(self, *, k: int, block_size: int, n_min: int = 1, n_max: int = 3):
-        if not 1 <= n_min <= n_max:
-            raise ValueError(f"n-gram lengths must satisfy 1 <= n_min <= n_max: {n_min}, {n_max}")
+        assert 1 <= n_min <= n_max, (n_min, n_max)
         self.k, self.block_size, self.n_min, self.n_max = k, block_size, n_min, n_max
 
     def init_kv(self, num_blocks: int):
@@ -50,12 +50,9 @@ class NgramLookup:
         writes the sink). Returns (tokens_kv, reads: logits rows' positions int32 [R] and the
         rows' block tables [S, MB])."""
         tokens_kv = tokens_kv.at[batch["write_idx"]].set(batch["tokens"], mode="drop")
-        return tokens_kv, (batch["positions"][batch["logit_rows"]], batch["block_tables"])
+        return tokens_kv, proposals.row_reads(batch)
 
-    @staticmethod
-    def read_shapes(R: int, S: int, MB: int) -> tuple:
-        """Abstract `feed` reads, to compile a sampling program with."""
-        return (jax.ShapeDtypeStruct((R,), jnp.int32), jax.ShapeDtypeStruct((S, MB), jnp.int32))
+    read_shapes = staticmethod(proposals.row_read_shapes)
 
     def propose(self, bufs, tokens_kv, reads, packed, batch: dict, floats, filtered: bool):
         """K proposals per row: what followed the last earlier occurrence of the row's last n
@@ -70,12 +67,10 @@ class NgramLookup:
         Returns: (int32 [S, K], tokens_kv unchanged).
         """
         lpos, tables = reads
-        R, S = lpos.shape[0], batch["slots"].shape[0]
-        P, MB = self.block_size, tables.shape[1]
+        S, P, MB = batch["slots"].shape[0], self.block_size, tables.shape[1]
         L = MB * P
-        accepted = packed[2 * R : 2 * R + S]
-        last = jnp.minimum(batch["logit_start"] + accepted, R - 1)  # [S] logits row
-        tok, end = packed[last], jnp.minimum(lpos[last] + 1, L - 1)  # the new token's position
+        tok, end, _ = proposals.last_emitted(packed, lpos, batch)
+        end = jnp.minimum(end, L - 1)  # the new token's position
         seq = tokens_kv.reshape(-1, P)[tables].reshape(S, L)  # [S, L]
         at = jnp.arange(L)
         seq = jnp.where(at[None] == end[:, None], tok[:, None], seq)

@@ -12,6 +12,7 @@ per sequence, P block size."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from ..models import dense, draft_head
@@ -31,6 +32,27 @@ def init(max_slots: int, k: int) -> dict:
         "acc": jnp.zeros((max_slots,), jnp.int32),
         "props": jnp.zeros((max_slots, k), jnp.int32),
     }
+
+
+def row_reads(batch: dict) -> tuple:
+    """What a proposer with caches on the pool's block ids (a draft model, the lookup) reads
+    from the forward pass: the logits rows' positions int32 [R] and the rows' block tables
+    [S, MB]."""
+    return batch["positions"][batch["logit_rows"]], batch["block_tables"]
+
+
+def row_read_shapes(R: int, S: int, MB: int) -> tuple:
+    """Abstract `row_reads`, to compile a sampling program with."""
+    return (jax.ShapeDtypeStruct((R,), jnp.int32), jax.ShapeDtypeStruct((S, MB), jnp.int32))
+
+
+def last_emitted(packed, lpos, batch: dict) -> tuple:
+    """Per row, the token it emitted last, the position after it (where that token goes) and
+    the proposals it kept, each [S]; lpos: `row_reads`' positions, packed: sample_rows'."""
+    R, S = lpos.shape[0], batch["slots"].shape[0]
+    accepted = packed[2 * R : 2 * R + S]
+    last = jnp.minimum(batch["logit_start"] + accepted, R - 1)  # [S] logits row
+    return packed[last], lpos[last] + 1, accepted
 
 
 def offsets(acc, batch: dict):
