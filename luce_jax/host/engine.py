@@ -213,7 +213,7 @@ class DenseEngine:
             tokens = np.full(len(dec), FROM_DEVICE, np.int32)
         lens = lag + 1 + n_draft
         # A draft model on the device writes its KV up to writes_ahead positions past a
-        # sampled row's last token (device/proposals.draft_decodes).
+        # sampled row's last token (device/draft_model.DraftModel.propose).
         ahead = self.runner.writes_ahead
         ends = np.minimum(
             starts + lens + behind * self.spec_k + ahead, sl.prompt_len[dec] + sl.max_tokens[dec]

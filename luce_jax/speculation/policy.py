@@ -182,9 +182,7 @@ class SpecPolicy:
         for s in available:
             st = self._slots[s]
             st.idle = 0 if out[s] else st.idle + 1
-        used, cap = base + sum(out.values()), max(out.values(), default=0)
-        bucket = next((b for b in self.buckets if b >= used), self.buckets[-1])
-        self._pending.append((self._predict(bucket, cap), cap > 0))
+        self._planned(base, out)
         return out
 
     def _all(self, available: dict[int, int], base: int) -> dict[int, int]:
@@ -193,10 +191,14 @@ class SpecPolicy:
         for s, n in available.items():
             out[s] = max(min(n, self.k, room), 0)
             room -= out[s]
-        cap = max(out.values(), default=0)
-        bucket = next((b for b in self.buckets if b >= base + sum(out.values())), self.buckets[-1])
-        self._pending.append((self._predict(bucket, cap), cap > 0))
+        self._planned(base, out)
         return out
+
+    def _planned(self, base: int, out: dict[int, int]) -> None:
+        """Note the predicted seconds of the step a plan makes, for observe_step."""
+        used, cap = base + sum(out.values()), max(out.values(), default=0)
+        bucket = next((b for b in self.buckets if b >= used), self.buckets[-1])
+        self._pending.append((self._predict(bucket, cap), cap > 0))
 
     def forget_last(self) -> None:
         """The step the last plan (or skip) was for was never launched."""
