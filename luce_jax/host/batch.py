@@ -24,6 +24,14 @@ def proposal_from_device(j: int) -> int:
     return -2 - j
 
 
+def marker_rows(n_draft: np.ndarray) -> np.ndarray:
+    """The tokens of decode rows whose proposals the device holds: per row FROM_DEVICE, then
+    the markers of proposals 0..n - 1 (n_draft int32 [n]), concatenated: int32 [n + sum]."""
+    lens = n_draft.astype(np.int64) + 1
+    j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)  # offset in row
+    return np.where(j == 0, FROM_DEVICE, proposal_from_device(j - 1)).astype(np.int32)
+
+
 @dataclass(frozen=True)
 class Row:
     """One sequence's contribution to a step: a prompt slice, a decode token, or a verify row

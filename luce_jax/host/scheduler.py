@@ -166,20 +166,27 @@ class Scheduler:
             req = self.running[slot]  # the engine drops slots retired since the dispatch
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            for tok in toks:  # speculation may bring several; stop at the first that ends it
-                if not self._deliver(req, tok):
-                    break
+            self._deliver(req, toks)
 
-    def _deliver(self, req: Request, tok: TokenOut) -> bool:
-        """Route one token; False once the request is finished (and retired)."""
-        text, reason = req.processor.push(tok.token)
-        lp = ((tok.logprob, tok.top),) if req.sampling.logprobs is not None else ()
+    def _deliver(self, req: Request, toks: list[TokenOut]) -> None:
+        """Route a step's tokens for one request (speculation may bring several) in one event;
+        the first token that finishes it ends the request, and the event is its last."""
+        texts, ids, reason = [], [], None
+        for tok in toks:
+            text, reason = req.processor.push(tok.token)
+            texts.append(text)
+            ids.append(tok.token)
+            if reason is not None:
+                break
+        lp = ()
+        if req.sampling.logprobs is not None:
+            lp = tuple((t.logprob, t.top) for t in toks[: len(ids)])
+        out = dict(text="".join(texts), token_ids=tuple(ids), logprobs=lp)
         if reason is None:
-            req.emit(Event(text=text, token_ids=(tok.token,), logprobs=lp))
-            return True
+            req.emit(Event(**out))
+            return
         self._retire(req)
-        self._finish(req, reason, text=text, token_ids=(tok.token,), logprobs=lp)
-        return False
+        self._finish(req, reason, **out)
 
     def _retire(self, req: Request) -> None:
         if req.slot >= 0 and self.running.get(req.slot) is req:

@@ -47,6 +47,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class _SlotStats:
@@ -194,9 +196,21 @@ class SpecPolicy:
         self._planned(base, out)
         return out
 
+    def take_all(self, caps: np.ndarray, base: int) -> np.ndarray:
+        """`_all` on arrays, for proposals that need no host work (caps int32 [n], in row
+        order): up to K per row within the largest bucket, and the plan noted."""
+        want = np.minimum(caps, self.k)
+        room = self.buckets[-1] - base - (np.cumsum(want) - want)  # left before each row
+        out = np.maximum(np.minimum(want, room), 0).astype(np.int32)
+        self._note(base + int(out.sum()), int(out.max(initial=0)))
+        return out
+
     def _planned(self, base: int, out: dict[int, int]) -> None:
-        """Note the predicted seconds of the step a plan makes, for observe_step."""
-        used, cap = base + sum(out.values()), max(out.values(), default=0)
+        self._note(base + sum(out.values()), max(out.values(), default=0))
+
+    def _note(self, used: int, cap: int) -> None:
+        """Note the predicted seconds of the step a plan makes (`used` tokens, up to `cap`
+        proposals a row), for observe_step."""
         bucket = next((b for b in self.buckets if b >= used), self.buckets[-1])
         self._pending.append((self._predict(bucket, cap), cap > 0))
 

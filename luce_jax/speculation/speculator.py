@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from .gate import SpecGate
 from .policy import SpecPolicy
 
@@ -73,6 +75,24 @@ class Speculator:
         self.proposing = any(counts.values())
         props = self.proposer.propose(counts)
         return {s: list(props.get(s, ()))[: counts[s]] for s in caps}
+
+    @property
+    def counts_only(self) -> bool:
+        """Whether `counts` may stand for `choose`: the device holds the proposals and the
+        plan takes every cap (policy always)."""
+        return getattr(self.proposer, "on_device", False) and self.policy.always
+
+    def counts(self, caps: np.ndarray, other_tokens: int) -> np.ndarray:
+        """`choose` for proposals held on the device under the always plan, on arrays: caps
+        int32 [n] of the decoding rows (non-empty) -> proposals each verifies, int32 [n] (the
+        rows carry markers, not tokens)."""
+        assert self.counts_only and len(caps), "device proposals, always, some rows"
+        self.last = {}
+        if self.gate is not None and not self.gate.on:
+            caps = np.zeros_like(caps)
+        counts = self.policy.take_all(caps, len(caps) + other_tokens)
+        self.proposing = bool(counts.any())
+        return counts
 
     def wants_proposals(self, new_decoders: bool) -> bool:
         """Whether the next step may verify proposals, so that this one should make them (a
