@@ -14,6 +14,7 @@ bf16 numerics may differ between bucket shapes, so this need not be 1 on a GPU).
 
 A mode may name its own K after a colon (draft:3); without one it takes --draft-tokens. A
 third part is its EngineConfig.spec_policy (draft:4:adaptive, ngram:4:always; default auto).
+Mode head_alone is the head without prompt lookup beside it (EngineConfig.head_lookup off).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def build(args, name: str):
 
     mode, _, rest = name.partition(":")
     k, _, policy = rest.partition(":")
+    lookup = mode != "head_alone"  # the head without prompt lookup beside it
+    mode = "head" if mode == "head_alone" else mode
     kw = dict(
         max_concurrency=max(args.concurrency),
         max_ctx=args.max_ctx,
@@ -46,6 +49,7 @@ def build(args, name: str):
         spec_mode=mode,
         draft_tokens=int(k or args.draft_tokens),
         spec_policy=policy or "auto",
+        head_lookup=lookup,
     )
     if mode == "draft" and args.draft:
         kw["draft"] = args.draft

@@ -141,7 +141,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         Runner, mc, shapes, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend),
         rope_write_fn=rope_write_fn(config.attention_backend),
         graph_max_tokens=config.cuda_graph_max_tokens, head=head, draft=on_device,
-        ngram=config.spec_mode == "ngram" and not mc.recurrent,
+        ngram=config.spec_mode == "ngram" and not mc.recurrent, head_lookup=config.head_lookup,
     )  # fmt: skip
     engine = DenseEngine(config, runner, num_blocks)
     # structured output: xgrammar loads on the first request that asks for it

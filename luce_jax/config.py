@@ -161,6 +161,9 @@ class EngineConfig:
     draft: str | None = None
     draft_tokens: int = 4  # K: most proposals one sequence verifies per step
     spec_policy: str = "auto"  # SPEC_POLICIES
+    # spec_mode=head: a row whose last 3 tokens occurred before takes prompt lookup's proposals
+    # (device/head_proposer.py says why)
+    head_lookup: bool = True
     compile_cache_dir: str | None = field(default_factory=default_compile_cache_dir)
     seed: int = 0
 

@@ -74,6 +74,8 @@ HELP = {
     "spec_policy": f"{', '.join(SPEC_POLICIES)}: how many proposals a step verifies (always: K "
     "a sequence; adaptive: by acceptance and step cost; auto: with proposals on the device, "
     "always while measured faster than none, else adaptive)",
+    "head_lookup": "with --spec-mode head, a sequence whose last 3 tokens occurred before "
+    "verifies prompt lookup's proposals instead of the head's",
     "seed": "seed for requests that do not give one",
 }
 

@@ -58,13 +58,17 @@ def head_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(engine_config, targets, head_gguf):
-    """(eps, mode) -> loaded engine; head engines always propose K (flat step times)."""
+    """(eps, mode) -> loaded engine; head engines always propose K (flat step times). At eps
+    0.05 the head takes prompt lookup's proposals where a row's text repeats (head_lookup);
+    at eps 0, where the head is exact, it proposes alone."""
     base = engine_config.replace(max_concurrency=8, prefill_chunk=32, prefill_token_budget=64)
     out = {}
     for eps, path in targets.items():
         out[eps, "off"] = load_engine(base.replace(model=path))
         loaded = load_engine(
-            base.replace(model=path, spec_mode="head", draft=head_gguf, draft_tokens=K)
+            base.replace(
+                model=path, spec_mode="head", draft=head_gguf, draft_tokens=K, head_lookup=eps > 0
+            )  # fmt: skip
         )
         engine = loaded[1]
         engine.spec.policy = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
@@ -216,3 +220,38 @@ def test_head_flags_are_validated(engine_config, tiny_gguf, head_gguf, tiny_mode
     hybrid = hf_to_gguf(make_hf_model("qwen35", seed=2), "qwen35", tmp_path / "hy.gguf")
     with pytest.raises(ValueError, match="hybrid"):
         load_engine(engine_config.replace(model=str(hybrid), spec_mode="head", draft=head_gguf))
+
+
+def test_with_lookup_a_row_whose_text_repeats_takes_the_lookups_proposals(monkeypatch):
+    """head_lookup: a row whose last 3 tokens (its new one included) occurred before verifies
+    what followed them there; every other row verifies the head's proposals."""
+    import jax.numpy as jnp
+
+    from luce_jax.device import head_proposer
+
+    P, MB, S = 4, 4, 3
+    monkeypatch.setattr(  # the head's proposals, told apart by their value
+        head_proposer.draft_head, "propose", lambda *a: jnp.full((S, K), 99, jnp.int32)
+    )
+    hp = draft_head.init(draft_head.HeadConfig(d=D, ffn=8), jax.random.key(0))
+    cfg = type("Cfg", (), {"d_model": D, "vocab_size": VOCAB})()
+    prop = head_proposer.HeadProposer(cfg, draft_head.HeadConfig(d=D, ffn=8), hp, None, k=K,
+                                      block_size=P, lookup=True)  # fmt: skip
+    seqs = [[5, 6, 7, 8, 5, 6, 7], [5, 6, 7, 8, 9, 6, 7], [1, 2, 3, 1, 2, 4, 2]]
+    tables = np.arange(1, S * MB + 1, dtype=np.int32).reshape(S, MB)
+    cache = np.zeros((S * MB + 1) * P, np.int32)
+    for s, x in enumerate(seqs):
+        for p, t in enumerate(x[:-1]):  # the new token is not in the cache yet
+            cache[tables[s, p // P] * P + p % P] = t
+    R = S
+    packed = jnp.asarray(np.concatenate([[x[-1] for x in seqs], np.zeros(R), np.zeros(S)]),
+                         jnp.int32)  # fmt: skip
+    batch = {"slots": jnp.arange(S), "logit_start": jnp.arange(S), "top_k": jnp.zeros(S),
+             "seeds": jnp.zeros(S, jnp.int32), "steps": jnp.zeros(S, jnp.int32)}  # fmt: skip
+    lpos = jnp.asarray([len(x) - 2 for x in seqs], jnp.int32)
+    reads = (jnp.zeros((R, D)), lpos, jnp.asarray(tables))
+    floats = jnp.zeros((6, S))
+    props, _ = prop.propose(prop.propose_bufs({}), jnp.asarray(cache), reads, packed, batch,
+                            floats, False)  # fmt: skip
+    # 5 6 7 occurred before (8 5 6 7 followed); 9 6 7 and 4 2 did not
+    assert props.tolist() == [[8, 5, 6, 7][:K], [99] * K, [99] * K]

@@ -73,14 +73,15 @@ def test_bad_ngram_lengths_are_named():
         NgramProposer(0, 2)
 
 
-def continuation_start(tokens, n_min, n_max):
-    """Where brute_force's continuation starts (None: no earlier occurrence)."""
+def continuation_start(tokens, n_min, n_max, with_n=False):
+    """Where brute_force's continuation starts (None: no earlier occurrence), and with_n the
+    suffix length that matched (0: none)."""
     end = len(tokens)
     for n in range(min(n_max, end), n_min - 1, -1):
         for e in range(end - 1, n - 1, -1):
             if tokens[e - n : e] == tokens[end - n :]:
-                return e
-    return None
+                return (e, n) if with_n else e
+    return (None, 0) if with_n else None
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -118,7 +119,9 @@ def test_device_lookup_reads_paged_sequences_as_the_host_proposer_does(seed):
     batch = {"slots": jnp.arange(S), "logit_start": jnp.asarray(start)}
     reads = (jnp.asarray(lpos), jnp.asarray(tables))
     props, _ = look.propose(None, jnp.asarray(cache), reads, packed, batch, None, False)
+    matched = look.lookup(jnp.asarray(cache), reads, packed, batch)[1].tolist()
     for s, x in enumerate(seqs):
+        assert matched[s] == continuation_start(x, n_min, n_max, with_n=True)[1], x
         host = NgramProposer(n_min, n_max)
         host.start(0, x)
         at = continuation_start(x, n_min, n_max)

@@ -49,6 +49,7 @@ class DraftModel:
             vocab,
         )
         self.writes_ahead = k  # its decodes write K positions past a row's last token
+        self.wants_hidden, self.feeds_params = False, True
         self.bufs, self._layout = packed_params.pack(params)
         self._kernels = (attention_fn, grouped_matmul_fn, quant_matmul, rope_write_fn)
 
@@ -62,10 +63,13 @@ class DraftModel:
         params = packed_params.unpack(bufs, self._layout)
         return dense.forward(params, dkv, batch, self.cfg, attn, grouped, quant, rope)
 
-    def feed(self, bufs, dkv, batch: dict):
+    def propose_bufs(self, target_params: dict):
+        return self.bufs
+
+    def feed(self, bufs, dkv, batch: dict, hidden=None):
         """The forward pass's part: the draft's KV of every token the step fed (its logits go
-        unused, and XLA drops them). Returns (dkv, reads: the logits rows' positions int32 [R]
-        and the rows' block tables [S, MB], what `propose` needs from the step)."""
+        unused, and XLA drops them); hidden: unused. Returns (dkv, reads: the logits rows'
+        positions int32 [R] and the rows' block tables [S, MB], what `propose` needs)."""
         _, dkv, _ = self.forward(bufs, dkv, batch)
         return dkv, proposals.row_reads(batch)
 
@@ -80,7 +84,7 @@ class DraftModel:
         (unrolled: K is small and static, and the program keeps no device branch). Each step
         writes the draft's KV at its position in the row's blocks (the host claimed K positions
         past a sampled row's last token within the slot's reservation; past the table the
-        write goes to the sink). Proposal j is picked as sampling.next_proposals picks a
+        write goes to the sink). Proposal j is picked as device/head_proposer.py picks a
         head's: with the row's parameters and the noise its verify row draws at offset j.
 
         Args: bufs: the packed params; dkv: the caches; reads: `feed`'s; packed: sample_rows'

@@ -36,6 +36,11 @@ class NgramLookup:
 
     bufs = None  # no params
     writes_ahead = 0  # proposing writes nothing past a row's last token
+    wants_hidden = False
+    feeds_params = False
+
+    def propose_bufs(self, target_params: dict):
+        return None
 
     def __init__(self, *, k: int, block_size: int, n_min: int = 1, n_max: int = 3):
         assert 1 <= n_min <= n_max, (n_min, n_max)
@@ -45,26 +50,30 @@ class NgramLookup:
         """The token cache: int32 [NB * P], one token id per KV position."""
         return jnp.zeros((num_blocks * self.block_size,), jnp.int32)
 
-    def feed(self, bufs, tokens_kv, batch: dict):
+    def feed(self, bufs, tokens_kv, batch: dict, hidden=None):
         """The forward pass's part: every token the step fed, written where its K/V go (padding
-        writes the sink). Returns (tokens_kv, reads: logits rows' positions int32 [R] and the
-        rows' block tables [S, MB])."""
+        writes the sink); hidden: unused. Returns (tokens_kv, reads: logits rows' positions
+        int32 [R] and the rows' block tables [S, MB])."""
         tokens_kv = tokens_kv.at[batch["write_idx"]].set(batch["tokens"], mode="drop")
         return tokens_kv, proposals.row_reads(batch)
 
     read_shapes = staticmethod(proposals.row_read_shapes)
 
     def propose(self, bufs, tokens_kv, reads, packed, batch: dict, floats, filtered: bool):
-        """K proposals per row: what followed the last earlier occurrence of the row's last n
-        tokens (the token it just emitted included), for the longest n in n_max..n_min that
-        occurred. Where that continuation runs into the row's own end it repeats itself (a
-        text repeating with period p goes on so); with no occurrence, the last token repeats.
-        Rows that sampled nothing get proposals nobody reads.
+        """K proposals per row (`lookup`'s). Args: bufs: unused; tokens_kv: the token cache;
+        reads: `feed`'s; packed: sample_rows' output; batch: the sampling program's rows;
+        floats, filtered: unused (proposals are the text's own tokens, the same at any
+        temperature). Returns: (int32 [S, K], tokens_kv unchanged)."""
+        return self.lookup(tokens_kv, reads, packed, batch)[0], tokens_kv
 
-        Args: bufs: unused; tokens_kv: the token cache; reads: `feed`'s; packed: sample_rows'
-          output; batch: the sampling program's rows; floats, filtered: unused (proposals are
-          the text's own tokens, the same at any temperature).
-        Returns: (int32 [S, K], tokens_kv unchanged).
+    def lookup(self, tokens_kv, reads, packed, batch: dict):
+        """What followed the last earlier occurrence of each row's last n tokens (the token it
+        just emitted included), for the longest n in n_max..n_min that occurred. Where that
+        continuation runs into the row's own end it repeats itself (a text repeating with
+        period p goes on so); with no occurrence, the last token repeats. Rows that sampled
+        nothing get proposals nobody reads.
+
+        Returns: (proposals int32 [S, K], the n that matched int32 [S], 0 where none did).
         """
         lpos, tables = reads
         S, P, MB = batch["slots"].shape[0], self.block_size, tables.shape[1]
@@ -75,14 +84,16 @@ class NgramLookup:
         at = jnp.arange(L)
         seq = jnp.where(at[None] == end[:, None], tok[:, None], seq)
         best = jnp.full((S,), -1, jnp.int32)  # where the continuation starts
+        matched = jnp.zeros((S,), jnp.int32)
         for n in range(self.n_max, self.n_min - 1, -1):
             hit = (at[None] + n <= end[:, None]) & (end[:, None] + 1 >= n)
             for j in range(n):  # window at i: seq[i + j] == the suffix's j-th token
                 suffix_j = jnp.take_along_axis(seq, jnp.maximum(end - n + 1 + j, 0)[:, None], 1)
                 hit &= jnp.roll(seq, -j, axis=1) == suffix_j
             found = jnp.max(jnp.where(hit, at[None] + n, -1), axis=1)
+            matched = jnp.where((best < 0) & (found >= 0), n, matched)
             best = jnp.where(best < 0, found, best)
         start = jnp.where(best < 0, end, best)
         period = end + 1 - start  # >= 1: positions start..end are known
         pos = start[:, None] + jnp.arange(self.k)[None] % period[:, None]
-        return jnp.take_along_axis(seq, pos, 1).astype(jnp.int32), tokens_kv
+        return jnp.take_along_axis(seq, pos, 1).astype(jnp.int32), matched

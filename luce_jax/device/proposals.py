@@ -1,6 +1,6 @@
-"""Proposals kept on the device: per-slot state, its update in the sampling program, the
-draft head bound to the target, and the offset by which a row lowered behind its slot's state
-moves (a draft model's proposals: device/draft_model.py; prompt lookup's:
+"""Proposals kept on the device: per-slot state, its update in the sampling program, and the
+offset by which a row lowered behind its slot's state moves (a draft head's proposals:
+device/head_proposer.py; a draft model's: device/draft_model.py; prompt lookup's:
 device/ngram_lookup.py).
 
 Per slot the state holds `props` [S_max, K], the proposals for the slot's next verify row (a
@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from ..models import dense, draft_head
-from ..models.linear import embed
 
 KEYS = ("acc", "props")  # the state's entries, beside the sampler's in the runner's state
 
@@ -74,16 +71,3 @@ def update(state: dict, packed, batch: dict, R: int, props=None) -> dict:
     if props is not None:
         out["props"] = state["props"].at[at].set(props, mode="drop")
     return out
-
-
-def bind(cfg, hcfg, hp: dict, lm: dict, quant_matmul, k: int):
-    """The head as sampling.next_proposals' `propose`: K steps of models/draft_head.py over the
-    target's embedding and lm_head (lm: its embed, final_norm and lm_head params)."""
-
-    def propose(h, tokens, pick):
-        return draft_head.propose(
-            hp, h, tokens, k, lambda t: embed(lm["embed"], t),
-            lambda f: dense.logits_of(lm, f, cfg, quant_matmul), pick, hcfg.eps,
-        )  # fmt: skip
-
-    return propose

@@ -33,6 +33,7 @@ from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense, hybrid
 from . import proposals, sampling
 from .draft_model import DraftModel
+from .head_proposer import HeadProposer
 from .ngram_lookup import NgramLookup
 from .programs import BucketPrograms, best_of_3, compile_all, graph_options
 
@@ -47,8 +48,7 @@ class Forward:
     row_tokens: jax.Array  # int32 [R, K + 1] (sampling.mark_fed's)
     R: int
     S: int
-    # what proposing reads in the sampling program: a draft head's hidden states float32
-    # [R, d]; self.draft's (logits rows' positions [R], block tables [S, MB]); else None
+    # what proposing reads in the sampling program: self.draft.feed's reads, else None
     reads: object = None
 
 
@@ -79,18 +79,19 @@ class Runner:
         (pallas_kernels/rope_write.py), or None (XLA's ops).
       graph_max_tokens: step buckets of more tokens compile without CUDA graphs
         (graph_options; 0: all use them).
-      head: (draft_head.HeadConfig, params) of a draft head (dense models): every sampling
-        program then proposes K tokens per sampled row for the slot's next verify row and
-        keeps them on the device, with the proposals each row kept (device/proposals.py); a
-        later step's verify rows read both, so the host never waits for them
-        (speculation/on_device.py).
+      head: (draft_head.HeadConfig, params) of a draft head (dense models;
+        device/head_proposer.py): every sampling program that proposes runs it for K tokens
+        per sampled row, for the slot's next verify row, and keeps them on the device with
+        the proposals each row kept (device/proposals.py); a later step's verify rows read
+        both, so the host never waits for them (speculation/on_device.py).
+      head_lookup: the head takes prompt lookup's proposals where a row's text repeats.
       draft: (ModelConfig, params, kv_types, quant_matmul) of a dense draft model with the
         target's vocabulary, run on the device (dense targets): every forward pass also
         feeds it the step's tokens, into its own caches on the target's block ids, and the
         sampling programs that propose run its K decode steps after verification, keeping
-        the proposals as a head's (device/proposals.py).
+        the proposals as a head's (device/draft_model.py).
       ngram: prompt lookup on the device (dense targets; device/ngram_lookup.py): a token
-        cache on the target's block ids in the draft model's place, proposals found in it.
+        cache on the target's block ids, proposals found in it.
     """
 
     def __init__(
@@ -112,21 +113,26 @@ class Runner:
         head=None,
         draft=None,
         ngram: bool = False,
+        head_lookup: bool = False,
     ):
         # build.py refuses a head on a hybrid model and runs its draft and lookup on the host
         for x in (head, draft, ngram or None):
             assert x is None or (not cfg.recurrent and max_proposals), "dense, K > 0"
         assert sum(x is not None for x in (head, draft, ngram or None)) <= 1, "one proposer"
         self.cfg = cfg
-        # self.draft: the proposer whose caches mirror the pool, a draft model or the lookup
-        self.head, self.draft = head, None
-        if draft is not None:
+        # self.draft: the proposer (a draft head, a draft model or the lookup), whose caches
+        # (if any) mirror the pool
+        self.draft = None
+        if head is not None:
+            self.draft = HeadProposer(cfg, *head, quant_matmul, k=max_proposals,
+                                      block_size=block_size, lookup=head_lookup)  # fmt: skip
+        elif draft is not None:
             self.draft = DraftModel(*draft[:3], draft[3], attention_fn, grouped_matmul_fn,
                                     rope_write_fn, k=max_proposals, block_size=block_size,
                                     vocab=cfg.vocab_size)  # fmt: skip
         elif ngram:
             self.draft = NgramLookup(k=max_proposals, block_size=block_size)
-        self.ahead = head is not None or self.draft is not None  # proposals kept on the device
+        self.ahead = self.draft is not None  # proposals kept on the device
         # Positions past a sampled row's last token that its draft decodes write: the host
         # claims blocks for them (host/engine.py).
         self.writes_ahead = self.draft.writes_ahead if self.draft is not None else 0
@@ -212,7 +218,8 @@ class Runner:
         if model_state is None:
             logits, kv, stats = dense.forward(
                 params, kv, batch, self.cfg, self._attention, self._grouped_matmul,
-                self._quant_matmul, self._rope_write, hidden=self.head is not None,
+                self._quant_matmul, self._rope_write,
+                hidden=self.draft is not None and self.draft.wants_hidden,
             )  # fmt: skip
         else:
             logits, kv, model_state = hybrid.forward(
@@ -223,9 +230,9 @@ class Runner:
         with jax.named_scope("sampling"):
             prompt_mask, row_tokens = sampling.mark_fed(prompt_mask, batch, self.k)
         reads = stats.pop("hidden", None)
-        if self.draft is not None:  # the draft's KV of every token fed
+        if self.draft is not None:  # a draft's KV or the lookup's tokens of every token fed
             with jax.named_scope("draft"):
-                dkv, reads = self.draft.feed(dparams, dkv, batch)
+                dkv, reads = self.draft.feed(dparams, dkv, batch, reads)
         out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, dkv, stats)
         return out + (reads,)
 
@@ -241,9 +248,7 @@ class Runner:
           prompt_mask (read); sints: int32 packed per host.batch.sample_layout; floats:
           float32 [6, S] sampling parameters (FLOAT_FIELDS); allow: int32 [S, ceil(V / 32)]
           bitmasks of the tokens each row may sample (host/grammar.py; all bits set: any);
-          reads: None, or with a draft head (hidden [R, d], the head's params, the target's
-          embed / final_norm / lm_head params), with a draft model (logits rows' positions
-          [R], block tables [S, MB], its params).
+          reads: None, or self.draft.feed's reads and then its propose_bufs.
         Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state (with
           proposals on the device, its device/proposals.py part updated), dkv).
         """
@@ -259,12 +264,7 @@ class Runner:
             )  # fmt: skip
         if self.ahead:
             props = None
-            if propose and self.head is not None:
-                hidden, hp, lm = reads
-                head = proposals.bind(self.cfg, self.head[0], hp, lm, self._quant_matmul, self.k)
-                with jax.named_scope("draft_head"):
-                    props = sampling.next_proposals(head, hidden, packed, batch, floats, filtered)
-            elif propose:
+            if propose:
                 with jax.named_scope("draft"):
                     props, dkv = self.draft.propose(reads[-1], dkv, reads[:-1], packed, batch,
                                                     floats, filtered)  # fmt: skip
@@ -273,12 +273,9 @@ class Runner:
 
     def _reads(self, fwd_reads):
         """The sampling program's `reads` for a forward pass's (None: nothing proposes)."""
-        if self.draft is not None:
-            return (*fwd_reads, self.draft.bufs)
-        if self.head is None:
+        if self.draft is None:
             return None
-        lm = {k: self.params[k] for k in ("embed", "final_norm", "lm_head") if k in self.params}
-        return fwd_reads, self.head[1], lm
+        return (*fwd_reads, self.draft.propose_bufs(self.params))
 
     def _ahead(self, state: dict):
         """The proposals' device state a forward pass reads (None: none on the device)."""
@@ -289,7 +286,8 @@ class Runner:
         return {k: self.state[k] for k in keys}
 
     def _dparams(self):
-        return self.draft.bufs if self.draft is not None else None
+        """The draft's params, where its part of the forward pass reads them (else None)."""
+        return self.draft.bufs if self.draft is not None and self.draft.feeds_params else None
 
     def step_function(self, T: int, S: int):
         """The forward pass of bucket (T, S) and abstract arguments to trace or lower it with."""
@@ -307,10 +305,7 @@ class Runner:
         row_tokens = jax.ShapeDtypeStruct((R, self.k + 1), jnp.int32)
         floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
         allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
-        if self.draft is not None:
-            fwd_reads = self.draft.read_shapes(R, S, self.max_blocks)
-        else:
-            fwd_reads = jax.ShapeDtypeStruct((R, self.cfg.d_model), jnp.float32)
+        fwd_reads = self.draft.read_shapes(R, S, self.max_blocks) if self.ahead else None
         args = (logits, row_tokens, self._sampler_state(), self.draft_kv, self.state["prompt_mask"],
                 sints, floats, allow, self._reads(fwd_reads))  # fmt: skip
         fn = functools.partial(
