@@ -120,3 +120,20 @@ def test_bad_windows_are_named():
         SpecGate(trial=0)
     with pytest.raises(ValueError, match="window"):
         SpecGate(trial=32, window=16)
+
+
+def test_a_load_that_swings_keeps_a_verdict_per_load_level():
+    """Waves of concurrent requests: 100 steps at 16 rows, then their ends thin the rows out to
+    2 for 60 steps, and again. Speculation pays at 16 rows and loses at 2: each level keeps its
+    own verdict across the swings, so after the first waves each phase runs its faster regime
+    nearly throughout (a single average restarted at every swing re-decides in each phase)."""
+    rng = random.Random(3)
+    gate = SpecGate()
+    on = {16: [], 2: []}
+    for wave in range(40):
+        for rows, steps, gain in ((16, 100, 1.3), (2, 60, 0.7)):
+            n = serve(gate, gain, 1.0, steps, rng, rows=rows)
+            if wave >= 10:
+                on[rows].append(n / steps)
+    assert sum(on[16]) / len(on[16]) > 0.9 and sum(on[2]) / len(on[2]) < 0.2, on
+    assert gate.ratios[4] > 0 > gate.ratios[1]

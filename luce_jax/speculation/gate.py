@@ -21,12 +21,21 @@ policy (bench/results/2026-12-03_speculative_ngram_device_embedded_h200.md). So 
    x% costs about x * trial / (window + trial) percent, and less as windows grow: with the
    defaults, speculation that serves 40% slower costs 1.4% over 4000 steps (tested).
 4. The first step after a switch is not counted: it was dispatched under the regime before.
-5. A chosen window is rated on its last `trial` steps, next to the trial. When the load (the
-   sampled rows a step) moves by more than half or a third from the last trial's, the window
-   ends `trial` steps later (rated on those) and the average restarts: at C32 on a random 8B
-   file the gate kept prompt lookup on, as its trials at C1 to C16 had found faster, where it
-   served 0.95x of `off`
-   (bench/results/2026-12-03_speculative_gated_qwen3-8b-bf16_h200.md).
+5. A chosen window is rated on its last `trial` steps, next to the trial, and both run at one
+   load: the log ratio, the choice and the window are kept per load level (sampled rows a
+   step on a log2 scale: 1, 2, 3-5, 6-11, 12-22, 23-45 ...; a step moves the level only once
+   its rows are 0.75 from it in log2, so a load at a border does not flap). When the load
+   moves, the new level's choice runs for what is left of its window (a level never measured
+   takes the nearest measured level's, and a trial soon), and a trial under way is dropped.
+   Why levels: at C32 on a random 8B file a single average kept prompt lookup on, as trials
+   at C1 to C16 had found faster, where it served 0.95x of `off`
+   (bench/results/2026-12-03_speculative_gated_qwen3-8b-bf16_h200.md); the gate after it,
+   which restarted its average whenever the load moved, decided afresh within each wave of
+   concurrent requests (their ends thin the rows out), on trials that straddled the moves:
+   it ended with the draft model off at C16 and C32 on the embedded pair
+   (bench/results/2026-12-03_speculative_head_lookup_embedded_h200.md). Simulated waves
+   (tests/test_spec_gate.py): the faster regime runs 98% and 96% of each level's steps,
+   where the gate before ran it 82% and 62%.
 
 Steps without a sampled row (prefill only) teach nothing and are skipped.
 """
@@ -38,6 +47,11 @@ import statistics
 from collections import deque
 
 
+def level(rows: float) -> int:
+    """A load level: round(log2(sampled rows a step))."""
+    return round(math.log2(max(rows, 1.0)))
+
+
 class SpecGate:
     """Alternates measured windows with speculation on and off; `on` says which runs now.
 
@@ -45,7 +59,7 @@ class SpecGate:
       trial: steps of a trial window (the regime not chosen).
       window: steps of the chosen regime before the first trial after a switch.
       max_window: the longest window, reached after agreeing trials.
-      smoothing: weight of the newest trial in the average log ratio.
+      smoothing: weight of the newest trial in a level's average log ratio.
     """
 
     def __init__(self, trial: int = 16, window: int = 128, max_window: int = 2048,
@@ -59,37 +73,42 @@ class SpecGate:
             max_window,
             smoothing,
         )
-        self.best = True  # the chosen regime: speculating
+        self.best = True  # the chosen regime at the current level: speculating
         self.on = True  # the regime running now
-        self.log_ratio: float | None = None  # average log(rate on / rate off)
+        self.level: int | None = None  # the current load level (set by the first step)
+        self.ratios: dict[int, float] = {}  # level -> average log(rate on / rate off)
+        self._agree: dict[int, int] = {}  # level -> trials in a row that agreed with it
+        self._lefts: dict[int, int] = {}  # level -> steps left of its window, while away
         self.trials = 0
-        self._agree = 0  # trials in a row that agreed with the choice
         self._left = trial  # the first window is short: a first trial comes early
         self._skip = 0  # steps still to leave uncounted
         # the window's last `trial` steps (tokens, rows, seconds): a chosen window is rated on
         # the steps next to the trial, under the load the trial runs at
         self._recent: deque[tuple[int, int, float]] = deque(maxlen=trial)
         self._before: float | None = None  # the chosen regime's rate just before the trial
-        self._trial_rows = 0.0  # the mean sampled rows of the last trial's steps
+
+    @property
+    def log_ratio(self) -> float | None:
+        """The current level's average log(rate on / rate off), None before its first trial."""
+        return self.ratios.get(self.level)
 
     def observe(self, tokens: int, rows: int, seconds: float) -> None:
         """One collected step: `tokens` emitted by its `rows` sampled rows in `seconds`."""
         if rows <= 0:
             return
+        if self.level is None:
+            self.level = level(rows)
+        elif abs(math.log2(rows) - self.level) > 0.75:  # a margin: no flapping at a border
+            self._moved(level(rows))
         if self._skip:
             self._skip -= 1
             return
         self._recent.append((tokens, rows, seconds))
         self._left -= 1
-        full = len(self._recent) == self.trial
-        rows_now = sum(r for _, r, _ in self._recent) / len(self._recent)
-        if full and self.on == self.best and self._trial_rows and self._left > 0:
-            if not 2 / 3 <= rows_now / self._trial_rows <= 3 / 2:  # the load moved: measure anew
-                # the window ends after `trial` steps at the new load, then a trial
-                self.log_ratio, self._agree, self._left, self._trial_rows = None, 0, self.trial, 0
-                self._recent.clear()
-                return
         if self._left > 0:
+            return
+        if len(self._recent) < self.trial:  # the load moved within the window: rate it later
+            self._left = self.trial - len(self._recent)
             return
         t, n, secs = zip(*self._recent, strict=True)
         rate = sum(t) / sum(n) / max(statistics.median(secs), 1e-12)
@@ -98,19 +117,30 @@ class SpecGate:
             self._before = rate
             self._switch(not self.best, self.trial)
             return
-        self._trial_rows = sum(n) / len(n)
         r = math.log(rate / self._before) if self._before and rate > 0 else 0.0
         if not self.on:  # the trial ran without speculation
             r = -r
         self.trials += 1
-        self.log_ratio = r if self.log_ratio is None else (
-            self.log_ratio + self.smoothing * (r - self.log_ratio)
-        )  # fmt: skip
-        best = self.log_ratio >= 0
-        self._agree = self._agree + 1 if (r >= 0) == self.best and best == self.best else 0
+        old = self.ratios.get(self.level)
+        self.ratios[self.level] = avg = r if old is None else old + self.smoothing * (r - old)
+        best = avg >= 0
+        agree = self._agree.get(self.level, 0) + 1 if (r >= 0) == self.best == best else 0
+        self._agree[self.level] = agree
         self.best = best
-        n = min(self.window << min(self._agree, 8), self.max_window)
-        self._switch(self.best, n)
+        self._switch(best, min(self.window << min(agree, 8), self.max_window))
+
+    def _moved(self, now: int) -> None:
+        """The load moved to level `now`: the level's verdict runs from here for what is left
+        of its window (a level without one takes the nearest level's, and a trial after
+        `trial` steps), the old level's window waits for its return, and a trial under way
+        decides nothing."""
+        if self.on == self.best:
+            self._lefts[self.level] = self._left
+        self.level = now
+        self._recent.clear()
+        near = min(self.ratios, key=lambda x: abs(x - now), default=None)
+        self.best = self.ratios[near] >= 0 if near is not None else True
+        self._switch(self.best, self._lefts.pop(now, self.trial))
 
     @property
     def on_soon(self) -> bool:
