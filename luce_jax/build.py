@@ -48,6 +48,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         quant_matmul_fn,
         rope_write_fn,
     )
+    from .device import bucket_runs
     from .device.programs import enable_compile_cache
     from .device.runner import Runner
     from .host.engine import DenseEngine
@@ -156,7 +157,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     # With speculation, time_steps (below) runs every bucket anyway, its first run untimed.
     if runner.on_accelerator and not spec_k:
         with clock.phase("first runs", f"{len(pairs)} buckets"):
-            runner.first_runs(pairs)
+            bucket_runs.first_runs(runner, pairs)
     log.info(
         "weights: %.2f GiB on the device, %.2fx the file's tensors (%s)",
         weight_bytes(params) / 2**30,
@@ -190,7 +191,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         per_depth = max(tk - t1, 0.0) / max(spec_k - 1, 1)
         fixed = max(t1 - per_depth, 0.0)
     with clock.phase("step timing"):
-        runner.time_steps(pairs)
+        bucket_runs.time_steps(runner, pairs)
     if runner.ahead:  # proposing runs in the step before the proposals' step
         fixed = runner.propose_time
     step_time = {t: runner.step_time[(t, s)] for t, s in pairs}

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from luce_jax.build import load_engine
+from luce_jax.device.bucket_runs import first_runs
 from luce_jax.host.request import Request
 from luce_jax.host.scheduler import Scheduler
 from luce_jax.sampling_params import SamplingParams
@@ -86,8 +87,8 @@ def test_no_compiles_after_warmup_across_a_random_run(loaded, engine_config):
 
 
 def test_first_runs_at_start_up_leave_no_trace(loaded, engine_config):
-    """Start-up on a GPU runs each bucket once on an all-padding step (Runner.first_runs), so
-    that no request pays a program's first run: that compiles nothing, holds no block, and
+    """Start-up on a GPU runs each bucket once on an all-padding step (bucket_runs.first_runs),
+    so that no request pays a program's first run: that compiles nothing, holds no block, and
     leaves the cache as it was: the same requests (the second time from the prefix cache,
     whose blocks the padding steps must not have touched) give the same tokens."""
     tok, engine = loaded
@@ -95,7 +96,7 @@ def test_first_runs_at_start_up_leave_no_trace(loaded, engine_config):
     arrivals = [(0, p, GREEDY) for p in prompts(3)] + [(1, prompts(5)[4], sampled)]
     before, _ = run_schedule(engine, tok, arrivals, engine_config)
     compiles = engine.runner.compiles
-    engine.runner.first_runs(engine.bucket_pairs())
+    first_runs(engine.runner, engine.bucket_pairs())
     assert engine.runner.compiles == compiles
     engine.pool.check()
     assert engine.pool.available == engine.pool.capacity

@@ -27,15 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..host.batch import layout_size, lower, pack, sample_layout, step_layout, unpack
+from ..host.batch import layout_size, pack, sample_layout, step_layout, unpack
 from ..host.grammar import words as mask_words
-from ..host.slots import FLOAT_FIELDS, padding_inputs
+from ..host.slots import FLOAT_FIELDS
 from ..models import dense, hybrid
 from . import proposals, sampling
 from .draft_model import DraftModel
 from .head_proposer import HeadProposer
 from .ngram_lookup import NgramLookup
-from .programs import BucketPrograms, best_of_3, compile_all, graph_options
+from .programs import BucketPrograms, compile_all, graph_options
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +157,9 @@ class Runner:
         # Abstract params (loading.params.abstract_params): compile now, `materialize` later.
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         self.kv, self.state, self.draft_kv = jax.eval_shape(allocate) if abstract else allocate()
-        self.step_time: dict[tuple[int, int], float] = {}  # seconds per bucket, time_steps
-        self.propose_time = 0.0  # seconds proposing (head or draft) adds to a step (time_steps)
+        # set by bucket_runs.time_steps: seconds per bucket, and what proposing adds to a step
+        self.step_time: dict[tuple[int, int], float] = {}
+        self.propose_time = 0.0
         # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
         # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
         self.last_stats: dict = {}
@@ -399,52 +400,14 @@ class Runner:
             out["top_ids"], out["top_logprobs"] = map(np.asarray, launched.top)
         return out
 
-    def idle_batch(self, T: int, S: int) -> dict[str, np.ndarray]:
-        """An all-padding step of bucket (T, S): it writes only the sink block."""
-        b = lower([], np.zeros((1, self.max_blocks), np.int32), self.block_size, T, S,
-                  self.logit_width(T, S))  # fmt: skip
-        b.update(padding_inputs(S))
-        return b
-
     def warmup(self, pairs: list[tuple[int, int]]) -> None:
         """Compile every (T, S) bucket pair's forward pass and sampling."""
         compile_all([(self.programs, pairs), (self.sample_programs, self.sample_buckets(pairs))])
         for S in sorted({s for _, s in pairs}):
             self._open_mask(S)
 
-    def first_runs(self, pairs: list[tuple[int, int]]) -> None:
-        """Run each bucket once on an all-padding step (it writes only the sink block).
-
-        On the GPU a step program's first run builds its CUDA graph and loads its kernels: the
-        first cold 8k-token request took 392 ms against 335 after, a 4k prompt's first 234
-        against 190-205 (bench/results/2026-12-03_prefix_warm_ttft_708373c_h200.md,
-        2026-12-02_ttft4k_budgets_qwen3-8b-q4_k_m.md). Here start-up pays it, not a request.
-        A bucket that cannot run (out of memory, say) fails start-up here, not its first
-        request: a failed run may have consumed the donated caches, so serving on would fail
-        every step after it.
-        """
-        for t, s in pairs:
-            self.fetch(self.launch(self.idle_batch(t, s), t, s))
-        jax.block_until_ready((self.kv, self.state, self.draft_kv))
-
     @property
     def on_accelerator(self) -> bool:
         """Whether the step programs run on a GPU (where first runs are worth doing at start-up:
         on CPU a run per bucket costs seconds of a 2-core start and saves nothing measured)."""
         return jax.default_backend() != "cpu"
-
-    def time_steps(self, pairs: list[tuple[int, int]]) -> None:
-        """Time each bucket on an all-padding step (which reads every weight, as a real step
-        does) for the speculation policy. Only speculation needs it: four steps per bucket
-        were 12 s of a 17 s start of the embedded model on 2 CPU cores."""
-        for t, s in pairs:
-            b = self.idle_batch(t, s)
-            self.step_time[(t, s)] = best_of_3(
-                lambda t=t, s=s, b=b: self.fetch(self.launch(b, t, s))
-            )
-        if self.ahead:  # what proposing (the head, or the draft's decodes) adds to a step
-            t, s = pairs[0]
-            b = {**self.idle_batch(t, s), "propose": True}
-            proposing = best_of_3(lambda: self.fetch(self.launch(b, t, s)))
-            self.propose_time = max(proposing - self.step_time[(t, s)], 0.0)
-        jax.block_until_ready((self.kv, self.state, self.draft_kv))
