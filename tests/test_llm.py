@@ -98,11 +98,12 @@ def test_startup_on_a_gpu_runs_each_bucket_once(tiny_gguf, compile_cache, caplog
     says so in its summary line); on CPU it does not (the line of the test below)."""
     import logging
 
+    from luce_jax.device import bucket_runs
     from luce_jax.device.runner import Runner
 
     ran = []
     monkeypatch.setattr(Runner, "on_accelerator", property(lambda self: True))
-    monkeypatch.setattr(Runner, "first_runs", lambda self, pairs: ran.append(list(pairs)))
+    monkeypatch.setattr(bucket_runs, "first_runs", lambda runner, pairs: ran.append(list(pairs)))
     with caplog.at_level(logging.INFO, logger="luce_jax.build"):
         with LLM(model=tiny_gguf, compile_cache_dir=compile_cache, **TINY_ENGINE) as llm:
             pairs = llm.engine.bucket_pairs()
