@@ -3,6 +3,7 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from luce_jax.speculation.policy import SpecPolicy
@@ -136,6 +137,21 @@ def test_the_always_policy_verifies_k_for_every_slot_within_the_largest_bucket()
     assert p.plan({0: 4, 1: 2, 2: 0}) == {0: 4, 1: 2, 2: 0}  # estimates of 0 do not matter
     plan = p.plan(dict.fromkeys(range(16), 4), other_tokens=20)  # 36 tokens before proposals
     assert sum(plan.values()) == 64 - 36 and max(plan.values()) == 4  # bucket 64 is full
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_always_plan_on_arrays_equals_the_plan_on_slots(seed):
+    """take_all (proposals held on the device: no dicts) plans what the always plan does, and
+    notes the same predicted step for observe_step."""
+    rng = random.Random(seed)
+    a, b = (policy(LINEAR, k=4, always=True) for _ in range(2))
+    for _ in range(20):
+        caps = [rng.randint(0, 6) for _ in range(rng.randint(1, 24))]
+        other = rng.choice([0, 5, 40])
+        want = a.plan(dict(enumerate(caps)), other_tokens=other)
+        got = b.take_all(np.asarray(caps, np.int32), len(caps) + other)
+        assert got.tolist() == [want[s] for s in range(len(caps))]
+    assert list(a._pending) == list(b._pending)
 
 
 def test_a_probe_verifies_as_many_proposals_as_fit_when_depth_costs_nothing():
