@@ -19,11 +19,10 @@ P block size.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from ..models import dense
-from . import packed_params, proposals, sampling
+from . import packed_params, proposals
 
 # A decode step pads its S rows to at least this many tokens, as the step's smallest token
 # bucket does (XLA's GPU dot for M=1 is slower than for M=8: host/engine.py).
@@ -96,13 +95,10 @@ class DraftModel:
         S = batch["slots"].shape[0]
         tok, pos0, accepted = proposals.last_emitted(packed, lpos, batch)
         live = (batch["sample_mask"] > 0) & (batch["slots"] >= 0)
-        sp = sampling.named(floats, batch["top_k"])
-        seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)
-        steps = batch["steps"] + accepted + 1  # generated before the next row's first token
         P, MB, V = self.block_size, tables.shape[1], self.vocab
         rows = jnp.arange(S)
         pad = jnp.zeros(max(S, MIN_DECODE_TOKENS) - S, jnp.int32)
-        none = jnp.zeros((S, V), jnp.int32)  # no penalty state
+        pick = proposals.picker(batch, floats, accepted, V, filtered)
         out = []
         for j in range(self.k):
             pos = pos0 + j
@@ -123,6 +119,6 @@ class DraftModel:
                 logits = jnp.pad(logits, ((0, 0), (0, V - logits.shape[-1])),
                                  constant_values=-jnp.inf)  # fmt: skip
             # the target's width: its noise vector for (seed, step)
-            tok = sampling.sample(logits[:, :V], none, none > 0, sp, seeds, steps + j, filtered)[0]
+            tok = pick(logits[:, :V], j)
             out.append(tok)
         return jnp.stack(out, axis=1).astype(jnp.int32), dkv

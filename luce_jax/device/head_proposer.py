@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from ..models import dense, draft_head
 from ..models.linear import embed
-from . import packed_params, sampling
+from . import packed_params, proposals
 from .ngram_lookup import NgramLookup
 
 LM_KEYS = ("embed", "final_norm", "lm_head")  # the target's params the head's logits use
@@ -93,13 +93,7 @@ class HeadProposer:
         R, S = hidden.shape[0], batch["slots"].shape[0]
         accepted = packed[2 * R : 2 * R + S]
         last = jnp.minimum(batch["logit_start"] + accepted, R - 1)  # [S] logits row
-        sp = sampling.named(floats, batch["top_k"])
-        seeds = jax.lax.bitcast_convert_type(batch["seeds"], jnp.uint32)
-        steps = batch["steps"] + accepted + 1  # generated before the next row's first token
-        none = jnp.zeros((S, self.cfg.vocab_size), jnp.int32)  # no penalty state
-
-        def pick(logits, j):
-            return sampling.sample(logits, none, none > 0, sp, seeds, steps + j, filtered)[0]
+        pick = proposals.picker(batch, floats, accepted, self.cfg.vocab_size, filtered)
 
         with jax.named_scope("draft_head"):
             props = draft_head.propose(
