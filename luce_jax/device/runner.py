@@ -9,9 +9,9 @@ jitted function per step; with it, constrained requests ran at 0.47x to 0.81x th
 unconstrained ones on the H200, and split at 1.02x to 1.47x:
 bench/results/2026-12-01_structured_qwen3-8b-bf16.md.) The forward pass also does the fed-token
 bookkeeping (the penalties' seen mask, the tokens verification reads), so the sampling program
-reads no [T] array and one serves every bucket of a row width. Each program's int32 inputs are
-packed into one buffer, the sampling parameters into one float32 buffer; outputs start copying
-to the host at launch and `fetch` waits for them. JAX dispatches asynchronously, so launches
+reads no [T] array and one serves every bucket of a row width. A step's inputs go up in one
+buffer (device/step_io.py); outputs start copying to the host at launch and `fetch` waits for
+them. JAX dispatches asynchronously, so launches
 return while the device computes. Shapes: T tokens, S rows, R logits rows, K proposals, V
 vocabulary, NB KV blocks, P block size, MB blocks per sequence.
 """
@@ -20,45 +20,23 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..host.batch import layout_size, pack, sample_layout, step_layout, unpack
+from ..host.batch import layout_size, step_layout, unpack
 from ..host.grammar import words as mask_words
-from ..host.slots import FLOAT_FIELDS
 from ..models import dense, hybrid
 from . import proposals, sampling
 from .draft_model import DraftModel
 from .head_proposer import HeadProposer
 from .ngram_lookup import NgramLookup
 from .programs import BucketPrograms, compile_all, graph_options
+from .step_io import Forward, Launched, outputs, sample_inputs, sample_size, upload
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Forward:
-    """A dispatched forward pass whose sampling is not launched yet."""
-
-    logits: jax.Array  # float32 [R, V]
-    row_tokens: jax.Array  # int32 [R, K + 1] (sampling.mark_fed's)
-    R: int
-    S: int
-    # what proposing reads in the sampling program: self.draft.feed's reads, else None
-    reads: object = None
-
-
-@dataclass(frozen=True)
-class Launched:
-    """A launched step's device outputs, being copied to the host."""
-
-    packed: jax.Array  # int32 [2R + S] (sampling.sample_rows)
-    top: tuple | None  # (top ids, top logprobs) [R, 20] when a row asked for logprobs
-    R: int
 
 
 class Runner:
@@ -206,12 +184,13 @@ class Runner:
           else None), all four donated; last [S_max]: each slot's last sampled token, fed to
           its decode row; ahead: with proposals kept on the device, their state
           (device/proposals.py; read), else None; dparams: a draft model's params, else None;
-          ints: int32 [N] packed per `layout`.
+          ints: int32, packed per `layout`, then the sampling's (step_io.upload).
         Returns: (logits float32 [R, V], row tokens int32 [R, K + 1] (sampling.mark_fed's),
-          kv, model_state, prompt_mask, dkv, model stats (dense.forward's), and what the
-          sampling program's proposing reads (Forward.reads)).
+          kv, model_state, prompt_mask, dkv, model stats (dense.forward's), what the
+          sampling program's proposing reads (Forward.reads), and the sampling's inputs).
         """
-        batch = unpack(ints, self.layout(T, S))
+        layout = self.layout(T, S)
+        batch = unpack(ints, layout)
         batch["tokens"] = sampling.feed(batch, {"last": last, **(ahead or {})})
         if ahead is not None:
             off = proposals.offsets(ahead["acc"], batch)
@@ -235,10 +214,10 @@ class Runner:
             with jax.named_scope("draft"):
                 dkv, reads = self.draft.feed(dparams, dkv, batch, reads)
         out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, dkv, stats)
-        return out + (reads,)
+        return out + (reads, ints[layout_size(layout) :])
 
-    def _sample_fn(self, logits, row_tokens, state, dkv, prompt_mask, sints, floats, allow,
-                   reads, *, R, S, filtered, logprobs, propose):  # fmt: skip
+    def _sample_fn(self, logits, row_tokens, state, dkv, prompt_mask, sample_in, allow, reads,
+                   *, R, S, filtered, logprobs, propose):  # fmt: skip
         """Sampling and verification of one step's logits (device/sampling.py); R, S, filtered
         (some row samples under top-k/p or min-p), logprobs (some row wants top logprobs) and
         propose (run the draft head or the draft's decodes: a later step may verify their
@@ -246,14 +225,15 @@ class Runner:
 
         Args: logits float32 [R, V]; row_tokens int32 [R, K + 1]; state (donated): the
           sampler's counts and last; dkv (donated): self.draft's caches, else None;
-          prompt_mask (read); sints: int32 packed per host.batch.sample_layout; floats:
-          float32 [6, S] sampling parameters (FLOAT_FIELDS); allow: int32 [S, ceil(V / 32)]
-          bitmasks of the tokens each row may sample (host/grammar.py; all bits set: any);
+          prompt_mask (read); sample_in: int32, the sampling's part of the step's upload
+          (step_io.sample_inputs: row arrays, float32 [6, S] parameters); allow: int32
+          [S, ceil(V / 32)] bitmasks of the tokens each row may sample (host/grammar.py; all
+          bits set: any);
           reads: None, or self.draft.feed's reads and then its propose_bufs.
         Returns: (packed int32 [2R + S], top ids [R, 20], top logprobs [R, 20], state (with
           proposals on the device, its device/proposals.py part updated), dkv).
         """
-        batch = unpack(sints, sample_layout(S, R))
+        batch, floats = sample_inputs(sample_in, R, S)
         if self.ahead:
             ahead = {k: state.pop(k) for k in proposals.KEYS}
             # the noise of a row that caught up is as many steps on as it moved
@@ -292,7 +272,8 @@ class Runner:
 
     def step_function(self, T: int, S: int):
         """The forward pass of bucket (T, S) and abstract arguments to trace or lower it with."""
-        ints = jax.ShapeDtypeStruct((layout_size(self.layout(T, S)),), jnp.int32)
+        n = layout_size(self.layout(T, S)) + sample_size(self.logit_width(T, S), S)
+        ints = jax.ShapeDtypeStruct((n,), jnp.int32)
         st = self.state
         args = (self.params, self.kv, st.get("model"), st["prompt_mask"], self.draft_kv,
                 st["last"], self._ahead(st), self._dparams(), ints)  # fmt: skip
@@ -301,14 +282,13 @@ class Runner:
     def sample_function(self, R: int, S: int, filtered: bool, logprobs: bool, propose: bool):
         """The sampling program for R logits rows and S rows (and the variant: filtered,
         logprobs, propose), and abstract arguments for it."""
-        sints = jax.ShapeDtypeStruct((layout_size(sample_layout(S, R)),), jnp.int32)
+        sample_in = jax.ShapeDtypeStruct((sample_size(R, S),), jnp.int32)
         logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32)
         row_tokens = jax.ShapeDtypeStruct((R, self.k + 1), jnp.int32)
-        floats = jax.ShapeDtypeStruct((len(FLOAT_FIELDS), S), jnp.float32)
         allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
         fwd_reads = self.draft.read_shapes(R, S, self.max_blocks) if self.ahead else None
         args = (logits, row_tokens, self._sampler_state(), self.draft_kv, self.state["prompt_mask"],
-                sints, floats, allow, self._reads(fwd_reads))  # fmt: skip
+                sample_in, allow, self._reads(fwd_reads))  # fmt: skip
         fn = functools.partial(
             self._sample_fn, R=R, S=S, filtered=filtered, logprobs=logprobs, propose=propose
         )
@@ -339,7 +319,8 @@ class Runner:
 
     def launch_forward(self, b: dict[str, np.ndarray], T: int, S: int) -> Forward:
         """Dispatch a step's forward pass; its sampling waits for launch_sample."""
-        ints = pack(b, self.layout(T, S))
+        R = self.logit_width(T, S)
+        ints = upload(b, self.layout(T, S), R, S)
         st = self.state
         out = self.programs[(T, S)](
             self.params, self.kv, st.get("model"), st["prompt_mask"], self.draft_kv, st["last"],
@@ -349,7 +330,7 @@ class Runner:
         self.last_stats = out[6]
         if model_state is not None:
             st["model"] = model_state
-        return Forward(logits, row_tokens, self.logit_width(T, S), S, out[7])
+        return Forward(logits, row_tokens, R, S, out[8], out[7])
 
     def launch_sample(self, fwd: Forward, b: dict[str, np.ndarray]) -> Launched:
         """Dispatch the sampling of a launched forward pass (b: its lowered arrays; "allow",
@@ -360,14 +341,13 @@ class Runner:
         allow = b.get("allow")
         if allow is None:  # no row under a grammar: a mask kept on the device, never sent
             allow = self._open_mask(fwd.S)
-        sints = pack(b, sample_layout(fwd.S, fwd.R))
         want_top = bool(b["want_logprobs"][0])
         propose = self.ahead and bool(b.get("propose", False))
         filtered = sampling.needs_filter(b["floats"], b["top_k"])
         variant = (fwd.R, fwd.S, filtered, want_top, propose)
         packed, top_ids, top_lp, state, self.draft_kv = self.sample_programs[variant](
             fwd.logits, fwd.row_tokens, self._sampler_state(), self.draft_kv,
-            self.state["prompt_mask"], sints, b["floats"], allow, self._reads(fwd.reads),
+            self.state["prompt_mask"], fwd.sample_in, allow, self._reads(fwd.reads),
         )  # fmt: skip
         self.state.update(state)
         top = (top_ids, top_lp) if want_top else None
@@ -383,22 +363,8 @@ class Runner:
         return self._open[S]
 
     def fetch(self, launched: Launched) -> dict[str, np.ndarray]:
-        """Wait for a launched step's outputs.
-
-        Returns:
-          per logits row: tokens, logprob, and top_ids / top_logprobs [R, 20] when a row
-          asked for logprobs; per row: accepted (proposals kept).
-        """
-        R = launched.R
-        packed = np.asarray(launched.packed)
-        out = {
-            "tokens": packed[:R],
-            "logprob": packed[R : 2 * R].view(np.float32),
-            "accepted": packed[2 * R :],
-        }
-        if launched.top is not None:
-            out["top_ids"], out["top_logprobs"] = map(np.asarray, launched.top)
-        return out
+        """Wait for a launched step's outputs (step_io.outputs)."""
+        return outputs(launched)
 
     def warmup(self, pairs: list[tuple[int, int]]) -> None:
         """Compile every (T, S) bucket pair's forward pass and sampling."""

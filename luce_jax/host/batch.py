@@ -221,9 +221,10 @@ def layout_size(layout: Layout) -> int:
     return sum(int(np.prod(shape)) for _, shape in layout)
 
 
-def pack(arrays: dict[str, np.ndarray], layout: Layout) -> np.ndarray:
-    """One int32 buffer holding `arrays` in layout order."""
-    return np.concatenate([np.asarray(arrays[name], np.int32).ravel() for name, _ in layout])
+def pack(arrays: dict[str, np.ndarray], layout: Layout, tail=None) -> np.ndarray:
+    """One int32 buffer holding `arrays` in layout order, then `tail` (int32 [n]) if given."""
+    parts = [np.asarray(arrays[name], np.int32).ravel() for name, _ in layout]
+    return np.concatenate(parts if tail is None else [*parts, tail])
 
 
 def unpack(buf, layout: Layout) -> dict:
