@@ -200,7 +200,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     gated = config.spec_policy == "auto" and runner.ahead
     always = config.spec_policy == "always" or gated
     policy = SpecPolicy(spec_k, step_time, proposal_time=per_depth, proposal_fixed=fixed,
-                        always=always)  # fmt: skip
+                        always=always, fit=gated)  # fmt: skip
     gate = SpecGate() if gated else None
     engine.enable_speculation(Speculator(proposer, policy, config.spec_mode, gate))
     log.info(

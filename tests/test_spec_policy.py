@@ -154,6 +154,39 @@ def test_the_always_plan_on_arrays_equals_the_plan_on_slots(seed):
     assert list(a._pending) == list(b._pending)
 
 
+# measured at warmup on the random Qwen3-8B file (2026-12-03, ms): a step costs more past 128
+STEEP = {32: 0.0067, 64: 0.0074, 128: 0.0085, 256: 0.0099, 512: 0.0143}
+
+
+def test_the_fitted_plan_keeps_verify_rows_in_a_bucket_that_pays_for_them():
+    """spec_policy auto: 32 rows that keep a proposal with probability 0.44 verify 3 each (128
+    tokens, bucket 128) rather than 4 (160, bucket 256); rows that keep nearly everything, or
+    step times that do not grow, still verify K; without fit (always) every row verifies K."""
+    caps = np.full(32, 4, np.int32)
+    fitted = policy(STEEP, k=4, always=True, fit=True)
+    assert fitted.take_all(caps, 32, np.full(32, 0.44)).tolist() == [3] * 32
+    assert fitted.take_all(caps, 32, np.full(32, 0.95)).tolist() == [4] * 32
+    assert (
+        policy(FLAT, k=4, always=True, fit=True)
+        .take_all(np.full(4, 4, np.int32), 4, np.full(4, 0.2))
+        .tolist()
+        == [4] * 4
+    )
+    assert (
+        policy(STEEP, k=4, always=True).take_all(caps, 32, np.full(32, 0.44)).tolist() == [4] * 32
+    )
+    # the chosen depth maximizes expected tokens per predicted second over every depth
+    rates = np.random.default_rng(0).uniform(0, 1, 32)
+    got = fitted.take_all(caps, 32, rates)
+
+    def per_second(c):
+        used = 32 + 32 * c
+        bucket = next(b for b in sorted(STEEP) if b >= used)
+        return sum(sum(a**j for j in range(c + 1)) for a in rates) / STEEP[bucket]
+
+    assert per_second(int(got.max())) == max(per_second(c) for c in range(1, 5))
+
+
 def test_a_probe_verifies_as_many_proposals_as_fit_when_depth_costs_nothing():
     p = policy(FLAT, k=4, rates={0: 0.0, 1: 0.0}, probe_every=2)
     assert p.plan({0: 4, 1: 4}) == {0: 0, 1: 0}

@@ -386,7 +386,7 @@ class DenseEngine:
             left = np.where([self.grammars.constrained(s) for s in dec.tolist()], 0, left)
         caps = np.maximum(np.minimum(left, self.spec.k), 0).astype(np.int32)  # np.clip is slower
         if self.spec.counts_only:  # every cap taken as far as the bucket allows: no dicts
-            return self.spec.counts(caps, prompt_tokens), None
+            return self.spec.counts(dec, caps, prompt_tokens), None
         chosen = self.spec.choose(dict(zip(dec.tolist(), caps.tolist(), strict=True)),
                                   prompt_tokens)  # fmt: skip
         props = [chosen[s] for s in dec.tolist()]

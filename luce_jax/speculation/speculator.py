@@ -82,15 +82,18 @@ class Speculator:
         plan takes every cap (policy always)."""
         return getattr(self.proposer, "on_device", False) and self.policy.always
 
-    def counts(self, caps: np.ndarray, other_tokens: int) -> np.ndarray:
+    def counts(self, slots: np.ndarray, caps: np.ndarray, other_tokens: int) -> np.ndarray:
         """`choose` for proposals held on the device under the always plan, on arrays: caps
-        int32 [n] of the decoding rows (non-empty) -> proposals each verifies, int32 [n] (the
-        rows carry markers, not tokens)."""
+        int32 [n] of the decoding rows' slots (non-empty) -> proposals each verifies, int32 [n]
+        (the rows carry markers, not tokens)."""
         assert self.counts_only and len(caps), "device proposals, always, some rows"
         self.last = {}
         if self.gate is not None and not self.gate.on:
             caps = np.zeros_like(caps)
-        counts = self.policy.take_all(caps, len(caps) + other_tokens)
+        rates = None
+        if self.policy.fit:
+            rates = np.fromiter(map(self.policy.rate, slots.tolist()), np.float64, len(slots))
+        counts = self.policy.take_all(caps, len(caps) + other_tokens, rates)
         self.proposing = bool(counts.any())
         return counts
 
