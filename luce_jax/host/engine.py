@@ -366,31 +366,17 @@ class DenseEngine:
         return mask[dec]
 
     def _proposals(self, dec: np.ndarray, prompt_tokens: int, behind: np.ndarray) -> tuple:
-        """Speculative proposals per decode row, capped so a verify row never emits past
-        max_tokens (which also keeps its KV writes inside the slot's reservation). Generated is
-        exact here unless the slot is `behind` by up to K kept proposals of a step in flight:
-        those rows leave room for K more.
-
-        Returns: (n_draft int32 [len(dec)], the host's proposals per row, or None where the
-          device holds them: rows then carry markers, batch.marker_rows).
-        """
-        none = np.zeros(len(dec), np.int32)
+        """Speculative proposals per decode row (Speculator.rows), capped so a verify row never
+        emits past max_tokens, which also keeps its KV writes inside the slot's reservation.
+        Generated is exact here unless the slot is `behind` by up to K kept proposals of a
+        step in flight: those rows leave room for K more. Rows under a grammar get none."""
         if self.spec is None:
-            return none, None
-        if not len(dec):
-            self.spec.choose({}, prompt_tokens)  # keeps the policy's plans and steps in step
-            return none, None
+            return np.zeros(len(dec), np.int32), None
         sl = self.slots
         left = sl.max_tokens[dec] - sl.generated[dec] - 1 - behind * self.spec.k
         if self.constraining:  # proposals skip the grammar
             left = np.where([self.grammars.constrained(s) for s in dec.tolist()], 0, left)
-        caps = np.maximum(np.minimum(left, self.spec.k), 0).astype(np.int32)  # np.clip is slower
-        if self.spec.counts_only:  # every cap taken as far as the bucket allows: no dicts
-            return self.spec.counts(dec, caps, prompt_tokens), None
-        chosen = self.spec.choose(dict(zip(dec.tolist(), caps.tolist(), strict=True)),
-                                  prompt_tokens)  # fmt: skip
-        props = [chosen[s] for s in dec.tolist()]
-        return np.fromiter(map(len, props), np.int32, len(dec)), props
+        return self.spec.rows(dec, left, prompt_tokens)
 
     def retire(self, slot: int) -> None:
         """Release the slot and its blocks now, whatever is in flight for it: a launched

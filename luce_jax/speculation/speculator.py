@@ -76,6 +76,26 @@ class Speculator:
         props = self.proposer.propose(counts)
         return {s: list(props.get(s, ()))[: counts[s]] for s in caps}
 
+    def rows(self, dec: np.ndarray, left: np.ndarray, prompt_tokens: int) -> tuple:
+        """Proposals for a step's decode rows.
+
+        Args:
+          dec: int32 [n] the decoding slots, in row order; left: int [n] tokens each may
+            still emit past its next one; prompt_tokens: tokens the step carries besides.
+        Returns:
+          (n_draft int32 [n], the proposals per row as lists, or None where the device holds
+          them: the rows then carry markers, host.batch.marker_rows).
+        """
+        if not len(dec):
+            self.choose({}, prompt_tokens)  # keeps the policy's plans and steps in step
+            return np.zeros(0, np.int32), None
+        caps = np.maximum(np.minimum(left, self.k), 0).astype(np.int32)  # np.clip is slower
+        if self.counts_only:  # every cap taken as far as the bucket allows: no dicts
+            return self.counts(dec, caps, prompt_tokens), None
+        chosen = self.choose(dict(zip(dec.tolist(), caps.tolist(), strict=True)), prompt_tokens)
+        props = [chosen[s] for s in dec.tolist()]
+        return np.fromiter(map(len, props), np.int32, len(dec)), props
+
     @property
     def counts_only(self) -> bool:
         """Whether `counts` may stand for `choose`: the device holds the proposals and the
