@@ -11,9 +11,9 @@ bench/results/2026-12-01_structured_qwen3-8b-bf16.md.) The forward pass also doe
 bookkeeping (the penalties' seen mask, the tokens verification reads), so the sampling program
 reads no [T] array and one serves every bucket of a row width. A step's inputs go up in one
 buffer (device/step_io.py); outputs start copying to the host at launch and `fetch` waits for
-them. JAX dispatches asynchronously, so launches
-return while the device computes. Shapes: T tokens, S rows, R logits rows, K proposals, V
-vocabulary, NB KV blocks, P block size, MB blocks per sequence.
+them. JAX dispatches asynchronously, so launches return while the device computes. Shapes:
+T tokens, S rows, R logits rows, K proposals, V vocabulary, NB KV blocks, P block size, MB
+blocks per sequence.
 """
 
 from __future__ import annotations

@@ -368,8 +368,8 @@ class DenseEngine:
     def _proposals(self, dec: np.ndarray, prompt_tokens: int, behind: np.ndarray) -> tuple:
         """Speculative proposals per decode row (Speculator.rows), capped so a verify row never
         emits past max_tokens, which also keeps its KV writes inside the slot's reservation.
-        Generated is exact here unless the slot is `behind` by up to K kept proposals of a
-        step in flight: those rows leave room for K more. Rows under a grammar get none."""
+        Generated is exact unless the slot is `behind` by up to K kept proposals of a step in
+        flight: those rows leave room for K more. Rows under a grammar get none."""
         if self.spec is None:
             return np.zeros(len(dec), np.int32), None
         sl = self.slots
