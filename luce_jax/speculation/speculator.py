@@ -111,7 +111,7 @@ class Speculator:
         if self.gate is not None and not self.gate.on:
             caps = np.zeros_like(caps)
         rates = None
-        if self.policy.fit:
+        if self.policy.fit and caps.any():  # the rows' estimates, only where a depth is chosen
             rates = np.fromiter(map(self.policy.rate, slots.tolist()), np.float64, len(slots))
         counts = self.policy.take_all(caps, len(caps) + other_tokens, rates)
         self.proposing = bool(counts.any())
