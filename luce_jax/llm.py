@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .build import start_engine
 from .config import DEFAULT_MODEL, EngineConfig
 from .host.request import Event
+from .host.scheduler import QueueFull
 from .sampling_params import SamplingParams
 
 
@@ -60,6 +61,7 @@ class LLM:
         ids = [self.encode_prompt(p) for p in prompts]
         outs = [Completion("", [], None, prompt_token_ids=i) for i in ids]
         done = threading.Semaphore(0)
+        finished = threading.Event()  # set when any request ends: a queue place may be free
 
         def listener(out: Completion, n_top: int | None):
             def on_event(ev: Event):
@@ -69,14 +71,23 @@ class LLM:
                 out.logprobs.extend((lp, top[:n_top]) for lp, top in ev.logprobs)
                 if ev.final:
                     out.finish_reason, out.error = ev.finish_reason, ev.error
+                    finished.set()
                     done.release()
 
             return on_event
 
-        reqs = [
-            self.loop.submit(i, sp, listener(out, sp.logprobs))
-            for i, sp, out in zip(ids, sps, outs, strict=True)
-        ]
+        # Offline, every prompt is served: submits wait for a place in the scheduler's queue
+        # (max_queue, the server's back-pressure) rather than fail as an HTTP request would.
+        reqs = []
+        for i, sp, out in zip(ids, sps, outs, strict=True):
+            cb = listener(out, sp.logprobs)
+            while True:
+                try:
+                    reqs.append(self.loop.submit(i, sp, cb, max_waiting=self.scheduler.max_queue))
+                    break
+                except QueueFull:
+                    finished.wait(0.05)  # admission also frees places, without an event
+                    finished.clear()
         for _ in outs:
             done.acquire()
         for req, out in zip(reqs, outs, strict=True):

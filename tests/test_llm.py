@@ -43,6 +43,15 @@ def test_stop_string_is_not_returned(llm):
     assert out.text == text[: text.index(stop)]
 
 
+def test_more_prompts_than_the_queue_holds_are_all_served(llm, monkeypatch):
+    # the server refuses a request past max_queue; the offline API waits for a place instead
+    monkeypatch.setattr(llm.scheduler, "max_queue", 1)
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outs = llm.generate([f"prompt {i}" for i in range(7)], sp)
+    assert [(o.error, o.finish_reason, len(o.token_ids)) for o in outs] == [(None, "length", 3)] * 7
+    assert outs[4].token_ids == llm.generate("prompt 4", sp)[0].token_ids
+
+
 def test_logprobs_are_returned_when_asked(llm):
     out = llm.generate("abc", SamplingParams(max_tokens=3, temperature=0, logprobs=5))[0]
     assert len(out.logprobs) == len(out.token_ids)

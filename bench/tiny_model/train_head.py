@@ -79,25 +79,47 @@ def load_target(path: str) -> tuple[Size, dict]:
     return size, params
 
 
-def generate(a, data: np.ndarray) -> np.ndarray:
+def generate(a, data: np.ndarray, span: int) -> np.ndarray:
     """The target's greedy continuations of a.generated prompts of a.prompt_tokens tokens cut
-    from `data`, each as prompt + continuation (a.seq + a.depth + 1 - a.prompt_tokens tokens,
-    cut at end of text), concatenated with an end-of-text token between them."""
+    from `data`, each as prompt + continuation (span tokens, cut at end of text), concatenated
+    with an end-of-text token between them. With a.generated_cache, read from that .npy file
+    if it exists, else written there (so the head and the draft learn the same text)."""
     from luce_jax import LLM, SamplingParams
 
+    cache = Path(a.generated_cache) if a.generated_cache else None
+    if cache is not None and cache.exists():
+        out = np.load(cache)
+        log.info("read %d generated tokens from %s", len(out), cache)
+        return out
     rng = np.random.default_rng(a.seed + 2)
-    span = a.seq + a.depth + 1
     starts = rng.integers(0, len(data) - a.prompt_tokens, a.generated)
     prompts = [data[s : s + a.prompt_tokens].tolist() for s in starts]
-    llm = LLM(model=a.model, max_concurrency=32, max_ctx=span + 8, dtype="float32")
+    llm = LLM(model=a.model, max_concurrency=128, max_ctx=span + 8, dtype="float32")
     t0 = time.time()
     outs = llm.generate(prompts, SamplingParams(max_tokens=span - a.prompt_tokens, temperature=0))
     llm.close()
+    failed = [o.error for o in outs if o.error]
+    if failed:  # a prompt without its continuation would be trained on silently
+        raise RuntimeError(f"{len(failed)} of {len(outs)} continuations failed: {failed[0]}")
     eos = int(data[-1])  # encode() ends every file with it
     seqs = [p + o.token_ids + [eos] for p, o in zip(prompts, outs, strict=True)]
     n = sum(len(o.token_ids) for o in outs)
     log.info("generated %d tokens in %.0f s", n, time.time() - t0)
-    return np.asarray([t for s in seqs for t in s], np.int32)
+    out = np.asarray([t for s in seqs for t in s], np.int32)
+    if cache is not None:
+        np.save(cache, out)
+    return out
+
+
+def add_generated_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--generated",
+        type=int,
+        default=0,
+        help="train on the target's greedy continuations of this many prompts",
+    )
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--generated-cache", default="", help=".npy file of generated text to reuse")
 
 
 def make_loss(size: Size, cfg: draft_head.HeadConfig, depth: int, feature_weight: float):
@@ -139,13 +161,7 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--feature-weight", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--generated",
-        type=int,
-        default=0,
-        help="train on the target's greedy continuations of this many prompts",
-    )
-    ap.add_argument("--prompt-tokens", type=int, default=64)
+    add_generated_args(ap)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     size, tp = load_target(a.model)
@@ -163,7 +179,7 @@ def main():
     data, held = encode(train_texts), encode(held_texts)
     log.info("%d train tokens, %d held-out tokens", len(data), len(held))
     if a.generated:
-        data = generate(a, data)
+        data = generate(a, data, a.seq + a.depth + 1)
     cfg = draft_head.HeadConfig(d=size.d, ffn=a.ffn or size.ffn, eps=size.eps)
     hp = draft_head.init(cfg, jax.random.key(a.seed))
     warmup = min(50, a.steps // 4)
