@@ -85,7 +85,8 @@ def measure(llm, prompts: list[str], c: int, waves: int, sp) -> dict:
         g = llm.engine.spec.gate  # spec_policy auto with proposals on the device
         if g is not None:
             lr = None if g.log_ratio is None else round(g.log_ratio, 3)
-            row["gate"] = {"on": g.on, "log_ratio": lr, "trials": g.trials}
+            levels = {lv: round(r, 3) for lv, r in sorted(g.ratios.items())}
+            row["gate"] = {"on": g.on, "log_ratio": lr, "trials": g.trials, "levels": levels}
     return row
 
 
@@ -227,7 +228,10 @@ def main() -> None:
             md += f"  - policy's learned overhead ms (no proposals, proposals) by C: {oh}\n"
         if v["rows"] and "gate" in v["rows"][0]:
             g = {r["concurrency"]: r["gate"] for r in v["rows"]}
-            md += f"  - gate after each C (on, mean log(rate on / rate off), trials): {g}\n"
+            md += (
+                "  - gate after each C (on, mean log(rate on / rate off) at the load level "
+                f"of the last step, trials, that mean at each level: log2 of rows): {g}\n"
+            )
 
     write_result(res, md, args.out)
     if args.out:
