@@ -122,10 +122,12 @@ def run_case(name, segs, bw, check_ref, kv_type, variants, xla=True) -> list[dic
     rows = []
     for bk, split, warps, bqg, masks in variants:
         row = {"case": name, "kv": kv_type, "block_k": bk, "split": split, "warps": warps}
+        # a split "nC": C splits per query block, each an equal share of its keys
+        tokens, splits = (256, int(split[1:])) if str(split).startswith("n") else (split, None)
         row.update(block_qg=bqg, split_masks=bool(masks), T=int(args[0].shape[0]),
                    kv_MB=kv_bytes / 1e6, xla_us=tx * 1e6)  # fmt: skip
-        kw = dict(scale=scale, cu_q_lens=cu, block_k=bk, split_tokens=split, num_warps=warps,
-                  block_qg=bqg, split_masks=bool(masks))  # fmt: skip
+        kw = dict(scale=scale, cu_q_lens=cu, block_k=bk, split_tokens=tokens, num_warps=warps,
+                  block_qg=bqg, split_masks=bool(masks), splits=splits)  # fmt: skip
         try:
             fp = functools.partial(paged_attention, **kw)
             out_p = jax.jit(fp)(*args)
@@ -151,11 +153,15 @@ def run_case(name, segs, bw, check_ref, kv_type, variants, xla=True) -> list[dic
     return rows
 
 
-def variant(s: str) -> tuple[int, int, int, int, int]:
-    """block_k:split_tokens:num_warps[:block_qg[:split_masks]] (64 and 0 if left out)."""
-    bk, split, warps, *rest = (int(x) for x in s.split(":"))
-    bqg, masks = (rest + [64, 0][len(rest) :])[:2]
-    return bk, split, warps, bqg, masks
+def variant(s: str) -> tuple:
+    """block_k:split:num_warps[:block_qg[:split_masks]] (64 and 0 if left out); split is
+    split_tokens, or nC for C splits per query block (paged_attention's `splits`)."""
+    bk, split, warps, *rest = s.split(":")
+    bqg, masks = ([int(x) for x in rest] + [64, 0][len(rest) :])[:2]
+    split = split if split.startswith("n") else int(split)
+    if split == "n" or (isinstance(split, str) and not split[1:].isdigit()):
+        raise argparse.ArgumentTypeError(f"split {split!r}: tokens, or n and a count")
+    return int(bk), split, int(warps), bqg, masks
 
 
 def main():
@@ -168,7 +174,8 @@ def main():
         type=variant,
         nargs="+",
         default=[(64, 1024, 4, 64, 0)],
-        help="kernel tilings block_k:split_tokens:num_warps[:block_qg[:split_masks 0/1]]",
+        help="kernel tilings block_k:split:num_warps[:block_qg[:split_masks 0/1]]; split: "
+        "split_tokens, or nC for C splits per query block",
     )
     ap.add_argument(
         "--warm-prefix",

@@ -107,8 +107,9 @@ def _dot(a, b, contract_b: int):
 
 
 def _kernel(
-    meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, BK, TPS, kinds, split_masks
-):
+    meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, BK, TPS, NS, kinds,
+    split_masks,
+):  # fmt: skip
     k_kind, v_kind = kinds
     refs = list(refs)
     k_data = refs.pop(0)
@@ -126,8 +127,13 @@ def _kernel(
     # Keys this block needs: causal up to its last row's position, within the kv length.
     last = qpos_ref[jnp.maximum(start + n - 1, 0) * G]
     need = jnp.where(n > 0, jnp.minimum(kvlen_ref[seg], last + 1), 0)
-    lo = sp * TPS
-    hi = jnp.minimum(lo + TPS, (need + BK - 1) // BK)
+    tiles = (need + BK - 1) // BK
+    if TPS:  # fixed splits: TPS tiles each, over the longest context the table holds
+        lo = sp * TPS
+    else:  # NS equal runs of the tiles this block needs, however long its context
+        TPS = (tiles + NS - 1) // NS
+        lo = jnp.minimum(sp * TPS, tiles)
+    hi = jnp.minimum(lo + TPS, tiles)
     rows = pl.ds(start * G, BQG)
     q = q_ref[kh, rows, :]  # [BQG, D]
     # Quantized values accumulate per piece of a scale group ([BQG, n] each), written side by
@@ -268,6 +274,7 @@ def paged_attention(
     block_k: int = 64,
     block_qg: int = 64,
     split_masks: bool | None = None,
+    splits: int | None = None,
 ):
     """Pallas ragged paged attention with paged_attention_reference's signature.
 
@@ -287,6 +294,11 @@ def paged_attention(
         step over 8.6k 198 -> 156), q8_0 caches 8-13% faster at every shape, and plain decode
         rows 0-3% slower (64 x 32k 1995 -> 2054 us):
         bench/results/2026-12-03_attention_split_masks_h200.md.
+      splits: a fixed number of kv splits per query block and kv head, each walking an equal
+        share of the keys that block needs (computed in the kernel from its kv length), in
+        place of split_tokens' splits over the longest context the block table holds: with few
+        rows, a short context still spreads over `splits` programs, and a long one writes no
+        more partials than a short one (flash-decoding with the split count fixed per bucket).
     Returns:
       [T, H, D] in q's dtype; rows outside every segment are zero.
     """
@@ -319,6 +331,10 @@ def paged_attention(
             f"positions {positions.shape} do not fit {S} segments and {T} rows"
         )
     bq, tps, ns = plan_tiles(T, S, Gp, MB, P, K, D, split_tokens, block_k, block_qg=block_qg)
+    if splits is not None:
+        if splits < 1:
+            raise ValueError(f"splits {splits} must be at least 1")
+        tps, ns = 0, splits  # TPS 0: the kernel sizes each split from the block's keys
     bqg = bq * Gp
     meta = query_blocks(cu_q_lens, T, bq)
     nblk = meta.shape[0]
@@ -337,6 +353,7 @@ def paged_attention(
         G=Gp,
         BK=block_k,
         TPS=tps,
+        NS=ns,
         kinds=kinds,
         split_masks=split_masks,
     )

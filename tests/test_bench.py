@@ -1,5 +1,6 @@
 """The benchmark tools: model files, roofline arithmetic, harnesses against a real server."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -429,14 +430,20 @@ def test_attention_bench_counts_causal_work_and_checks_tilings_against_each_othe
         1e9,
         True,
         "bf16",
-        [(16, 64, 4, 16, 0), (16, 64, 4, 32, 1)],
+        [(16, 64, 4, 16, 0), (16, 64, 4, 32, 1), (16, "n3", 4, 16, 0)],
         False,
     )
-    assert [(r["block_qg"], r["split_masks"]) for r in rows] == [(16, False), (32, True)]
+    assert [(r["block_qg"], r["split_masks"]) for r in rows] == [(16, False), (32, True)] + [
+        (16, False)
+    ]
     assert attention_kernel.variant("64:256:4") == (64, 256, 4, 64, 0)
     assert attention_kernel.variant("64:256:4:128:1") == (64, 256, 4, 128, 1)
+    assert attention_kernel.variant("64:n16:4") == (64, "n16", 4, 64, 0)  # 16 splits a block
+    with pytest.raises(argparse.ArgumentTypeError, match="split 'nx'"):
+        attention_kernel.variant("64:nx:4")
     assert rows[0]["max_diff_vs_xla"] == 0.0  # the first variant is the baseline
-    assert rows[1]["max_diff_vs_xla"] < 2e-2 and rows[1]["max_diff_vs_f32_ref"] < 2e-2
+    for r in rows[1:]:
+        assert r["max_diff_vs_xla"] < 2e-2 and r["max_diff_vs_f32_ref"] < 2e-2
 
 
 def test_gated_delta_bench_times_two_forms_that_compute_the_same(tmp_path, monkeypatch):

@@ -116,6 +116,20 @@ def test_long_context_is_split_and_combined():
     check([(1, 1500), (7, 1300)], H=8, K=2, D=64, P=16, pad_rows=0)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("kv_types", [None, ("q8_0", "q4_0")])
+def test_a_fixed_split_count_shares_each_blocks_keys_out(splits, kv_types):
+    """With `splits`, every query block's keys are cut into that many equal runs whatever the
+    longest context the table holds: more runs than a short row has tiles (empty runs), a long
+    row over three, prompt chunks and decode rows together, all equal the reference."""
+    segs = [(1, 1500), (7, 300), (1, 17), (21, 21), (1, 1)]
+    kw = {"block_k": 32, "splits": splits}
+    check(segs, H=8, K=2, D=64, P=16, kv_types=kv_types, tol=1e-4, kernel_kw=kw)
+    args, cu, _ = make_step(segs, H=8, K=2, D=64, P=16)
+    with pytest.raises(ValueError, match="splits 0"):
+        paged_attention(*args, scale=1.0, cu_q_lens=cu, splits=0, interpret=True)
+
+
 @pytest.mark.parametrize("block_qg", [32, 128])
 def test_prompt_steps_match_reference_at_other_query_tiles(block_qg):
     """A step over 64 rows (a prompt chunk after a cached prefix, and a decode row) with query

@@ -30,10 +30,15 @@ def lower_for_cuda(f, *args):
     jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("split_masks", [False, True], ids=["masked", "split-masks"])
+@pytest.mark.parametrize(
+    "split_masks, splits", [(False, None), (True, None), (False, 16)],
+    ids=["masked", "split-masks", "16-splits"],
+)  # fmt: skip
 @pytest.mark.parametrize("kv_type", ["bf16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("segs", [[(1, 100)] * 3, [(40, 60), (1, 33)]], ids=["decode", "mixed"])
-def test_paged_attention_lowers_to_a_valid_triton_module(verified, kv_type, segs, split_masks):
+def test_paged_attention_lowers_to_a_valid_triton_module(
+    verified, kv_type, segs, split_masks, splits
+):
     H, K, D, P = 8, 2, 128, 16
     r = np.random.default_rng(0)
     MB = max(-(-kv // P) for _, kv in segs)
@@ -51,7 +56,7 @@ def test_paged_attention_lowers_to_a_valid_triton_module(verified, kv_type, segs
         jnp.zeros((len(segs), MB), jnp.int32),
         jnp.asarray([kv for _, kv in segs], jnp.int32),
     )
-    kw = dict(scale=0.1, cu_q_lens=cu, interpret=False, split_masks=split_masks)
+    kw = dict(scale=0.1, cu_q_lens=cu, interpret=False, split_masks=split_masks, splits=splits)
     lower_for_cuda(lambda *a: paged_attention(*a, **kw), *args)
     assert len(verified) == 1
 
