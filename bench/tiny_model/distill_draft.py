@@ -20,7 +20,6 @@ fine-tunes it toward them:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -29,13 +28,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
 from export import write_gguf  # noqa: E402
 from model import hidden, unembed  # noqa: E402
 from train import batches, stdlib_files  # noqa: E402
-from train_head import add_generated_args, generate, load_target  # noqa: E402
+from train_head import add_generated_args, generate, load_target, record, trainer  # noqa: E402
 
 from luce_jax.loading.gguf import GGUFFile  # noqa: E402
 from luce_jax.loading.tokenizer import GGUFTokenizer  # noqa: E402
@@ -98,19 +96,8 @@ def main():
     gen = generate(a, np.asarray(ids, np.int32), a.seq + 1)
     cut = int(len(gen) * 0.95)  # the last 5% of the continuations are held out
     data, held = gen[:cut], gen[cut:]
-    sched = optax.warmup_cosine_decay_schedule(0.0, a.lr, min(100, a.steps // 4), a.steps,
-                                               a.lr * 0.05)  # fmt: skip
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
-    state = opt.init(dp)
     loss_fn = make_loss(tsize, dsize)
-
-    @jax.jit
-    def train_step(dp, state, batch):
-        (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(dp, tp, batch)
-        updates, state = opt.update(grads, state, dp)
-        return optax.apply_updates(dp, updates), state, loss, agree
-
-    evaluate = jax.jit(lambda dp, b: loss_fn(dp, tp, b))
+    state, train_step, evaluate = trainer(loss_fn, dp, tp, a.lr, a.steps, min(100, a.steps // 4))
     held_rng = np.random.default_rng(a.seed + 1)
     held_batches = [next(batches(held, a.batch, a.seq, held_rng)) for _ in range(4)]
 
@@ -137,12 +124,7 @@ def main():
         "train_seconds": round(time.time() - t0), "gguf_bytes": Path(a.out).stat().st_size,
         "command": " ".join(sys.argv),
     }  # fmt: skip
-    log.info("%s", stats)
-    metrics = Path(a.out).with_name("metrics.json")
-    if metrics.exists():  # beside the models' own training metrics
-        m = json.loads(metrics.read_text())
-        m["draft_distilled"] = stats
-        metrics.write_text(json.dumps(m, indent=1))
+    record(a.out, "draft_distilled", stats)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,33 @@ def generate(a, data: np.ndarray, span: int) -> np.ndarray:
     return out
 
 
+def trainer(loss_fn, params, tp, lr: float, steps: int, warmup: int):
+    """AdamW with warmup and cosine decay over loss_fn(params, target params tp, batch) ->
+    (loss, aux): (optimizer state, jitted train_step(params, state, batch) -> (params, state,
+    loss, aux), jitted evaluate(params, batch) -> (loss, aux))."""
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, lr * 0.05)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+
+    @jax.jit
+    def train_step(params, state, batch):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tp, batch)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss, aux
+
+    return opt.init(params), train_step, jax.jit(lambda p, b: loss_fn(p, tp, b))
+
+
+def record(out: str, key: str, stats: dict) -> None:
+    """Log a trained model's stats and keep them as `key` in the metrics.json beside it (the
+    models' own training metrics), where there is one."""
+    log.info("%s", stats)
+    metrics = Path(out).with_name("metrics.json")
+    if metrics.exists():
+        m = json.loads(metrics.read_text())
+        m[key] = stats
+        metrics.write_text(json.dumps(m, indent=1))
+
+
 def add_generated_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--generated",
@@ -182,19 +209,8 @@ def main():
         data = generate(a, data, a.seq + a.depth + 1)
     cfg = draft_head.HeadConfig(d=size.d, ffn=a.ffn or size.ffn, eps=size.eps)
     hp = draft_head.init(cfg, jax.random.key(a.seed))
-    warmup = min(50, a.steps // 4)
-    sched = optax.warmup_cosine_decay_schedule(0.0, a.lr, warmup, a.steps, a.lr * 0.05)
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
-    state = opt.init(hp)
     loss_fn = make_loss(size, cfg, a.depth, a.feature_weight)
-
-    @jax.jit
-    def train_step(hp, state, batch):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(hp, tp, batch)
-        updates, state = opt.update(grads, state, hp)
-        return optax.apply_updates(hp, updates), state, loss, aux
-
-    evaluate = jax.jit(lambda hp, b: loss_fn(hp, tp, b))
+    state, train_step, evaluate = trainer(loss_fn, hp, tp, a.lr, a.steps, min(50, a.steps // 4))
     span = a.seq + a.depth
     held_rng = np.random.default_rng(a.seed + 1)
     held_batches = [next(batches(held, a.batch, span, held_rng)) for _ in range(4)]
@@ -223,12 +239,7 @@ def main():
         "held_out_all_depths_agree": round(chain, 4), "train_seconds": round(time.time() - t0),
         "gguf_bytes": Path(a.out).stat().st_size, "command": " ".join(sys.argv),
     }  # fmt: skip
-    log.info("%s", stats)
-    metrics = Path(a.out).with_name("metrics.json")
-    if metrics.exists():  # beside the models' own training metrics
-        m = json.loads(metrics.read_text())
-        m["head"] = stats
-        metrics.write_text(json.dumps(m, indent=1))
+    record(a.out, "head", stats)
 
 
 if __name__ == "__main__":
