@@ -5,12 +5,13 @@ prefilled, then `--steps` decode steps are timed. The copy bandwidth measured in
 gives the roofline: bytes a decode step must move (all weights + every row's KV) / bandwidth.
 
     python bench/engine_decode.py --model qwen3-8b-bf16.gguf --ctx 1024 --concurrency 1 8 32 \
-        --attention-backends xla pallas --cache-type bf16
+        --attention-backends xla pallas --cache-types bf16 q8_0 q4_0
 
 For a mixture-of-experts file, `--moe-backends xla pallas` compares the grouped expert matmuls,
 the weight bytes count only the experts that C rows touch (roofline.decode_step), and each row
 records how many experts the last step's tokens reached per layer (routing on random weights
-must spread like real routing for the roofline to hold).
+must spread like real routing for the roofline to hold). With several `--cache-types`, one
+engine runs per type and the JSON's top-level `tok_s` maps each type to {C: tok/s}.
 """
 
 from __future__ import annotations
@@ -42,16 +43,20 @@ def device_step_time(runner, forward, sampling, n: int) -> float:
     (fexe, fargs), (sexe, sargs) = forward, sampling
     fa, sa = list(fargs), list(sargs)
 
-    def step():
+    def step():  # the runner's launch_forward and launch_sample on the captured arguments
         st = runner.state
-        fa[1], fa[2], fa[3], fa[4] = runner.kv, st.get("model"), st["prompt_mask"], st["last"]
-        logits, row_tokens, runner.kv, model_state, st["prompt_mask"], _ = fexe(*fa)
+        fa[1:7] = (runner.kv, st.get("model"), st["prompt_mask"], runner.draft_kv, st["last"],
+                   runner._ahead(st))  # fmt: skip
+        out = fexe(*fa)
+        logits, row_tokens, runner.kv, model_state, st["prompt_mask"], runner.draft_kv = out[:6]
         if model_state is not None:
             st["model"] = model_state
-        sa[0], sa[1], sa[2], sa[3] = logits, row_tokens, runner._sampler_state(), st["prompt_mask"]
-        *out, state = sexe(*sa)
+        sa[:6] = (logits, row_tokens, runner._sampler_state(), runner.draft_kv, st["prompt_mask"],
+                  out[8])  # fmt: skip
+        sa[7] = runner._reads(out[7])
+        packed, _, _, state, runner.draft_kv = sexe(*sa)
         st.update(state)
-        return out
+        return packed
 
     jax.block_until_ready(step())
     t = time.perf_counter()
@@ -80,7 +85,8 @@ def param_bytes(params) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 
 
-def run(args, backend: str, moe_backend: str) -> dict:
+def run(args, backend: str, moe_backend: str, cache_type: str, bw: float) -> dict:
+    """One engine's rows at every C (bw: the copy bandwidth in bytes/s, for the roofline)."""
     import jax
 
     from luce_jax.build import load_engine
@@ -104,14 +110,12 @@ def run(args, backend: str, moe_backend: str) -> dict:
         prefill_chunk=args.budget,
         prefill_token_budget=args.budget,
         max_concurrent_prefills=cmax,
-        cache_type_k=args.cache_type,
-        cache_type_v=args.cache_type,
+        cache_type_k=cache_type,
+        cache_type_v=cache_type,
         attention_backend=backend,
         moe_backend=moe_backend,
         compile_cache_dir=args.compile_cache_dir,
     )
-    bw = copy_bandwidth()
-    log.info("copy bandwidth %.0f GB per s", bw / 1e9)
     t0 = time.perf_counter()
     tok, engine = load_engine(cfg)
     t_load = time.perf_counter() - t0
@@ -123,9 +127,7 @@ def run(args, backend: str, moe_backend: str) -> dict:
         2
         * mc.n_layers
         * mc.kv_size
-        * kv_cache.bytes_per_value(
-            args.cache_type if args.cache_type in kv_cache.QUANT_TYPES else "bfloat16"
-        )
+        * kv_cache.bytes_per_value(cache_type if cache_type in kv_cache.QUANT_TYPES else "bfloat16")
     )
     log.info(
         "load + warmup %.1f s, %d compiles, weights %.2f GB",
@@ -188,6 +190,7 @@ def run(args, backend: str, moe_backend: str) -> dict:
         row = {
             "backend": engine.config.attention_backend,  # resolved, as the server's
             "moe_backend": engine.config.moe_backend if mb.n_experts else None,
+            "cache_type": cache_type,
             "C": C,
             "tok_s": C / dt,
             "step_ms": dt * 1e3,
@@ -217,7 +220,6 @@ def run(args, backend: str, moe_backend: str) -> dict:
         "python": platform.python_version(),
         "model": args.model,
         "ctx": args.ctx,
-        "cache_type": args.cache_type,
         "steps": args.steps,
         "copy_GB_s": bw / 1e9,
         "weights_GB": wbytes / 1e9,
@@ -226,7 +228,21 @@ def run(args, backend: str, moe_backend: str) -> dict:
 
 
 def _label(r: dict) -> str:
-    return r["backend"] + (f" / {r['moe_backend']}" if r.get("moe_backend") else "")
+    return (
+        r["backend"]
+        + (f" / {r['moe_backend']}" if r.get("moe_backend") else "")
+        + f", {r['cache_type']} KV"
+    )
+
+
+def tok_s_by_cache_type(rows: list[dict]) -> dict:
+    """{cache type: {C: tok/s}} of the first backend (pair) run, the served one by default."""
+    first = (rows[0]["backend"], rows[0].get("moe_backend"))
+    out: dict = {}
+    for r in rows:
+        if (r["backend"], r.get("moe_backend")) == first:
+            out.setdefault(r["cache_type"], {})[r["C"]] = r["tok_s"]
+    return out
 
 
 def markdown(res: dict, reference: dict | None = None) -> str:
@@ -235,7 +251,7 @@ def markdown(res: dict, reference: dict | None = None) -> str:
     vs = labels[0] if len(labels) > 1 else None
     moe = any(r.get("moe_backend") for r in res["rows"])
     lines = [
-        f"Engine decode, {res['model']}, {res['ctx']}-token contexts, {res['cache_type']} KV, "
+        f"Engine decode, {res['model']}, {res['ctx']}-token contexts, "
         f"{res['device']}, {res['date']}, commit {res['commit']}; copy bandwidth "
         f"{res['copy_GB_s']:.0f} GB/s.",
         "",
@@ -280,20 +296,32 @@ def main():
     backends = ["auto", "xla", "pallas"]
     ap.add_argument("--attention-backends", nargs="+", default=["auto"], choices=backends)
     ap.add_argument("--moe-backends", nargs="+", default=["auto"], choices=backends)
-    ap.add_argument("--cache-type", default="bf16", choices=["bf16", "q8_0", "q4_0"])
+    ap.add_argument(
+        "--cache-types",
+        "--cache-type",
+        nargs="+",
+        default=["bf16"],
+        choices=["bf16", "q8_0", "q4_0"],
+        help="KV cache types, one engine each (the first is the ratios' baseline)",
+    )
     ap.add_argument("--dtype", default="bfloat16", help="EngineConfig.dtype (quantized: packed)")
     ap.add_argument("--quant-activations", default="auto", help="EngineConfig.quant_activations")
     ap.add_argument("--compile-cache-dir", default=None)
+    ap.add_argument("--copy-gib", type=float, default=4.0, help="the copy bandwidth's buffer")
     ap.add_argument("--out", default=None, help="write JSON here and markdown beside it")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    bw = copy_bandwidth(a.copy_gib)  # once: every engine's roofline divides by the same
+    log.info("copy bandwidth %.0f GB per s", bw / 1e9)
     res = None
     # One engine at a time, in the same process and call (moe backends matter for MoE files only).
-    for backend, moe_backend in itertools.product(a.attention_backends, a.moe_backends):
-        r = run(a, backend, moe_backend)
+    combos = itertools.product(a.attention_backends, a.moe_backends, a.cache_types)
+    for backend, moe_backend, cache_type in combos:
+        r = run(a, backend, moe_backend, cache_type, bw)
         res = r if res is None else {**res, "rows": res["rows"] + r["rows"]}
         gc.collect()
-    reference = {1: 133, 8: 994, 32: 2297} if a.ctx == 1024 and a.cache_type == "bf16" else None
+    res["tok_s"] = tok_s_by_cache_type(res["rows"])  # {cache type: {C: tok/s}}
+    reference = {1: 133, 8: 994, 32: 2297} if a.ctx == 1024 and a.cache_types == ["bf16"] else None
     write_result(res, markdown(res, reference), a.out)
 
 

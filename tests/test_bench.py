@@ -173,6 +173,27 @@ def test_slot_groups_send_each_concurrency_to_the_smallest_server_that_fits():
         concurrency.slot_groups([64], [32])
 
 
+def test_engine_decode_runs_an_engine_per_cache_type_and_maps_their_rates(tiny_gguf, tmp_path):
+    """bench/engine_decode.py --cache-types: one engine per type, every row named by its type,
+    and the top-level tok_s {type: {C: tok/s}} that the KV-type results are recorded as."""
+    out = tmp_path / "d.json"
+    cmd = [sys.executable, str(BENCH / "engine_decode.py"), "--model", tiny_gguf]
+    cmd += ["--ctx", "24", "--concurrency", "1", "2", "--steps", "2", "--warm", "1"]
+    cmd += ["--budget", "32", "--dtype", "float32", "--cache-types", "bf16", "q8_0"]
+    cmd += ["--copy-gib", "0.01", "--out", str(out)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(cmd, check=True, timeout=600, capture_output=True, env=env)
+    res = json.loads(out.read_text())
+    assert [(r["cache_type"], r["C"]) for r in res["rows"]] == [
+        ("bf16", 1), ("bf16", 2), ("q8_0", 1), ("q8_0", 2)
+    ]  # fmt: skip
+    assert res["tok_s"] == {t: {str(r["C"]): r["tok_s"] for r in res["rows"] if r["cache_type"]
+                                == t} for t in ("bf16", "q8_0")}  # fmt: skip
+    assert all(v > 0 for rates in res["tok_s"].values() for v in rates.values())
+    md = out.with_suffix(".md").read_text()
+    assert "q8_0 KV | 2 |" in md and "vs xla, bf16 KV" in md  # ratios against the first type
+
+
 def test_concurrency_harness_drives_fresh_servers(tiny_gguf, compile_cache, tmp_path):
     """Two slot groups: two fresh servers, each started with its {slots}."""
     out = tmp_path / "c.json"
