@@ -13,7 +13,10 @@
    depth (and the expected proposals kept per verify row), then write the head as GGUF.
 
     python bench/tiny_model/train_head.py --model luce_jax/assets/luce-stdlib-main.gguf \\
-        --out luce_jax/assets/luce-stdlib-head.gguf
+        --out luce_jax/assets/luce-stdlib-head.gguf --steps 3000 --batch 32 --generated 20000 \\
+        --generated-cache gen.npy
+
+(the shipped head; `--generated-cache` keeps the continuations for distill_draft.py)
 """
 
 from __future__ import annotations
