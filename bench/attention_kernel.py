@@ -158,10 +158,9 @@ def variant(s: str) -> tuple:
     split_tokens, or nC for C splits per query block (paged_attention's `splits`)."""
     bk, split, warps, *rest = s.split(":")
     bqg, masks = ([int(x) for x in rest] + [64, 0][len(rest) :])[:2]
-    split = split if split.startswith("n") else int(split)
-    if split == "n" or (isinstance(split, str) and not split[1:].isdigit()):
+    if split.startswith("n") and not split[1:].isdigit():
         raise argparse.ArgumentTypeError(f"split {split!r}: tokens, or n and a count")
-    return int(bk), split, int(warps), bqg, masks
+    return int(bk), split if split.startswith("n") else int(split), int(warps), bqg, masks
 
 
 def main():

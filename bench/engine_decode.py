@@ -31,38 +31,21 @@ from roofline import copy_bandwidth, decode_step, model_bytes
 log = logging.getLogger("engine_decode")
 
 
-def device_step_time(runner, forward, sampling, n: int) -> float:
-    """Seconds per step of the compiled forward pass and sampling alone, re-run back to back
-    on the last decode batch (forward, sampling: each an (executable, arguments) pair).
-
-    The difference to the engine's step time is host work: planning, lowering, transfers.
-    Re-running rewrites the same KV slots with the same values, so the cache stays valid.
+def device_step_time(runner, launch_args: tuple, n: int) -> float:
+    """Seconds per step of the runner's forward pass and sampling re-launched back to back on
+    the last decode step's lowered arrays (launch_args: what Runner.launch_forward was given).
+    A launch uploads one buffer and queues the programs, so with the device busy this is the
+    device's time; the difference to the engine's step time is host work: planning, lowering,
+    collecting. Re-running rewrites the same KV slots with the same values, so the cache stays
+    valid.
     """
     import jax
 
-    (fexe, fargs), (sexe, sargs) = forward, sampling
-    fa, sa = list(fargs), list(sargs)
-
-    def step():  # the runner's launch_forward and launch_sample on the captured arguments
-        st = runner.state
-        fa[1:7] = (runner.kv, st.get("model"), st["prompt_mask"], runner.draft_kv, st["last"],
-                   runner._ahead(st))  # fmt: skip
-        out = fexe(*fa)
-        logits, row_tokens, runner.kv, model_state, st["prompt_mask"], runner.draft_kv = out[:6]
-        if model_state is not None:
-            st["model"] = model_state
-        sa[:6] = (logits, row_tokens, runner._sampler_state(), runner.draft_kv, st["prompt_mask"],
-                  out[8])  # fmt: skip
-        sa[7] = runner._reads(out[7])
-        packed, _, _, state, runner.draft_kv = sexe(*sa)
-        st.update(state)
-        return packed
-
-    jax.block_until_ready(step())
+    jax.block_until_ready(runner.launch(*launch_args).packed)
     t = time.perf_counter()
     for _ in range(n):
-        out = step()
-    jax.block_until_ready(out)
+        out = runner.launch(*launch_args)
+    jax.block_until_ready(out.packed)
     return (time.perf_counter() - t) / n
 
 
@@ -154,32 +137,33 @@ def run(args, backend: str, moe_backend: str, cache_type: str, bw: float) -> dic
             sched.step()
         compiles = engine.runner.compiles
         runner = engine.runner
-        progs, captured = (runner.programs, runner.sample_programs), {}
-        originals = [dict(p._exec) for p in progs]
-
+        steps, captured = runner.programs, {}
+        originals = dict(steps._exec)
         in_call = [0.0]  # host seconds inside the compiled step's call (XLA's dispatch)
 
-        def spy(exe, which, _c=captured, _t=in_call):
+        def spy(exe, _t=in_call):
             def call(*a):
-                _c[which] = (exe, a)
                 t = time.perf_counter()
                 out = exe(*a)
-                if which == "step":
-                    _t[0] += time.perf_counter() - t
+                _t[0] += time.perf_counter() - t
                 return out
 
             return call
 
-        for p, orig in zip(progs, originals, strict=True):
-            p._exec = {k: spy(v, p.name) for k, v in orig.items()}
+        def capture(b, T, S, _f=runner.launch_forward, _c=captured):
+            _c["launch"] = (b, T, S)
+            return _f(b, T, S)
+
+        steps._exec = {k: spy(v) for k, v in originals.items()}
+        runner.launch_forward = capture
         t = time.perf_counter()
         for _ in range(args.steps):
             sched.step()
         dt = (time.perf_counter() - t) / args.steps
-        for p, orig in zip(progs, originals, strict=True):
-            p._exec = orig
+        steps._exec = originals
+        del runner.launch_forward  # the class's again
         assert engine.runner.compiles == compiles, "compiled while decoding"
-        dev_dt = device_step_time(runner, captured["step"], captured["sampling"], args.steps)
+        dev_dt = device_step_time(runner, captured["launch"], args.steps)
         for r in reqs:
             sched.cancel(r)
         ctx_avg = args.ctx + args.warm + args.steps / 2
