@@ -3,21 +3,27 @@
 Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas ops.
 
 Work split. The packed query axis is cut into query blocks of BQ rows of one sequence
-(`query_blocks`). Program (i, k, s) takes query block i, kv head k and kv split s: the G query
-heads of kv head k for those rows are packed into one [BQ*G, D] operand, and the program walks
-the sequence's keys in logical order over split s (TPS tiles of BK tokens, never past the keys
-the block needs) with an online softmax, causal per query position. A tile gathers its BK
+(`query_blocks`). Program (i, k, s) takes query block i, kv head k and kv split s: it gathers
+the G query heads of kv head k for those rows from q [T, H, D] into one [BQ*G, D] operand, and
+walks the sequence's keys in logical order over split s (TPS tiles of BK tokens, never past the
+keys the block needs) with an online softmax, causal per query position. A tile gathers its BK
 tokens through the block table, so BK is independent of the block size P: one iteration moves
 enough bytes to keep the memory system busy even for a single decode row. A long context is
-spread over several programs; their (max, sum, accumulator) partials are combined in jnp
-afterwards. Tokens past a sequence's kv length are masked loads, never read.
+spread over several programs; each stores its (max, sum, accumulator) partials at its own rows
+and heads, and one jnp combine over the splits gives the output. Gathering q and storing
+partials by row took a call in the bench's loop of layers from 11 kernels to 6 (no transpose
+of q, no scatter of the output): one decode row at 4096 keys 26 -> 17 us, 8 rows 56 -> 46, 64
+rows 296 -> 278 (bench/results/2026-12-04_attention_partials_by_row_h200.md). Tokens past a
+sequence's kv length are masked loads, never read.
 
-KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file), contracted a
-scale group at a time: each group's codes (exact small integers) go straight into a dot, and
-its scale multiplies the dot's result (keys) or the probabilities (values), so a quantized
-tile moves fewer bytes and does no more work per byte than a plain one (scales multiplied per
-value column had taken 64 decode rows at 4096 to 614 / 1921 us with q8_0 / q4_0 against 338
-for bf16, bench/results/2026-11-30_attention_kernel_kvtypes_h200.md).
+KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file). A quantized tile
+is one contiguous load of each token's codes and one of its scales, dequantized in registers
+(kv_tiles.dequantized) and contracted in one dot like a plain tile; its loads are issued a tile
+ahead. Per scale group dots (the previous form) had left q4_0 2.4-2.9x slower than this
+(8 rows x 4096 178 -> 75 us, 64 rows 1209 -> 422: bench/results/
+2026-12-04_attention_tile_dequant_h200.md). Quantized tiles are still bound by the unpacking,
+not the bytes: 64 rows x 4096 q8_0 313 us, q4_0 379, bf16 269
+(bench/results/2026-12-04_attention_kernel_kvtypes_h200.md).
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
 tables, kv lengths and the query-block list are ordinary inputs read inside the kernel, and the
@@ -37,6 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from . import kv_cache, kv_tiles
 from .call_options import call_options, whole
@@ -107,7 +114,7 @@ def _dot(a, b, contract_b: int):
 
 
 def _kernel(
-    meta_ref, bt_ref, kvlen_ref, q_ref, qpos_ref, *refs, scale, BQG, G, BK, TPS, NS, kinds,
+    meta_ref, bt_ref, kvlen_ref, q_ref, pos_ref, *refs, scale, BQG, G, BK, TPS, NS, kinds,
     split_masks,
 ):  # fmt: skip
     k_kind, v_kind = kinds
@@ -117,15 +124,26 @@ def _kernel(
     v_data = refs.pop(0)
     v_scale = refs.pop(0) if v_kind != "plain" else None
     acc_ref, m_ref, l_ref = refs
-    P, MB, D = k_data.shape[1], bt_ref.shape[1], acc_ref.shape[-1]
+    P, MB = k_data.shape[1], bt_ref.shape[1]
+    T, H, D = q_ref.shape
     cdt = q_ref.dtype
 
     i, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seg, start, n = meta_ref[i, 0], meta_ref[i, 1], meta_ref[i, 2]
-    qpos = qpos_ref[pl.ds(start * G, BQG)]  # [BQG]: BQ rows x G heads
-    row_ok = jnp.arange(BQG) < n * G
+    # Operand row j is query row start + j // G, head kh * G' + j % G (G' the real group, G a
+    # power of two); rows past the block and padded heads are masked.
+    j = jnp.arange(BQG)
+    Gr = H // k_data.shape[2]
+    row_ok = (j // G < n) & (j % G < Gr)
+    # Partials have BQ spare rows and G heads a kv head, so no two operand rows of a block share
+    # a partial (interpret mode's masked stores write back what they read).
+    t = jnp.minimum(start + j // G, acc_ref.shape[1] - 1)
+    tq, hq = jnp.minimum(t, T - 1), jnp.minimum(kh * Gr + j % G, H - 1)  # in bounds for loads
+    d = jnp.arange(D)[None, :]
+    q = plgpu.load(q_ref.at[tq[:, None], hq[:, None], d], mask=row_ok[:, None], other=0)
+    qpos = plgpu.load(pos_ref.at[tq])  # [BQG]
     # Keys this block needs: causal up to its last row's position, within the kv length.
-    last = qpos_ref[jnp.maximum(start + n - 1, 0) * G]
+    last = pos_ref[jnp.minimum(jnp.maximum(start + n - 1, 0), T - 1)]
     need = jnp.where(n > 0, jnp.minimum(kvlen_ref[seg], last + 1), 0)
     tiles = (need + BK - 1) // BK
     if TPS:  # fixed splits: TPS tiles each, over the longest context the table holds
@@ -134,66 +152,40 @@ def _kernel(
         TPS = (tiles + NS - 1) // NS
         lo = jnp.minimum(sp * TPS, tiles)
     hi = jnp.minimum(lo + TPS, tiles)
-    rows = pl.ds(start * G, BQG)
-    q = q_ref[kh, rows, :]  # [BQG, D]
-    # Quantized values accumulate per piece of a scale group ([BQG, n] each), written side by
-    # side at the end; a plain V accumulates [BQG, D] at once.
-    v_cols = [(0, D)] if v_kind == "plain" else [
-        (g * GROUP + first, n) for g in range(D // GROUP) for first, n in kv_tiles.pieces(v_kind)
-    ]  # fmt: skip
-    q_parts = {  # q's columns per piece of a quantized K's groups, loaded once
-        (g, first): q_ref[kh, rows, pl.ds(g * GROUP + first, n)]
-        for g in range(D // GROUP if k_kind != "plain" else 0)
-        for first, n in kv_tiles.pieces(k_kind)
-    }
-    q_sums = {}  # q's sum over each group, for codes stored with an offset (q4_0)
-    for g in range(D // GROUP if k_kind == "q4_0" else 0):
-        parts = [q_parts[g, first].astype(jnp.float32) for first, _ in kv_tiles.pieces(k_kind)]
-        q_sums[g] = sum(jnp.sum(p, axis=1) for p in parts)
 
-    def scores(phys, off, ok):
-        """q . k for the tile's BK tokens: [BQG, BK] float32."""
-        if k_kind == "plain":
-            return _dot(q, kv_tiles.load_tile(k_data, phys, off, kh, ok, cdt, D), 1)
-        s = jnp.zeros((BQG, BK), jnp.float32)
-        for g in range(D // GROUP):
-            sc, pieces, (a, b) = kv_tiles.group_pieces(
-                k_data, k_scale, k_kind, phys, off, kh, ok, g, cdt
-            )
-            part = None
-            for first, f in pieces:
-                d = _dot(q_parts[g, first], f, 1)
-                part = d if part is None else part + d
-            if b:  # q . (a f + b) = a (q . f) + b sum(q), a and b folded into the scale
-                s = s + part * (a * sc)[None, :] + (b * q_sums[g])[:, None] * sc[None, :]
-            else:
-                s = s + part * sc[None, :]
-        return s
+    end = hi
+    caches = ((k_data, k_scale, k_kind), (v_data, v_scale, v_kind))
 
-    def values(p, phys, off, ok):
-        """p [BQG, BK] times the tile's values, per accumulator piece."""
-        if v_kind == "plain":
-            return [_dot(p.astype(cdt), kv_tiles.load_tile(v_data, phys, off, kh, ok, cdt, D), 0)]
-        out = []
-        for g in range(D // GROUP):
-            sc, pieces, (a, b) = kv_tiles.group_pieces(
-                v_data, v_scale, v_kind, phys, off, kh, ok, g, cdt
-            )
-            pg = (p * sc[None, :]).astype(cdt)
-            if b:  # pg @ (a f + b) = a (pg @ f) + b rowsum(pg)
-                pg_sum = b * jnp.sum(pg.astype(jnp.float32), axis=1)[:, None]
-                out += [a * _dot(pg, f, 0) + pg_sum for _, f in pieces]
-            else:
-                out += [_dot(pg, f, 0) for _, f in pieces]
-        return out
+    def tile_at(j):
+        kpos = j * BK + jnp.arange(BK)
+        return kpos, bt_ref[seg, jnp.minimum(kpos // P, MB - 1)], kpos % P  # phys block, offset
+
+    def loads(j):
+        """Tile j's raw loads of the quantized caches (none past the split's last tile)."""
+        kpos, phys, off = tile_at(j)
+        ok = (kpos < need) & (j < end)
+        return tuple(
+            kv_tiles.quantized_loads(data, sc, kind, phys, off, kh, ok, D)
+            for data, sc, kind in caches if kind != "plain"
+        )  # fmt: skip
 
     def body(j, carry, masked=True):
-        m, den, accs = carry
-        kpos = j * BK + jnp.arange(BK)
+        m, den, acc, raw = carry
+        kpos, phys, off = tile_at(j)
         ok = kpos < need if masked else None
-        phys = bt_ref[seg, jnp.minimum(kpos // P, MB - 1)]  # [BK] physical block per token
-        off = kpos % P
-        s = scores(phys, off, ok) * scale  # [BQG, BK]
+        # A quantized tile is dequantized in registers, which keeps Triton from pipelining its
+        # loads as it does a plain tile's; they are issued a tile ahead here instead (64 rows x
+        # 4096 of q8_0 367 -> 313 us on the H200; q4_0, bound by its unpacking, 389 -> 379:
+        # bench/results/2026-12-04_attention_kernel_kvtypes_h200.md).
+        nxt, raw = loads(j + 1) if raw else (), list(raw)
+
+        def tile(c):
+            data, _, kind = caches[c]
+            if kind == "plain":
+                return kv_tiles.load_tile(data, phys, off, kh, ok, cdt, D)
+            return kv_tiles.dequantized(raw.pop(0), kind, cdt)
+
+        s = _dot(q, tile(0), 1) * scale  # [BQG, BK]
         if masked:
             mask = (kpos[None, :] <= qpos[:, None]) & ok[None, :] & row_ok[:, None]
             s = jnp.where(mask, s, MASK_VALUE)
@@ -202,27 +194,29 @@ def _kernel(
         p = jnp.where(mask, p, 0.0) if masked else p
         alpha = jnp.exp(m - m_new)
         den = den * alpha + jnp.sum(p, axis=1)
-        new = values(p, phys, off, ok)
-        accs = tuple(a * alpha[:, None] + n for a, n in zip(accs, new, strict=True))
-        return m_new, den, accs
+        v = tile(1)
+        return m_new, den, acc * alpha[:, None] + _dot(p.astype(cdt), v, 0), nxt
 
     init = (
         jnp.full((BQG,), MASK_VALUE, jnp.float32),
         jnp.zeros((BQG,), jnp.float32),
-        tuple(jnp.zeros((BQG, n), jnp.float32) for _, n in v_cols),
+        jnp.zeros((BQG, D), jnp.float32),
+        loads(lo),
     )
     if split_masks:
         # Tiles whose every key all rows see (before the block's first position, within the
         # keys it needs) run without the mask; only the rest, the diagonal and the tail, mask.
         # A row outside the block (row_ok False) then computes values nobody reads.
-        whole = jnp.clip(jnp.minimum(qpos_ref[start * G] + 1, need) // BK, lo, hi)
+        first = pos_ref[jnp.minimum(start, T - 1)]
+        whole = jnp.clip(jnp.minimum(first + 1, need) // BK, lo, hi)
         init = jax.lax.fori_loop(lo, whole, functools.partial(body, masked=False), init)
         lo = whole
-    m, den, accs = jax.lax.fori_loop(lo, hi, body, init)
-    for (c0, n), a in zip(v_cols, accs, strict=True):
-        acc_ref[:, pl.ds(c0, n)] = a
-    m_ref[...] = m
-    l_ref[...] = den
+    m, den, acc, _ = jax.lax.fori_loop(lo, hi, body, init)
+    # Partials land at their query rows and heads: the combine needs no transpose or scatter.
+    g = j % G
+    plgpu.store(acc_ref.at[sp, t[:, None], kh, g[:, None], d], acc, mask=row_ok[:, None])
+    plgpu.store(m_ref.at[sp, t, kh, g], m, mask=row_ok)
+    plgpu.store(l_ref.at[sp, t, kh, g], den, mask=row_ok)
 
 
 def plan_tiles(
@@ -235,23 +229,24 @@ def plan_tiles(
     D: int,
     split_tokens: int = 256,
     block_k: int = 64,
-    partial_budget: int = 64 << 20,
+    partial_budget: int = 16 << 20,
     block_qg: int = 64,
 ):
     """(BQ, TPS, NS): rows per query block, kv tiles of block_k tokens per split, splits.
 
     Small steps (decode rows) get 16-row operands, larger ones `block_qg` (a prompt chunk reuses
     each KV tile across more queries). Splits of `split_tokens` spread long contexts over
-    programs while the f32 partials stay under `partial_budget` bytes.
+    programs while the f32 partials stay under `partial_budget` bytes: the combine reads them
+    all in every layer, and MB is the longest context the engine serves (--max-ctx), not the
+    step's.
     """
     bqg = max(16 if T <= 64 else block_qg, G)
     bq = bqg // G
-    nblk = -(-T // bq) + S
     tiles = -(-MB * P // block_k)
     tps = max(1, split_tokens // block_k)
     while True:
         ns = -(-tiles // tps)
-        if ns == 1 or nblk * K * ns * bqg * (D + 2) * 4 <= partial_budget:
+        if ns == 1 or ns * (T + bq) * K * G * (D + 2) * 4 <= partial_budget:
             return bq, tps, ns
         tps *= 2
 
@@ -339,13 +334,7 @@ def paged_attention(
     meta = query_blocks(cu_q_lens, T, bq)
     nblk = meta.shape[0]
     cdt = kv_cache.compute_dtype(k_cache, q.dtype)
-    # [K, (T + BQ) * Gp, D]: a block's rows x heads are contiguous; padded so the last block's
-    # fixed-size load stays in bounds.
-    qk = jnp.pad(q.reshape(T, K, G, D), ((0, bq), (0, 0), (0, Gp - G), (0, 0)))
-    qk = qk.transpose(1, 0, 2, 3).reshape(K, (T + bq) * Gp, D).astype(cdt)
-    qpos = jnp.repeat(jnp.pad(positions, (0, bq)), Gp)
-
-    inputs = (meta, block_tables, kv_lens, qk, qpos, *k_in, *v_in)
+    inputs = (meta, block_tables, kv_lens, q.astype(cdt), positions, *k_in, *v_in)
     kernel = functools.partial(
         _kernel,
         scale=scale,
@@ -358,30 +347,25 @@ def paged_attention(
         split_masks=split_masks,
     )
     options = call_options(interpret, num_warps, num_stages)
+    # Partials [NS, T + BQ, K, G, (D)] at the rows and heads they belong to; rows outside every
+    # segment and padded heads are never written (undefined until the combine drops them).
+    lead = (ns, T + bq, K, Gp)
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((*lead, D), lead, lead)]
     acc, m, den = pl.pallas_call(
         kernel,
         grid=(nblk, K, ns),
         in_specs=[whole(x) for x in inputs],
-        out_specs=[
-            pl.BlockSpec((None, None, None, bqg, D), lambda i, k, s: (i, k, s, 0, 0)),
-            pl.BlockSpec((None, None, None, bqg), lambda i, k, s: (i, k, s, 0)),
-            pl.BlockSpec((None, None, None, bqg), lambda i, k, s: (i, k, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((nblk, K, ns, bqg, D), jnp.float32),
-            jax.ShapeDtypeStruct((nblk, K, ns, bqg), jnp.float32),
-            jax.ShapeDtypeStruct((nblk, K, ns, bqg), jnp.float32),
-        ],
+        out_specs=[whole(s) for s in shapes],
+        out_shape=shapes,
         **options,
     )(*inputs)
     # Combine the splits: weights exp(m_s - max m) over splits that saw any key.
-    mx = jnp.max(m, axis=2, keepdims=True)
+    mx = jnp.max(m, axis=0)
     w = jnp.where(den > 0, jnp.exp(m - mx), 0.0)
-    denom = jnp.sum(w * den, axis=2)
-    o = jnp.sum(w[..., None] * acc, axis=2) / jnp.maximum(denom, 1e-30)[..., None]
-    o = o.reshape(nblk, K, bq, Gp, D)[:, :, :, :G]
-    o = o.transpose(0, 2, 1, 3, 4).reshape(nblk * bq, H, D)
-    r = jnp.arange(bq)
-    rows = jnp.where(r[None, :] < meta[:, 2:3], meta[:, 1:2] + r[None, :], T).reshape(-1)
-    out = jnp.zeros((T + 1, H, D), q.dtype).at[rows].set(o.astype(q.dtype), mode="drop")
-    return out[:T]
+    o = (
+        jnp.sum(w[..., None] * acc, axis=0)
+        / jnp.maximum(jnp.sum(w * den, axis=0), 1e-30)[..., None]
+    )
+    o = o[:T, :, :G].reshape(T, H, D)
+    real = jnp.arange(T) < cu_q_lens[-1]
+    return jnp.where(real[:, None, None], o, 0).astype(q.dtype)
