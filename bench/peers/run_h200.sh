@@ -15,7 +15,10 @@
 #      apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection; the device's python3 has the torch xgrammar imports)
 #
 # SHAPE is a bench/make_model.py shape (default qwen3-8b); OURS_FLAGS are added to our server's
-# flags.
+# flags. KV=q8_0 (or q4_0) runs both servers with that KV cache type (--cache-type-k/v), in
+# retrieval's steps and the result's name:
+#   KV=q8_0 bench/peers/run_h200.sh build_bg models:bf16 retrieval:ours,4096,16384 \
+#     wait_build retrieval:llama,4096,16384
 # Needs: .peers/llama-cpp-11434-src.tar.xz (bench/peers/README.md), .bench_data/ with
 # ggml-vocab-qwen2.gguf, the wheels of .whl installed on PYTHONPATH. Results go to
 # $RES (default /tmp/res) and are packed into $OUT/results_<steps>.tgz when $OUT is set.
@@ -210,16 +213,18 @@ step_moe_kernel() {  # the grouped expert matmul against ragged_dot, tilings as 
     2>&1 | grep -v "^WARNING"
 }
 
-step_retrieval() {  # $1 ours|llama, $2.. lengths
-  local who=$1 model="$M/qwen3-8b-bf16.gguf" cmd
+step_retrieval() {  # $1 ours|llama, $2.. lengths; KV: both servers' KV cache type
+  local who=$1 model="$M/qwen3-8b-bf16.gguf" cmd kv=""
   shift
-  if [ "$who" = ours ]; then cmd=$(ours_cmd "$model" "{ctx}"); else
-    cmd="$LLB/bin/llama-server -m $model --port {port} -ngl 999 -fa on -np 5 -c {ctx_total}"
+  [ -n "${KV:-}" ] && kv="--cache-type-k $KV --cache-type-v $KV"
+  if [ "$who" = ours ]; then cmd="$(ours_cmd "$model" "{ctx}") $kv"; else
+    cmd="$LLB/bin/llama-server -m $model --port {port} -ngl 999 -fa on -np 5 -c {ctx_total} $kv"
   fi
   python3 bench/retrieval.py --tokenizer "$model" --lengths "$@" --server-cmd "$cmd" \
     --server-log "$RES/retrieval_$who.log" --start-timeout 600 \
-    --title "$who, long-prompt retrieval, random Qwen3-8B-shaped bf16 (labels cannot be \
-found with random weights)" --out "$RES/${DAY}_retrieval_${who}_qwen3-8b-bf16.json"
+    --title "$who, long-prompt retrieval, random Qwen3-8B-shaped bf16${KV:+, $KV KV} (labels \
+cannot be found with random weights)" \
+    --out "$RES/${DAY}_retrieval_${who}_qwen3-8b-bf16${KV:+_kv$KV}.json"
 }
 
 for s in "$@"; do
