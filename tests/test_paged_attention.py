@@ -116,6 +116,18 @@ def test_long_context_is_split_and_combined():
     check([(1, 1500), (7, 1300)], H=8, K=2, D=64, P=16, pad_rows=0)
 
 
+@pytest.mark.parametrize("T", [8, 64, 512])
+def test_partials_stay_under_their_budget_at_a_long_max_ctx(T):
+    """The combine reads every split's partials in every layer, and the block table is as long
+    as the engine's max_ctx: an 8B-shaped step with a 32k table holds its float32 partials
+    [NS, T + BQ, K, G, D + 2] under 16 MB (or takes one split), decode buckets still spread a
+    long context over splits, and the splits cover the table."""
+    bq, tps, ns = plan_tiles(T=T, S=min(T, 32), G=4, MB=32768 // 16, P=16, K=8, D=128)
+    assert ns == 1 or ns * (T + bq) * 8 * 4 * 130 * 4 <= 16 << 20
+    assert tps * 64 * ns >= 32768
+    assert ns >= 8 or T > 64
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("kv_types", [None, ("q8_0", "q4_0")])
 def test_a_fixed_split_count_shares_each_blocks_keys_out(splits, kv_types):
