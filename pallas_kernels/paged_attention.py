@@ -153,7 +153,6 @@ def _kernel(
         lo = jnp.minimum(sp * TPS, tiles)
     hi = jnp.minimum(lo + TPS, tiles)
 
-    end = hi
     caches = ((k_data, k_scale, k_kind), (v_data, v_scale, v_kind))
 
     def tile_at(j):
@@ -163,7 +162,7 @@ def _kernel(
     def loads(j):
         """Tile j's raw loads of the quantized caches (none past the split's last tile)."""
         kpos, phys, off = tile_at(j)
-        ok = (kpos < need) & (j < end)
+        ok = (kpos < need) & (j < hi)
         return tuple(
             kv_tiles.quantized_loads(data, sc, kind, phys, off, kh, ok, D)
             for data, sc, kind in caches if kind != "plain"
