@@ -220,7 +220,6 @@ def _kernel(
 
 def plan_tiles(
     T: int,
-    S: int,
     G: int,
     MB: int,
     P: int,
@@ -324,7 +323,7 @@ def paged_attention(
             f"metadata shapes cu_q_lens {cu_q_lens.shape}, kv_lens {kv_lens.shape}, "
             f"positions {positions.shape} do not fit {S} segments and {T} rows"
         )
-    bq, tps, ns = plan_tiles(T, S, Gp, MB, P, K, D, split_tokens, block_k, block_qg=block_qg)
+    bq, tps, ns = plan_tiles(T, Gp, MB, P, K, D, split_tokens, block_k, block_qg=block_qg)
     if splits is not None:
         if splits < 1:
             raise ValueError(f"splits {splits} must be at least 1")

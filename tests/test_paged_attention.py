@@ -111,7 +111,7 @@ def test_bf16_within_bf16_tolerance():
 
 def test_long_context_is_split_and_combined():
     """A 1500-token decode row spans several kv splits of 256 tokens; chunked prefill too."""
-    _, tps, ns = plan_tiles(T=8, S=2, G=4, MB=-(-1500 // 16) + 1, P=16, K=2, D=64, block_k=64)
+    _, tps, ns = plan_tiles(T=8, G=4, MB=-(-1500 // 16) + 1, P=16, K=2, D=64, block_k=64)
     assert ns >= 2 and tps * 64 == 256
     check([(1, 1500), (7, 1300)], H=8, K=2, D=64, P=16, pad_rows=0)
 
@@ -122,7 +122,7 @@ def test_partials_stay_under_their_budget_at_a_long_max_ctx(T):
     as the engine's max_ctx: an 8B-shaped step with a 32k table holds its float32 partials
     [NS, T + BQ, K, G, D + 2] under 16 MB (or takes one split), decode buckets still spread a
     long context over splits, and the splits cover the table."""
-    bq, tps, ns = plan_tiles(T=T, S=min(T, 32), G=4, MB=32768 // 16, P=16, K=8, D=128)
+    bq, tps, ns = plan_tiles(T=T, G=4, MB=32768 // 16, P=16, K=8, D=128)
     assert ns == 1 or ns * (T + bq) * 8 * 4 * 130 * 4 <= 16 << 20
     assert tps * 64 * ns >= 32768
     assert ns >= 8 or T > 64
@@ -148,9 +148,7 @@ def test_prompt_steps_match_reference_at_other_query_tiles(block_qg):
     tiles of other sizes than the default still equals the reference; a size that is not a
     power of two is refused by name."""
     segs = [(70, 150), (1, 40)]
-    assert (
-        plan_tiles(T=128, S=2, G=4, MB=10, P=16, K=2, D=64, block_qg=block_qg)[0] == block_qg // 4
-    )
+    assert plan_tiles(T=128, G=4, MB=10, P=16, K=2, D=64, block_qg=block_qg)[0] == block_qg // 4
     check(segs, H=8, K=2, D=64, P=16, kernel_kw={"block_qg": block_qg})
     args, cu, _ = make_step(segs, H=8, K=2, D=64, P=16)
     with pytest.raises(ValueError, match="block_qg 96"):
