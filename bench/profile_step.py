@@ -247,6 +247,9 @@ def main():
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--dtype", default="auto", help="EngineConfig.dtype (quantized: keep packed)")
     ap.add_argument("--quant-activations", default="auto", help="EngineConfig.quant_activations")
+    ap.add_argument(
+        "--cache-type", default="auto", help="KV cache type (K and V): bf16, q8_0, q4_0"
+    )
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warm", type=int, default=4)
@@ -276,6 +279,8 @@ def main():
         **({"model": a.model} if a.model else {}),
         dtype=a.dtype,
         quant_activations=a.quant_activations,
+        cache_type_k=a.cache_type,
+        cache_type_v=a.cache_type,
         max_concurrency=cmax,
         max_ctx=max_ctx,
         kv_pool_tokens=cmax * (-(-max_ctx // 16) + 1) * 16,

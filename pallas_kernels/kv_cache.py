@@ -1,13 +1,17 @@
 """KV cache arrays per cache type: plain float blocks, or q8_0 / q4_0 blocks with f16 scales.
 
 A plain cache is one [NB, P, K, D] array. A quantized cache is a `Quantized` pair:
-  q8_0: data int8 [NB, P, K, D], one f16 scale per 32 values, scale [NB, P, K, D/32];
-  q4_0: data uint32 [NB, P, K, D/8]: little-endian words of ggml's bytes, two 4-bit values a
-        byte (within a group of 32, byte i holds value i in its low nibble and value i+16 in its
-        high nibble), scale [NB, P, K, D/32]. Words because paged attention loads a group as 4
-        of them: a uint8 cache viewed as words inside the step would be a copy of the cache.
-Quantization equals ggml's reference (gguf.quants.quantize) bit for bit. The type of a cache is
-read off its arrays (int8 data: q8_0, uint32: q4_0), so caches stay plain pytrees.
+  q8_0: data int32 [NB, P, K, D/4]: little-endian words of ggml's int8 values (byte b of word
+        c is value 4c + b), one f16 scale per 32 values, scale [NB, P, K, D/32];
+  q4_0: data uint32 [NB, P, K, D/8]: ggml's 4-bit codes, eight a word: byte p of word c holds
+        value 8c + p in its low nibble and 8c + 4 + p in its high one (ggml's own bytes pair
+        value i with i + 16 of its group instead), scale [NB, P, K, D/32].
+Words because paged attention's PTX takes a word's codes at once (kv_tiles.py) and loads a
+group as 8 or 4 of them: a byte cache viewed as words inside the step would be a copy of the
+cache. A word holds consecutive values so that the PTX's planes join into a tile in registers.
+Quantization equals ggml's reference (gguf.quants.quantize) bit for bit: the same codes and
+scales (`codes` gives them in value order). The type of a cache is read off its arrays (int32
+data: q8_0, uint32: q4_0), so caches stay plain pytrees.
 
 This is the format the kernels read, so it lives beside them (pallas_kernels imports nothing from
 luce_jax); the model writes its KV through it too. Shapes: NB blocks, P block size, K kv heads,
@@ -27,7 +31,7 @@ QUANT_TYPES = tuple(QUANT_BYTES)
 
 
 class Quantized(NamedTuple):
-    data: jax.Array  # int8 [..., D] (q8_0) or uint32 [..., D/8] (q4_0)
+    data: jax.Array  # int32 [..., D/4] (q8_0) or uint32 [..., D/8] (q4_0)
     scale: jax.Array  # float16 [..., D/32]
 
 
@@ -35,7 +39,7 @@ def kind(cache) -> str:
     """'plain', 'q8_0' or 'q4_0'."""
     if not isinstance(cache, Quantized):
         return "plain"
-    return "q8_0" if cache.data.dtype == jnp.int8 else "q4_0"
+    return "q8_0" if cache.data.dtype == jnp.int32 else "q4_0"
 
 
 def leading_shape(cache) -> tuple[int, int, int]:
@@ -59,7 +63,7 @@ def init(shape: tuple[int, ...], cache_type):
     *lead, D = shape
     if D % GROUP:
         raise ValueError(f"cache type {cache_type} needs a head dim divisible by {GROUP}, got {D}")
-    width, dt = (D, jnp.int8) if cache_type == "q8_0" else (D // 8, jnp.uint32)
+    width, dt = (D // 4, jnp.int32) if cache_type == "q8_0" else (D // 8, jnp.uint32)
     return Quantized(jnp.zeros((*lead, width), dt), jnp.zeros((*lead, D // GROUP), jnp.float16))
 
 
@@ -72,27 +76,37 @@ def quantize(x, cache_type: str) -> Quantized:
         inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
         y = g * inv
         q = jnp.sign(y) * jnp.floor(jnp.abs(y) + 0.5)  # round half away from zero, as ggml
-        data = q.astype(jnp.int8).reshape(*lead, D)
+        data = q.astype(jnp.int8).reshape(*lead, D // 4, 4)
+        data = jax.lax.bitcast_convert_type(data, jnp.int32)  # [..., D/4]
     else:
         i = jnp.argmax(jnp.abs(g), axis=-1, keepdims=True)
         d = jnp.take_along_axis(g, i, axis=-1) / -8
         inv = jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
         q = jnp.clip(jnp.trunc(g * inv + 8.5), 0, 15).astype(jnp.uint8)
-        data = (q[..., :16] | (q[..., 16:] << 4)).reshape(*lead, D // 8, 4)
-        data = jax.lax.bitcast_convert_type(data, jnp.uint32)  # [..., D/8]
+        q = q.reshape(*lead, D // 8, 2, 4)  # [..., word, nibble, byte]
+        data = jax.lax.bitcast_convert_type(q[..., 0, :] | (q[..., 1, :] << 4), jnp.uint32)
     return Quantized(data, d[..., 0].astype(jnp.float16))
+
+
+def codes(c: Quantized):
+    """The codes [..., D] int32 of a quantized cache in value order: q8_0's int8 values, q4_0's
+    nibbles (0 .. 15, the value being nibble - 8)."""
+    *lead, n = c.data.shape
+    if c.data.dtype == jnp.int32:
+        return (
+            jax.lax.bitcast_convert_type(c.data, jnp.int8).reshape(*lead, n * 4).astype(jnp.int32)
+        )
+    b = jax.lax.bitcast_convert_type(c.data, jnp.uint8)  # [..., word, byte]
+    return jnp.stack([b & 15, b >> 4], axis=-2).reshape(*lead, n * 8).astype(jnp.int32)
 
 
 def dequantize(c: Quantized, dtype=jnp.float32):
     """Values [..., D] of a quantized cache (or any slice of one that keeps the last axis)."""
+    q = codes(c)
+    *lead, D = q.shape
+    v = q.astype(jnp.float32) - (8 if c.data.dtype == jnp.uint32 else 0)
     s = c.scale.astype(jnp.float32)[..., None]
-    *lead, n = c.data.shape
-    if c.data.dtype == jnp.int8:
-        v = c.data.reshape(*lead, n // GROUP, GROUP).astype(jnp.float32)
-    else:
-        b = jax.lax.bitcast_convert_type(c.data, jnp.uint8).reshape(*lead, n // 4, 16)
-        v = jnp.concatenate([b & 15, b >> 4], axis=-1).astype(jnp.float32) - 8
-    return (v * s).reshape(*lead, -1).astype(dtype)
+    return (v.reshape(*lead, D // GROUP, GROUP) * s).reshape(*lead, D).astype(dtype)
 
 
 def values(cache, dtype):

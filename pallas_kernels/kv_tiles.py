@@ -2,6 +2,20 @@
 plain cache, or from a q8_0 / q4_0 one (kv_cache.py) and dequantized in registers, as
 paged_attention.py reads them.
 
+Quantized codes become f16 through inline PTX, two words of one token at a time (pack 2): one
+permute takes the same byte of both words into the low bytes of two halves (q4_0's high nibble
+then one shift), one lop3 makes each half the f16 0x64XX = 1024 + XX with the code's bits in XX
+(q8_0's sign bit flipped), one packed subtraction leaves the value and one packed multiply
+applies the scale. The planes (a word's value m of each word) are joined into the tile's
+[BK, D] order in registers, which kv_cache.py's word layouts make the value order. Triton's own
+int8 -> bf16 conversion had unpacked the loaded words byte by byte and packed them again (about
+5 instructions a code), and q4_0's nibbles had gone through shared memory for their reshape.
+Compiled for sm_90a the kernel's loop went from 1191 to 793 instructions an iteration for q8_0
+(217 to 194 registers) and from 1440 to 751 for q4_0 (168 to 128 registers). On the H200, 64
+decode rows over 4096 keys: q8_0 313 -> 304 us, q4_0 379 -> 289, bf16 269 (bench/results/
+2026-12-04_attention_kernel_planes_h200.md); instructions no longer bound q8_0, and no tiling
+did better (..._planes_tilings_h200.md).
+
 Shapes: BK tokens a tile, D head dim; phys / off [BK] each token's physical block and offset,
 kh the kv head; ok [BK] the tokens that are needed (None: all of the tile).
 """
@@ -12,7 +26,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from .ggml_blocks import codes_as
 from .kv_cache import GROUP
 
 
@@ -38,40 +51,100 @@ def load_tile(data_ref, phys, off, kh, ok, cdt, D):
 
 
 def quantized_loads(data_ref, scale_ref, kind, phys, off, kh, ok, D):
-    """The raw loads of a q8_0 / q4_0 KV tile of BK tokens: (codes, scales f16 [BK, D/32]),
-    codes int8 [BK, D/32, 32] (q8_0) or uint32 words [BK, D/32, 4] (q4_0). A token's codes
-    are one contiguous run (D bytes or D/8 words), its scales another."""
+    """The raw loads of a q8_0 / q4_0 KV tile of BK tokens: (words, scales f16 [BK, D/32]),
+    words int32 [BK, D/32, 8] (q8_0) or uint32 [BK, D/32, 4] (q4_0). A token's codes are one
+    contiguous run (D/4 or D/8 words), its scales another."""
     BK, NG = phys.shape[0], D // GROUP
     g = jnp.arange(NG)[None, :, None]
     sc = plgpu.load(
         scale_ref.at[phys[:, None], off[:, None], kh, g[..., 0]], **_masked(ok, (BK, NG))
     )
-    width = GROUP if kind == "q8_0" else 4
+    width = 8 if kind == "q8_0" else 4
     cols = g * width + jnp.arange(width)[None, None, :]
     at = (phys[:, None, None], off[:, None, None], kh, cols)
     return plgpu.load(data_ref.at[at], **_masked(ok, (BK, NG, width))), sc
 
 
-def dequantized(raw, kind, cdt):
-    """quantized_loads' (codes, scales) as values [BK, D] in cdt.
+# Per type: the planes of a word, each (byte, shift, mask of the code's bits in a half, the
+# constant XORed in, the f16x2 subtracted): plane m of word c holds the token's value
+# PLANES * c + m (kv_cache.py's layouts). q8_0: the code byte XOR 0x80 under 0x64 is the f16
+# 1152 + code. q4_0: a nibble under 0x64 is 1024 + nibble, and values are nibble - 8.
+PLANES = {"q8_0": 4, "q4_0": 8}
+_PIECES = {
+    "q8_0": [(b, 0, 0x00FF00FF, 0x64806480, 0x64806480) for b in range(4)],
+    "q4_0": [(p, 4 * h, 0x000F000F, 0x64006400, 0x64086408) for h in range(2) for p in range(4)],
+}
 
-    Each scale multiplies its group's codes after a broadcast in registers, in cdt: packed
-    bf16 multiplies took 64 rows x 4096 of q8_0 to 389 us against 455 in float32 on the H200
-    (16 splits, bench/results/2026-12-04_attention_partials_by_row_h200.md). The codes are
-    exact in cdt; the scale and the product round to it (bf16: 2^-9 relative, under q8_0's
-    own step of 1/254 of a group's largest value). The tile then costs one dot like a plain
-    one.
+
+def plane_asm(byte: int, shift: int, mask: int, xor: int, bias: int, scaled: bool) -> str:
+    """One instance (pack 2): words $1, $2 (codes of one token) -> $0, the f16x2 of one code of
+    each (byte `byte`, shifted right by `shift`, the bits of `mask`), less the bias, times their
+    scales $3 (f16x2) when scaled."""
+    lines = [
+        "{",
+        ".reg .b32 t, m, k, c;",
+        f"prmt.b32 t, $1, $2, 0x0{4 + byte}0{byte};",  # bytes: `byte` of $1, -, of $2, -
+        *([f"shr.b32 t, t, {shift};"] if shift else []),
+        f"mov.b32 m, 0x{mask:08X};",
+        f"mov.b32 k, 0x{xor:08X};",
+        "lop3.b32 t, t, m, k, 0x6A;",  # (t & m) ^ k
+        f"mov.b32 c, 0x{bias:08X};",
+        f"sub.f16x2 {'t' if scaled else '$0'}, t, c;",
+        *(["mul.f16x2 $0, t, $3;"] if scaled else []),
+        "}",
+    ]
+    return "\n".join(lines)
+
+
+def planes(words, scales, kind: str, ptx: bool) -> list:
+    """The code planes of q8_0 / q4_0 words [..., n]: plane m [..., n] f16 holds each word's
+    value m (kv_cache.py's layouts), times scales [..., n] f16 where given (None: the values,
+    exact). ptx False: the same values from jnp integer ops (interpret mode, ROCm)."""
+    out = []
+    for byte, shift, mask, xor, bias in _PIECES[kind]:
+        if ptx:
+            args = [words] if scales is None else [words, scales]
+            out += plgpu.elementwise_inline_asm(
+                plane_asm(byte, shift, mask, xor, bias, scales is not None),
+                args=args,
+                constraints="=r,r,r" + ",r" * (scales is not None),  # 2 words, 2 f16 in 1
+                pack=2,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float16)],
+            )
+        else:
+            # the halves' f16 0x64XX is 1024 + XX; the bias's low byte is its own offset
+            code = ((words >> (8 * byte + shift)) & (mask & 0xFF)) ^ (xor & 0xFF)
+            value = (code.astype(jnp.int32) - (bias & 0xFF)).astype(jnp.float16)
+            out.append(value if scales is None else value * scales)
+    return out
+
+
+def interleaved(planes_: list):
+    """Planes [..., n] (a power of two of them) as [..., n * len(planes)], plane m's element c
+    at c * len(planes) + m: a tree of joins, each adding a minor axis in registers."""
+    return _tree(planes_).reshape(*planes_[0].shape[:-1], -1)
+
+
+def _tree(planes_: list):
+    """[..., n, len(planes)]: the even planes' tree and the odd ones' joined on a minor axis."""
+    if len(planes_) == 2:
+        return jnp.stack(planes_, -1)
+    pair = jnp.stack([_tree(planes_[0::2]), _tree(planes_[1::2])], -1)
+    return pair.reshape(*pair.shape[:-2], -1)
+
+
+def dequantized(raw, kind, cdt, ptx: bool):
+    """quantized_loads' (words, scales) as values [BK, D] in cdt.
+
+    In a 16-bit cdt: the f16 products of the PTX above (the code exact, the product rounded to
+    f16, 2^-11 relative), joined in registers into the tile's order. In float32 the exact codes
+    are multiplied by the scale in float32. The tile then costs one dot like a plain one.
     """
-    codes, sc = raw
+    words, sc = raw
     BK, NG = sc.shape
-    sc = sc.astype(cdt)
-    if kind == "q8_0":
-        return (codes_as(codes, cdt) * sc[:, :, None]).reshape(BK, NG * GROUP)
-    # q4_0: byte p of word w holds values 4 w + p (low nibble) and 16 + 4 w + p (high), so
-    # [BK, NG, nibble, w, p] is the values' own order.
-    shift = (4 * jnp.arange(2, dtype=jnp.uint32)[:, None, None]
-             + 8 * jnp.arange(4, dtype=jnp.uint32)[None, None, :])  # [2, 1, 4]  # fmt: skip
-    q = (codes[:, :, None, :, None] >> shift[None, None]) & 15  # [BK, NG, 2, 4, 4]
-    # 2^23 + q as a float32's bits, so q - 8 is one exact subtraction (no integer convert)
-    f = jax.lax.bitcast_convert_type(q | 0x4B000000, jnp.float32) - 8388616.0
-    return (f.astype(cdt) * sc[:, :, None, None, None]).reshape(BK, NG * GROUP)
+    exact = jnp.dtype(cdt).itemsize > 2
+    scales = None if exact else jnp.broadcast_to(sc[:, :, None], words.shape)
+    tile = interleaved(planes(words, scales, kind, ptx)).reshape(BK, NG * GROUP).astype(cdt)
+    if exact:
+        tile = tile * jnp.broadcast_to(sc.astype(cdt)[:, :, None], (BK, NG, GROUP)).reshape(BK, -1)
+    return tile

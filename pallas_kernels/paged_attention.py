@@ -17,13 +17,12 @@ rows 296 -> 278 (bench/results/2026-12-04_attention_partials_by_row_h200.md). To
 sequence's kv length are masked loads, never read.
 
 KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file). A quantized tile
-is one contiguous load of each token's codes and one of its scales, dequantized in registers
-(kv_tiles.dequantized) and contracted in one dot like a plain tile; its loads are issued a tile
-ahead. Per scale group dots (the previous form) had left q4_0 2.4-2.9x slower than this
-(8 rows x 4096 178 -> 75 us, 64 rows 1209 -> 422: bench/results/
-2026-12-04_attention_tile_dequant_h200.md). Quantized tiles are still bound by the unpacking,
-not the bytes: 64 rows x 4096 q8_0 313 us, q4_0 379, bf16 269
-(bench/results/2026-12-04_attention_kernel_kvtypes_h200.md).
+is one contiguous load of each token's code words and one of its scales, made f16 in registers
+by inline PTX (kv_tiles.dequantized) and contracted in one dot like a plain tile; its loads are
+issued a tile ahead. Per scale group dots (an earlier form) had left q4_0 2.4-2.9x slower than
+a tile (8 rows x 4096 178 -> 75 us, 64 rows 1209 -> 422: bench/results/
+2026-12-04_attention_tile_dequant_h200.md). With the PTX, 64 rows x 4096: q8_0 304 us, q4_0 289,
+bf16 269 (bench/results/2026-12-04_attention_kernel_planes_h200.md).
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
 tables, kv lengths and the query-block list are ordinary inputs read inside the kernel, and the
@@ -46,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import kv_cache, kv_tiles
-from .call_options import call_options, whole
+from .call_options import call_options, uses_ptx, whole
 from .kv_cache import GROUP
 
 MASK_VALUE = -1e30  # finite: a fully masked row keeps m finite and contributes nothing
@@ -115,7 +114,7 @@ def _dot(a, b, contract_b: int):
 
 def _kernel(
     meta_ref, bt_ref, kvlen_ref, q_ref, pos_ref, *refs, scale, BQG, G, BK, TPS, NS, kinds,
-    split_masks,
+    split_masks, ptx,
 ):  # fmt: skip
     k_kind, v_kind = kinds
     refs = list(refs)
@@ -182,7 +181,7 @@ def _kernel(
             data, _, kind = caches[c]
             if kind == "plain":
                 return kv_tiles.load_tile(data, phys, off, kh, ok, cdt, D)
-            return kv_tiles.dequantized(raw.pop(0), kind, cdt)
+            return kv_tiles.dequantized(raw.pop(0), kind, cdt, ptx)
 
         s = _dot(q, tile(0), 1) * scale  # [BQG, BK]
         if masked:
@@ -216,6 +215,13 @@ def _kernel(
     plgpu.store(acc_ref.at[sp, t[:, None], kh, g[:, None], d], acc, mask=row_ok[:, None])
     plgpu.store(m_ref.at[sp, t, kh, g], m, mask=row_ok)
     plgpu.store(l_ref.at[sp, t, kh, g], den, mask=row_ok)
+
+
+def _quantized_compute_dtype(dtype):
+    """What a step's attention over two quantized caches computes in: f16 for 16-bit queries
+    (q8_0 tiles come out of kv_tiles' PTX as f16, and f16 keeps 3 more bits of q and p than
+    bf16; q8_0's own f16 scales bound its values to f16's range), else q's float32."""
+    return jnp.float16 if jnp.dtype(dtype).itemsize == 2 else dtype
 
 
 def plan_tiles(
@@ -303,7 +309,7 @@ def paged_attention(
     NB, P, K = kv_cache.leading_shape(k_cache)
     S, MB = block_tables.shape
     for c, kind in zip((k_in, v_in), kinds, strict=True):
-        want = D if kind in ("plain", "q8_0") else D // 8
+        want = {"plain": D, "q8_0": D // 4}.get(kind, D // 8)
         if c[0].shape != (NB, P, K, want) or (kind != "plain" and D % GROUP):
             raise ValueError(
                 f"{kind} cache shape {c[0].shape} does not fit q {q.shape} and blocks {(NB, P, K)}"
@@ -332,6 +338,8 @@ def paged_attention(
     meta = query_blocks(cu_q_lens, T, bq)
     nblk = meta.shape[0]
     cdt = kv_cache.compute_dtype(k_cache, q.dtype)
+    if "plain" not in kinds:
+        cdt = _quantized_compute_dtype(cdt)
     inputs = (meta, block_tables, kv_lens, q.astype(cdt), positions, *k_in, *v_in)
     kernel = functools.partial(
         _kernel,
@@ -343,6 +351,7 @@ def paged_attention(
         NS=ns,
         kinds=kinds,
         split_masks=split_masks,
+        ptx=uses_ptx(interpret),
     )
     options = call_options(interpret, num_warps, num_stages)
     # Partials [NS, T + BQ, K, G, (D)] at the rows and heads they belong to; rows outside every

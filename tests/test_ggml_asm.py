@@ -1,6 +1,7 @@
 """The PTX that turns GGML code bytes into floats, four at a time, gives the very floats of the
-portable path: its instructions are run here by a small emulator of the six it uses, on
-random bytes, for every decoding the quantized matmul's vector path asks of it."""
+portable path: its instructions are run here by a small emulator of the ones it uses, on
+random bytes, for every decoding the quantized matmul's vector path asks of it, and for the
+f16 planes paged attention makes of q8_0 / q4_0 KV words (pallas_kernels/kv_tiles.py)."""
 
 import re
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import kv_cache, kv_tiles
 from pallas_kernels.ggml_asm import asm_text, codes, dots4, dp4a_text
 
 # codes() keyword sets as ggml_asm's decoders use them (Q4_0 / Q4_K nibbles, Q5_K's bit g,
@@ -20,9 +22,16 @@ CASES = (
 )
 
 
-def emulate(asm: str, ins: list[int]) -> list[int]:
-    """Runs the asm's instructions on 32-bit words: $4 (and $5, $6) in, $0 .. $3 out."""
-    regs = {f"${4 + i}": int(v) for i, v in enumerate(ins)}
+def _f16x2(op, a: int, b: int) -> int:
+    """A packed f16 operation on two words, each half rounded to f16 as the hardware does."""
+    x, y = (np.array([w & 0xFFFF, w >> 16], np.uint16).view(np.float16) for w in (a, b))
+    r = (x - y if op == "sub" else x * y).astype(np.float16).view(np.uint16)
+    return int(r[0]) | int(r[1]) << 16
+
+
+def emulate(asm: str, ins: list[int], first: int = 4, outs: int = 4) -> list[int]:
+    """Runs the asm's instructions on 32-bit words: $first, ... in, $0 .. $(outs - 1) out."""
+    regs = {f"${first + i}": int(v) for i, v in enumerate(ins)}
 
     def val(tok: str) -> int:
         return int(tok, 16) if tok.startswith("0x") else (int(tok) if tok.isdigit() else regs[tok])
@@ -49,13 +58,21 @@ def emulate(asm: str, ins: list[int]) -> list[int]:
 
             pairs = zip(lanes(src[0], signs[0]), lanes(src[1], signs[1]), strict=True)
             r = sum(a * b for a, b in pairs) + src[2]
+        elif op == "lop3":  # bit i of the table is the result for (a, b, c) bits (i>>2, i>>1, i)
+            a, b, c, lut = src
+            r = 0
+            for i in range(8):
+                if lut >> i & 1:
+                    r |= (a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c)
+        elif op in ("sub", "mul") and m.group(2) == ".f16x2":
+            r = _f16x2(op, *src)
         elif op == "prmt":
             pool = src[0].to_bytes(4, "little") + src[1].to_bytes(4, "little")
             r = int.from_bytes(bytes(pool[(src[2] >> 4 * i) & 7] for i in range(4)), "little")
         else:
             raise AssertionError(f"an instruction the emulator does not know: {line}")
         regs[d] = r & 0xFFFFFFFF
-    return [regs[f"${k}"] for k in range(4)]
+    return [regs[f"${k}"] for k in range(outs)]
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
@@ -121,3 +138,38 @@ def test_the_emulator_catches_dp4a_reading_codes_as_signed():
     right = emulate(dp4a_text(), [lo.view("<u4")[0], x.view("<u4")[0]])[0]
     wrong = emulate(dp4a_text(signed=True), [lo.view("<u4")[0], x.view("<u4")[0]])[0]
     assert right == 4 * 255 and wrong == (-4) & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_kv_plane_ptx_gives_the_portable_path_s_halves(kind, scaled):
+    """Each plane's PTX instance, on two words of codes (and their two f16 scales), gives the
+    two f16 halves the portable path gives for them, bit for bit."""
+    rng = np.random.default_rng(11 + scaled)
+    words = rng.integers(0, 2**32, (64, 2), dtype=np.uint64).astype(np.uint32)
+    scales = rng.uniform(-3, 3, (64, 2)).astype(np.float16)
+    w = jnp.asarray(words.view(np.int32) if kind == "q8_0" else words)
+    want = kv_tiles.planes(w, jnp.asarray(scales) if scaled else None, kind, ptx=False)
+    for piece, plane in zip(kv_tiles._PIECES[kind], want, strict=True):
+        asm = kv_tiles.plane_asm(*piece, scaled)
+        for (a, b), sc, halves in zip(words, scales, np.asarray(plane), strict=True):
+            ins = [int(a), int(b)] + ([int(sc.view(np.uint32)[0])] if scaled else [])
+            (out,) = emulate(asm, ins, first=1, outs=1)
+            np.testing.assert_array_equal(np.uint32(out), halves.view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_kv_planes_joined_are_the_cache_s_values_in_order(kind):
+    """The planes of a quantized cache's words, joined as paged attention joins them, are its
+    codes less their offset in value order, and times the scales its dequantized values to f16."""
+    rng = np.random.default_rng(5)
+    q = kv_cache.quantize(jnp.asarray(rng.standard_normal((6, 128)), jnp.float32), kind)
+    words = q.data.reshape(6, 4, -1)  # [tokens, groups, words of a group]
+    offset = 8 if kind == "q4_0" else 0
+    got = kv_tiles.interleaved(kv_tiles.planes(words, None, kind, ptx=False)).reshape(6, 128)
+    want = kv_cache.codes(q) - offset
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    sc = jnp.broadcast_to(q.scale[:, :, None], words.shape)
+    got = kv_tiles.interleaved(kv_tiles.planes(words, sc, kind, ptx=False)).reshape(6, 128)
+    want = (want.reshape(6, 4, 32).astype(jnp.float16) * q.scale[:, :, None]).reshape(6, 128)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -28,9 +28,10 @@ def test_quantization_equals_ggml_bit_for_bit(kind):
     np.testing.assert_array_equal(
         np.asarray(q.scale).view(np.uint8).reshape(300, 2, 4, 2), ref[..., :2]
     )
-    np.testing.assert_array_equal(
-        np.asarray(q.data).view(np.uint8).reshape(300, 2, 4, -1), ref[..., 2:]
-    )
+    qs = ref[..., 2:]  # q8_0: int8 values; q4_0: byte i holds values i and i + 16 of its group
+    want = qs.view(np.int8) if kind == "q8_0" else np.concatenate([qs & 15, qs >> 4], axis=-1)
+    got = np.asarray(kv_cache.codes(q)).reshape(300, 2, 4, 32)
+    np.testing.assert_array_equal(got, want.astype(np.int32))
     deq = quants.dequantize(quants.quantize(x, GGML[kind]), GGML[kind]).reshape(x.shape)
     np.testing.assert_array_equal(np.asarray(kv_cache.dequantize(q)), deq)
 

@@ -183,10 +183,12 @@ def test_jit_compiles_once_per_shape():
     assert f._cache_size() == 1
 
 
-def test_engine_greedy_tokens_equal_with_pallas_and_xla(tiny_gguf, compile_cache, monkeypatch):
-    """The whole engine on the tiny model: the kernels (interpret mode) change no token. The
-    pallas backend runs q and k's norms, rope and the KV write as rope_write's kernel in every
-    layer (counted as the step traces it)."""
+@pytest.mark.parametrize("kv", [("f32", "f32"), ("q8_0", "q4_0")])
+def test_engine_greedy_tokens_equal_with_pallas_and_xla(tiny_gguf, compile_cache, monkeypatch, kv):
+    """The whole engine on the tiny model: the kernels (interpret mode) change no token, with
+    float32 KV or quantized K and V (the kernel's word layouts against XLA's dequantized
+    values). With plain caches the pallas backend runs q and k's norms, rope and the KV write as
+    rope_write's kernel in every layer (counted as the step traces it)."""
     from luce_jax import LLM, SamplingParams
     from pallas_kernels import rope_write
 
@@ -202,9 +204,10 @@ def test_engine_greedy_tokens_equal_with_pallas_and_xla(tiny_gguf, compile_cache
     out = {}
     for backend in ("xla", "pallas"):
         kw = dict(TINY_ENGINE, attention_backend=backend, compile_cache_dir=compile_cache)
+        kw.update(cache_type_k=kv[0], cache_type_v=kv[1])
         with LLM(tiny_gguf, **kw) as llm:
             out[backend] = [c.token_ids for c in llm.generate(prompts, sp)]
-        assert bool(traced) == (backend == "pallas")
+        assert bool(traced) == (backend == "pallas" and kv[0] == "f32")
     assert out["pallas"] == out["xla"]
 
 
