@@ -116,7 +116,7 @@ async def _batch(base: str, model: str | None, docs: list[tuple[str, str]], max_
         "window": (
             sum(r["tokens"] - 1 for r in res),
             max(r["end"] for r in res) - min(r["first"] for r in res),
-        ),  # fmt: skip
+        ),
         "found": found,
         "n": len(docs),
     }
@@ -158,7 +158,7 @@ def markdown(rows: list[dict], title: str) -> str:
         lines.append(
             f"| {r['prompt_tokens_mean']:.0f} | {r['C']} | {r['ttft_median_s'] * 1e3:.0f} | "
             f"{r['ttft_max_s'] * 1e3:.0f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.0f} | "
-            f"{r.get('window_tok_s', 0):.1f} | {r['found']}/{r['n']} |"
+            f"{r['window_tok_s']:.1f} | {r['found']}/{r['n']} |"
         )
     return "\n".join(lines) + "\n"
 

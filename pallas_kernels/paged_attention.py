@@ -219,8 +219,8 @@ def _kernel(
 
 def _quantized_compute_dtype(dtype):
     """What a step's attention over two quantized caches computes in: f16 for 16-bit queries
-    (q8_0 tiles come out of kv_tiles' PTX as f16, and f16 keeps 3 more bits of q and p than
-    bf16; q8_0's own f16 scales bound its values to f16's range), else q's float32."""
+    (quantized tiles come out of kv_tiles' PTX as f16, and f16 keeps 3 more bits of q and p
+    than bf16; the caches' own f16 scales bound their values to f16's range), else q's float32."""
     return jnp.float16 if jnp.dtype(dtype).itemsize == 2 else dtype
 
 
