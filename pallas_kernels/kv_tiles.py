@@ -69,7 +69,7 @@ def quantized_loads(data_ref, scale_ref, kind, phys, off, kh, ok, D):
 # constant XORed in, the f16x2 subtracted): plane m of word c holds the token's value
 # len(planes) * c + m (kv_cache.py's layouts). q8_0: the code byte XOR 0x80 under 0x64 is the
 # f16 1152 + code. q4_0: a nibble under 0x64 is 1024 + nibble, and values are nibble - 8.
-_PIECES = {
+PLANE_PIECES = {
     "q8_0": [(b, 0, 0x00FF00FF, 0x64806480, 0x64806480) for b in range(4)],
     "q4_0": [(p, 4 * h, 0x000F000F, 0x64006400, 0x64086408) for h in range(2) for p in range(4)],
 }
@@ -100,7 +100,7 @@ def planes(words, scales, kind: str, ptx: bool) -> list:
     value m (kv_cache.py's layouts), times scales [..., n] f16 where given (None: the values,
     exact). ptx False: the same values from jnp integer ops (interpret mode, ROCm)."""
     out = []
-    for byte, shift, mask, xor, bias in _PIECES[kind]:
+    for byte, shift, mask, xor, bias in PLANE_PIECES[kind]:
         if ptx:
             args = [words] if scales is None else [words, scales]
             out += plgpu.elementwise_inline_asm(

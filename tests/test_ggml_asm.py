@@ -150,7 +150,7 @@ def test_the_kv_plane_ptx_gives_the_portable_path_s_halves(kind, scaled):
     scales = rng.uniform(-3, 3, (64, 2)).astype(np.float16)
     w = jnp.asarray(words.view(np.int32) if kind == "q8_0" else words)
     want = kv_tiles.planes(w, jnp.asarray(scales) if scaled else None, kind, ptx=False)
-    for piece, plane in zip(kv_tiles._PIECES[kind], want, strict=True):
+    for piece, plane in zip(kv_tiles.PLANE_PIECES[kind], want, strict=True):
         asm = kv_tiles.plane_asm(*piece, scaled)
         for (a, b), sc, halves in zip(words, scales, np.asarray(plane), strict=True):
             ins = [int(a), int(b)] + ([int(sc.view(np.uint32)[0])] if scaled else [])
