@@ -47,6 +47,13 @@ def leading_shape(cache) -> tuple[int, int, int]:
     return (cache.data if isinstance(cache, Quantized) else cache).shape[:3]
 
 
+def head_dim(cache) -> int:
+    """D, the values a token's head holds, of either kind."""
+    if not isinstance(cache, Quantized):
+        return cache.shape[-1]
+    return cache.data.shape[-1] * (4 if kind(cache) == "q8_0" else 8)
+
+
 def _is_quant(cache_type) -> bool:
     return isinstance(cache_type, str) and cache_type in QUANT_BYTES
 

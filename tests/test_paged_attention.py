@@ -183,12 +183,13 @@ def test_jit_compiles_once_per_shape():
     assert f._cache_size() == 1
 
 
-@pytest.mark.parametrize("kv", [("f32", "f32"), ("q8_0", "q4_0")])
+@pytest.mark.parametrize("kv", [("f32", "f32"), ("q8_0", "q4_0"), ("f32", "q8_0")])
 def test_engine_greedy_tokens_equal_with_pallas_and_xla(tiny_gguf, compile_cache, monkeypatch, kv):
     """The whole engine on the tiny model: the kernels (interpret mode) change no token, with
     float32 KV or quantized K and V (the kernel's word layouts against XLA's dequantized
-    values). With plain caches the pallas backend runs q and k's norms, rope and the KV write as
-    rope_write's kernel in every layer (counted as the step traces it)."""
+    values). The pallas backend runs q and k's norms, rope and the KV write as rope_write's
+    kernel in every layer (counted as the step traces it) where it fits: a q8_0 V is quantized
+    there too; the tiny model's NEOX half head (16) is shorter than a quantized K's group."""
     from luce_jax import LLM, SamplingParams
     from pallas_kernels import rope_write
 

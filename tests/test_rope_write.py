@@ -81,8 +81,8 @@ def test_float32_caches_take_the_exact_values():
 
 
 def test_layers_the_kernel_cannot_take_are_refused():
-    """Quantized caches, partial rotary and odd head dims take the XLA path (fits is False);
-    the wrapper names what does not fit."""
+    """Partial rotary, odd head dims and quantized caches whose NEOX half is shorter than a
+    scale group take the XLA path (fits is False); the wrapper names what does not fit."""
     qkv, q_w, k_w, kc, vc, idx, pos = case(1)
     assert fits(D, D, kc, vc)
     assert not fits(D, D // 2, kc, vc)
@@ -100,3 +100,62 @@ def test_layers_the_kernel_cannot_take_are_refused():
     with pytest.raises(ValueError, match="norm weights"):
         rope_write(qkv, q_w, None, cos, sin, idx, kc, vc, heads=H, kv_heads=K, eps=1e-6,
                    neox=True, out_dtype=jnp.bfloat16, interpret=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
+@pytest.mark.parametrize(
+    "k_type, v_type",
+    [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), (jnp.bfloat16, "q8_0")],
+)
+def test_quantized_caches_get_ggml_codes_and_scales(neox, k_type, v_type):
+    """With q8_0 / q4_0 caches the kernel writes, at each row's slot, the codes and f16 scales
+    that kv_cache.write gives the model's rotated k and v (ggml's quantization, bit for bit),
+    from NEOX's halves or llama's pairs; q is as with plain caches, and slots no row writes keep
+    their contents."""
+    Dq = 64  # NEOX's halves hold whole groups of 32
+    ks = jax.random.split(jax.random.key(11), 4)
+    qkv = jax.random.normal(ks[0], (T, (H + 2 * K) * Dq), jnp.float32) * 3
+    # v groups whose largest magnitude comes at both signs: q4_0's scale takes the first
+    v0 = (H + K) * Dq
+    qkv = qkv.at[0, v0 + 5].set(-9.0).at[0, v0 + 9].set(9.0).at[1, v0 + 40].set(9.0)
+    qkv = qkv.at[1, v0 + 33].set(-9.0)
+    q_w, k_w = (1 + 0.1 * jax.random.normal(k, (Dq,), jnp.float32) for k in ks[1:3])
+    _, _, _, _, _, idx, pos = case(0)
+    old = jax.random.normal(ks[3], (NB, P, K, Dq), jnp.float32)
+    kc, vc = (
+        kv_cache.quantize(old, t) if isinstance(t, str) else old.astype(t) for t in (k_type, v_type)
+    )
+    c = ModelConfig(arch="qwen3", vocab_size=32, d_model=H * Dq, n_layers=1, n_heads=H,
+                    n_kv_heads=K, head_dim=Dq, ffn_dim=8, rope_base=10000.0, rope_dim=Dq,
+                    rope_neox=neox)  # fmt: skip
+    cos, sin = rope_tables(pos, c)
+    assert fits(Dq, Dq, kc, vc, neox)
+    q_got, kc_got, vc_got = rope_write(qkv, q_w, k_w, cos, sin, idx, kc, vc, heads=H, kv_heads=K,
+                                       eps=1e-6, neox=neox, out_dtype=jnp.float32,
+                                       interpret=True)  # fmt: skip
+    k = rms_norm(qkv[:, H * Dq : (H + K) * Dq].reshape(T, K, Dq), k_w, 1e-6)
+    v = qkv[:, (H + K) * Dq :].reshape(T, K, Dq)
+    q = rms_norm(qkv[:, : H * Dq].reshape(T, H, Dq), q_w, 1e-6)
+    np.testing.assert_allclose(q_got, apply_rope(q, cos, sin, c), rtol=1e-5, atol=1e-5)
+    for got, cache, rows in ((kc_got, kc, apply_rope(k, cos, sin, c)), (vc_got, vc, v)):
+        want = kv_cache.write(cache, idx, rows)
+        if isinstance(cache, kv_cache.Quantized):
+            got, want = (
+                (np.asarray(kv_cache.codes(z))[1:], np.asarray(z.scale)[1:]) for z in (got, want)
+            )  # block 0: the sink the padding rows write
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+        else:
+            got, want = (np.asarray(z, np.float32)[1:] for z in (got, want))
+            np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    untouched = kv_cache.codes(vc_got)[1] if v_type != jnp.bfloat16 else vc_got[1]
+    np.testing.assert_array_equal(untouched, kv_cache.codes(vc)[1])
+
+
+def test_quantized_caches_that_do_not_fit_are_refused():
+    """A NEOX half shorter than a scale group cannot be quantized where it lies: fits is False
+    there (the model then writes through XLA), and the wrapper names the head dim."""
+    quant = kv_cache.init((NB, P, K, 32), "q8_0")
+    assert not fits(32, 32, quant, quant, neox=True)
+    assert fits(32, 32, quant, quant, neox=False)
+    assert fits(32, 32, kv_cache.init((NB, P, K, 32), jnp.bfloat16), quant, neox=True)

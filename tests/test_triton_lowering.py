@@ -73,12 +73,14 @@ def test_grouped_matmul_lowers_to_a_valid_triton_module(verified, swiglu, M, K, 
 
 @pytest.mark.parametrize("neox, norm, kp", [(True, True, None), (False, False, 1), (True, True, 2)])
 @pytest.mark.parametrize("H, K", [(32, 8), (28, 4)])
-def test_rope_write_lowers_to_a_valid_triton_module(verified, neox, norm, kp, H, K):
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0", "q4_0"])
+def test_rope_write_lowers_to_a_valid_triton_module(verified, neox, norm, kp, H, K, kv_type):
     """The qkv rows' norm, rope and KV write in one kernel, its caches aliased to its outputs,
-    a program a row or a program a row's KP kv heads."""
+    a program a row or a program a row's KP kv heads; quantized caches with their divisions
+    in PTX."""
     D, T, NB, P = 128, 8, 64, 16
     ws = (jnp.ones((D,), jnp.float32),) * 2 if norm else (None, None)
-    cache = jnp.zeros((NB, P, K, D), jnp.bfloat16)
+    cache = kv_cache.init((NB, P, K, D), jnp.bfloat16 if kv_type == "bf16" else kv_type)
     f = lambda qkv, cos, idx, kc, vc: rope_write(  # noqa: E731
         qkv, *ws, cos, cos, idx, kc, vc, heads=H, kv_heads=K, eps=1e-6, neox=neox,
         out_dtype=jnp.bfloat16, kv_heads_per_program=kp, interpret=False)  # fmt: skip
@@ -86,6 +88,7 @@ def test_rope_write_lowers_to_a_valid_triton_module(verified, neox, norm, kp, H,
     cos = jnp.zeros((T, D // 2), jnp.float32)
     lower_for_cuda(f, qkv, cos, jnp.zeros((T,), jnp.int32), cache, cache)
     assert len(verified) == 1
+    assert (kv_type != "bf16") == ("div.rn.f32" in str(verified[0].module))
 
 
 def zero_weight(qtype: str, N: int, K: int, lead=()) -> QuantWeight:

@@ -132,12 +132,13 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
     # The KV write stays apart from the attention kernel: a fused write would have to land
     # before other programs of the same sequence read it, an ordering Triton programs of one
     # grid do not have. It goes with q and k's norms and rope instead (rope_write).
-    if rope_write is not None and fits_rope_write(D, cfg.rope_dim or D, kc, vc):
+    if rope_write is not None and fits_rope_write(D, cfg.rope_dim or D, kc, vc, cfg.rope_neox):
         with jax.named_scope("kv_write"):
             norms = lp.get("q_norm"), lp.get("k_norm")
+            q_dtype = kv_cache.compute_dtype(kc, weight_dtype(lp["wqkv"]))
             q, kc, vc = rope_write(qkv, *norms, cos, sin, batch["write_idx"], kc, vc, heads=H,
                                    kv_heads=K, eps=cfg.rms_eps, neox=cfg.rope_neox,
-                                   out_dtype=kc.dtype)  # fmt: skip
+                                   out_dtype=q_dtype)  # fmt: skip
         o = attend(attn, q, kc, vc, batch, 1.0 / D**0.5, lp["wqkv"])
     else:
         with jax.named_scope("qkv"):
