@@ -10,7 +10,8 @@ keys the block needs) with an online softmax, causal per query position. A tile 
 tokens through the block table, so BK is independent of the block size P: one iteration moves
 enough bytes to keep the memory system busy even for a single decode row. A long context is
 spread over several programs; each stores its (max, sum, accumulator) partials at its own rows
-and heads, and one jnp combine over the splits gives the output. Gathering q and storing
+and heads, and split_combine.py combines them (XLA's reduction, or from 32 splits on a kernel
+that reads the real rows' partials only). Gathering q and storing
 partials by row took a call in the bench's loop of layers from 11 kernels to 6 (no transpose
 of q, no scatter of the output): one decode row at 4096 keys 26 -> 17 us, 8 rows 56 -> 46, 64
 rows 296 -> 278 (bench/results/2026-12-04_attention_partials_by_row_h200.md). Tokens past a
@@ -47,8 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 from . import kv_cache, kv_tiles
 from .call_options import call_options, uses_ptx, whole
 from .kv_cache import GROUP
-
-MASK_VALUE = -1e30  # finite: a fully masked row keeps m finite and contributes nothing
+from .split_combine import MASK_VALUE, PALLAS_FROM_SPLITS, split_combine, split_combine_reference
 
 
 def paged_attention_reference(
@@ -367,13 +367,7 @@ def paged_attention(
         out_shape=shapes,
         **options,
     )(*inputs)
-    # Combine the splits: weights exp(m_s - max m) over splits that saw any key.
-    mx = jnp.max(m, axis=0)
-    w = jnp.where(den > 0, jnp.exp(m - mx), 0.0)
-    o = (
-        jnp.sum(w[..., None] * acc, axis=0)
-        / jnp.maximum(jnp.sum(w * den, axis=0), 1e-30)[..., None]
-    )
-    o = o[:T, :, :G].reshape(T, H, D)
-    real = jnp.arange(T) < cu_q_lens[-1]
-    return jnp.where(real[:, None, None], o, 0).astype(q.dtype)
+    # Combine the splits (split_combine.py): with many, a kernel that reads real rows only.
+    if ns >= PALLAS_FROM_SPLITS:
+        return split_combine(acc, m, den, cu_q_lens, T, H, q.dtype, interpret=interpret)
+    return split_combine_reference(acc, m, den, cu_q_lens, T, H, q.dtype)

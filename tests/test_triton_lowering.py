@@ -24,6 +24,7 @@ from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import INT8_DOTS, quant_matmul
 from pallas_kernels.quant_weight import QuantWeight
 from pallas_kernels.rope_write import rope_write
+from pallas_kernels.split_combine import split_combine
 
 
 def lower_for_cuda(f, *args):
@@ -89,6 +90,18 @@ def test_rope_write_lowers_to_a_valid_triton_module(verified, neox, norm, kp, H,
     lower_for_cuda(f, qkv, cos, jnp.zeros((T,), jnp.int32), cache, cache)
     assert len(verified) == 1
     assert (kv_type != "bf16") == ("div.rn.f32" in str(verified[0].module))
+
+
+@pytest.mark.parametrize("NS", [32, 40])
+def test_split_combine_lowers_to_a_valid_triton_module(verified, NS):
+    """The splits' combine, a program a row and head, splits padded to a power of two."""
+    T, K, G, D = 8, 8, 4, 128
+    acc = jnp.zeros((NS, T + 4, K, G, D), jnp.float32)
+    m = jnp.zeros((NS, T + 4, K, G), jnp.float32)
+    cu = jnp.asarray([0, 1], jnp.int32)
+    f = lambda *a: split_combine(*a, T, 32, jnp.bfloat16, interpret=False)  # noqa: E731
+    lower_for_cuda(f, acc, m, m, cu)
+    assert len(verified) == 1
 
 
 def zero_weight(qtype: str, N: int, K: int, lead=()) -> QuantWeight:
