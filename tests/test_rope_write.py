@@ -104,14 +104,19 @@ def test_layers_the_kernel_cannot_take_are_refused():
 
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
 @pytest.mark.parametrize(
-    "k_type, v_type",
-    [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "q4_0"), (jnp.bfloat16, "q8_0")],
+    "k_type, v_type, kp",
+    [
+        ("q8_0", "q8_0", None),
+        ("q4_0", "q4_0", None),
+        ("q8_0", "q4_0", 1),
+        (jnp.bfloat16, "q8_0", None),
+    ],
 )
-def test_quantized_caches_get_ggml_codes_and_scales(neox, k_type, v_type):
+def test_quantized_caches_get_ggml_codes_and_scales(neox, k_type, v_type, kp):
     """With q8_0 / q4_0 caches the kernel writes, at each row's slot, the codes and f16 scales
     that kv_cache.write gives the model's rotated k and v (ggml's quantization, bit for bit),
-    from NEOX's halves or llama's pairs; q is as with plain caches, and slots no row writes keep
-    their contents."""
+    from NEOX's halves or llama's pairs, a program a row or a row's kv head; q is as with plain
+    caches, and slots no row writes keep their contents."""
     Dq = 64  # NEOX's halves hold whole groups of 32
     ks = jax.random.split(jax.random.key(11), 4)
     qkv = jax.random.normal(ks[0], (T, (H + 2 * K) * Dq), jnp.float32) * 3
@@ -132,7 +137,7 @@ def test_quantized_caches_get_ggml_codes_and_scales(neox, k_type, v_type):
     assert fits(Dq, Dq, kc, vc, neox)
     q_got, kc_got, vc_got = rope_write(qkv, q_w, k_w, cos, sin, idx, kc, vc, heads=H, kv_heads=K,
                                        eps=1e-6, neox=neox, out_dtype=jnp.float32,
-                                       interpret=True)  # fmt: skip
+                                       kv_heads_per_program=kp, interpret=True)  # fmt: skip
     k = rms_norm(qkv[:, H * Dq : (H + K) * Dq].reshape(T, K, Dq), k_w, 1e-6)
     v = qkv[:, (H + K) * Dq :].reshape(T, K, Dq)
     q = rms_norm(qkv[:, : H * Dq].reshape(T, H, Dq), q_w, 1e-6)
