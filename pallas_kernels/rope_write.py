@@ -24,8 +24,7 @@ each group's even values in one half and its odd values in the other. Divisions 
 PTX's div.rn.f32 (Triton's f32 division is div.full, two ulps off), so the codes and scales
 equal kv_cache.quantize's.
 
-Shapes: T rows, H query heads, K kv heads, D head dim, NB blocks of P slots, W code words of a
-row, G scale groups of a row.
+Shapes: T rows, H query heads, K kv heads, D head dim, NB blocks of P slots.
 """
 
 from __future__ import annotations
@@ -59,7 +58,8 @@ def _norm_rope(x1, x2, w1, w2, c, s, eps, D):
 def rope_write_reference(qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads, kv_heads, eps,
                          neox, out_dtype):  # fmt: skip
     """qkv [T, (H + 2K) * D] float32 -> (q [T, H, D] out_dtype, kc, vc with k, v at
-    write_idx [T]); q_w, k_w [D] norm weights or None; cos, sin [T, D / 2]."""
+    write_idx [T], plain or quantized as kv_cache.write writes them); q_w, k_w [D] norm weights
+    or None; cos, sin [T, D / 2]."""
     T = qkv.shape[0]
     H, K = heads, kv_heads
     D = qkv.shape[1] // (H + 2 * K)
@@ -77,12 +77,7 @@ def rope_write_reference(qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads, k
     q, k = part(0, H, q_w), part(H, K, k_w)
     v = qkv[:, (H + K) * D :].reshape(T, K, D)
 
-    def put(cache, rows):
-        nb, p = cache.shape[:2]
-        flat = cache.reshape(nb * p, *cache.shape[2:]).at[write_idx].set(rows.astype(cache.dtype))
-        return flat.reshape(cache.shape)
-
-    return q.astype(out_dtype), put(kc, k), put(vc, v)
+    return q.astype(out_dtype), kv_cache.write(kc, write_idx, k), kv_cache.write(vc, write_idx, v)
 
 
 def _div(a, b, ptx: bool):
@@ -138,11 +133,11 @@ def _quantized(parts, kind: str, ptx: bool):
     return words, d.astype(jnp.float16)
 
 
-def _write_quantized(data_ref, scale_ref, blk, off, heads, ok, parts, kind, ptx):
-    """Quantize one row's heads (parts of a run, as _quantized takes them, offset into the
-    head by `first` values) and store words and scales at the row's slot."""
-    for first, run in parts:
-        words, sc = _quantized(run, kind, ptx)
+def _write_quantized(data_ref, scale_ref, blk, off, heads, ok, runs, kind, ptx):
+    """Quantize one row's heads and store words and scales at the row's slot. runs: [(the
+    run's first value in the head, its parts as _quantized takes them)]."""
+    for first, parts in runs:
+        words, sc = _quantized(parts, kind, ptx)
         w0, g0 = first // (4 if kind == "q8_0" else 8), first // GROUP
         wi = w0 + jnp.arange(words.shape[1])[None, :]
         gi = g0 + jnp.arange(sc.shape[1])[None, :]
