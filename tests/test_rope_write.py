@@ -114,7 +114,7 @@ def test_layers_the_kernel_cannot_take_are_refused():
 )
 def test_quantized_caches_get_ggml_codes_and_scales(neox, k_type, v_type, kp):
     """With q8_0 / q4_0 caches the kernel writes, at each row's slot, the codes and f16 scales
-    that kv_cache.write gives the model's rotated k and v (ggml's quantization, bit for bit),
+    its reference and kv_cache.write give the model's rotated k and v (ggml's, bit for bit),
     from NEOX's halves or llama's pairs, a program a row or a row's kv head; q is as with plain
     caches, and slots no row writes keep their contents."""
     Dq = 64  # NEOX's halves hold whole groups of 32
@@ -142,8 +142,14 @@ def test_quantized_caches_get_ggml_codes_and_scales(neox, k_type, v_type, kp):
     v = qkv[:, (H + K) * Dq :].reshape(T, K, Dq)
     q = rms_norm(qkv[:, : H * Dq].reshape(T, H, Dq), q_w, 1e-6)
     np.testing.assert_allclose(q_got, apply_rope(q, cos, sin, c), rtol=1e-5, atol=1e-5)
-    for got, cache, rows in ((kc_got, kc, apply_rope(k, cos, sin, c)), (vc_got, vc, v)):
+    ref = rope_write_reference(qkv, q_w, k_w, cos, sin, idx, kc, vc, heads=H, kv_heads=K,
+                               eps=1e-6, neox=neox, out_dtype=jnp.float32)  # fmt: skip
+    for got, cache, rows, r in ((kc_got, kc, apply_rope(k, cos, sin, c), ref[1]),
+                                (vc_got, vc, v, ref[2])):  # fmt: skip
         want = kv_cache.write(cache, idx, rows)
+        if isinstance(cache, kv_cache.Quantized):  # the reference: the same codes and scales
+            np.testing.assert_array_equal(kv_cache.codes(r)[1:], kv_cache.codes(got)[1:])
+            np.testing.assert_array_equal(r.scale[1:], got.scale[1:])
         if isinstance(cache, kv_cache.Quantized):
             got, want = (
                 (np.asarray(kv_cache.codes(z))[1:], np.asarray(z.scale)[1:]) for z in (got, want)
