@@ -309,11 +309,12 @@ def paged_attention(
     v_in = tuple(v_cache) if kinds[1] != "plain" else (v_cache,)
     NB, P, K = kv_cache.leading_shape(k_cache)
     S, MB = block_tables.shape
-    for c, kind in zip((k_in, v_in), kinds, strict=True):
-        want = {"plain": D, "q8_0": D // 4}.get(kind, D // 8)
-        if c[0].shape != (NB, P, K, want) or (kind != "plain" and D % GROUP):
+    for c, kind in zip((k_cache, v_cache), kinds, strict=True):
+        lead, width = kv_cache.leading_shape(c), kv_cache.head_dim(c)
+        if lead != (NB, P, K) or width != D or (kind != "plain" and D % GROUP):
             raise ValueError(
-                f"{kind} cache shape {c[0].shape} does not fit q {q.shape} and blocks {(NB, P, K)}"
+                f"{kind} cache of {lead} x {width} values does not fit q {q.shape} and blocks "
+                f"{(NB, P, K)}"
             )
     if H % K:
         raise ValueError(f"{H} query heads are not a multiple of {K} kv heads")
