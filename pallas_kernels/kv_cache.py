@@ -28,6 +28,7 @@ import jax.numpy as jnp
 GROUP = 32  # values per scale, as in ggml's q8_0 / q4_0 blocks
 QUANT_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32}  # per value: 32 values + an f16 scale
 QUANT_TYPES = tuple(QUANT_BYTES)
+VALUES_PER_WORD = {"q8_0": 4, "q4_0": 8}  # codes a data word holds (the layouts above)
 
 
 class Quantized(NamedTuple):
@@ -51,7 +52,7 @@ def head_dim(cache) -> int:
     """D, the values a token's head holds, of either kind."""
     if not isinstance(cache, Quantized):
         return cache.shape[-1]
-    return cache.data.shape[-1] * (4 if kind(cache) == "q8_0" else 8)
+    return cache.data.shape[-1] * VALUES_PER_WORD[kind(cache)]
 
 
 def _is_quant(cache_type) -> bool:
@@ -70,7 +71,8 @@ def init(shape: tuple[int, ...], cache_type):
     *lead, D = shape
     if D % GROUP:
         raise ValueError(f"cache type {cache_type} needs a head dim divisible by {GROUP}, got {D}")
-    width, dt = (D // 4, jnp.int32) if cache_type == "q8_0" else (D // 8, jnp.uint32)
+    dt = jnp.int32 if cache_type == "q8_0" else jnp.uint32
+    width = D // VALUES_PER_WORD[cache_type]
     return Quantized(jnp.zeros((*lead, width), dt), jnp.zeros((*lead, D // GROUP), jnp.float16))
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from .kv_cache import GROUP
+from .kv_cache import GROUP, VALUES_PER_WORD
 
 
 def _masked(ok, shape) -> dict:
@@ -59,7 +59,7 @@ def quantized_loads(data_ref, scale_ref, kind, phys, off, kh, ok, D):
     sc = plgpu.load(
         scale_ref.at[phys[:, None], off[:, None], kh, g[..., 0]], **_masked(ok, (BK, NG))
     )
-    width = 8 if kind == "q8_0" else 4
+    width = GROUP // VALUES_PER_WORD[kind]  # words a group
     cols = g * width + jnp.arange(width)[None, None, :]
     at = (phys[:, None, None], off[:, None, None], kh, cols)
     return plgpu.load(data_ref.at[at], **_masked(ok, (BK, NG, width))), sc

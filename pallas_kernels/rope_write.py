@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import kv_cache
 from .call_options import call_options, uses_ptx, whole
-from .kv_cache import GROUP
+from .kv_cache import GROUP, VALUES_PER_WORD
 
 
 def _halves(D: int, neox: bool):
@@ -116,7 +116,7 @@ def _quantized(parts, kind: str, ptx: bool):
         neg_at = functools.reduce(jnp.minimum, [first(x, o, -amax) for x, o in grouped])
         d = _div(jnp.where(pos_at <= neg_at, amax, -amax), jnp.float32(-8), ptx)
     inv = jnp.where(d == 0, 0.0, _div(jnp.float32(1), jnp.where(d == 0, 1.0, d), ptx))
-    vpw = 4 if kind == "q8_0" else 8
+    vpw = VALUES_PER_WORD[kind]
     words = None
     for x, o in grouped:
         y = x * inv[..., None]
@@ -138,7 +138,7 @@ def _write_quantized(data_ref, scale_ref, blk, off, heads, ok, runs, kind, ptx):
     run's first value in the head, its parts as _quantized takes them)]."""
     for first, parts in runs:
         words, sc = _quantized(parts, kind, ptx)
-        w0, g0 = first // (4 if kind == "q8_0" else 8), first // GROUP
+        w0, g0 = first // VALUES_PER_WORD[kind], first // GROUP
         wi = w0 + jnp.arange(words.shape[1])[None, :]
         gi = g0 + jnp.arange(sc.shape[1])[None, :]
         words = words if kind == "q8_0" else jax.lax.bitcast_convert_type(words, jnp.uint32)
