@@ -120,14 +120,15 @@ def run_case(name, segs, bw, check_ref, kv_type, variants, xla=True) -> list[dic
         jax.jit(lambda *a: paged_attention_reference(*a, scale=scale))(*args) if check_ref else None
     )
     rows = []
-    for bk, split, warps, bqg, masks in variants:
+    for bk, split, warps, bqg, masks, pieces in variants:
         row = {"case": name, "kv": kv_type, "block_k": bk, "split": split, "warps": warps}
         # a split "nC": C splits per query block, each an equal share of its keys
         tokens, splits = (256, int(split[1:])) if str(split).startswith("n") else (split, None)
-        row.update(block_qg=bqg, split_masks=bool(masks), T=int(args[0].shape[0]),
+        row.update(block_qg=bqg, split_masks=bool(masks), pieces=pieces, T=int(args[0].shape[0]),
                    kv_MB=kv_bytes / 1e6, xla_us=tx * 1e6)  # fmt: skip
         kw = dict(scale=scale, cu_q_lens=cu, block_k=bk, split_tokens=tokens, num_warps=warps,
-                  block_qg=bqg, split_masks=bool(masks), splits=splits)  # fmt: skip
+                  block_qg=bqg, split_masks=bool(masks), splits=splits,
+                  pieces=pieces or None)  # fmt: skip
         try:
             fp = functools.partial(paged_attention, **kw)
             out_p = jax.jit(fp)(*args)
@@ -154,13 +155,14 @@ def run_case(name, segs, bw, check_ref, kv_type, variants, xla=True) -> list[dic
 
 
 def variant(s: str) -> tuple:
-    """block_k:split:num_warps[:block_qg[:split_masks]] (64 and 0 if left out); split is
-    split_tokens, or nC for C splits per query block (paged_attention's `splits`)."""
+    """block_k:split:num_warps[:block_qg[:split_masks[:pieces]]] (64, 0 and 0 if left out);
+    split is split_tokens, or nC for C splits per query block (paged_attention's `splits`);
+    pieces the dots a quantized tile is contracted in (0: the kernel's TILE_PIECES)."""
     bk, split, warps, *rest = s.split(":")
-    bqg, masks = ([int(x) for x in rest] + [64, 0][len(rest) :])[:2]
+    bqg, masks, pieces = ([int(x) for x in rest] + [64, 0, 0][len(rest) :])[:3]
     if split.startswith("n") and not split[1:].isdigit():
         raise argparse.ArgumentTypeError(f"split {split!r}: tokens, or n and a count")
-    return int(bk), split if split.startswith("n") else int(split), int(warps), bqg, masks
+    return int(bk), split if split.startswith("n") else int(split), int(warps), bqg, masks, pieces
 
 
 def main():
@@ -172,9 +174,10 @@ def main():
         "--variants",
         type=variant,
         nargs="+",
-        default=[(64, 1024, 4, 64, 0)],
-        help="kernel tilings block_k:split:num_warps[:block_qg[:split_masks 0/1]]; split: "
-        "split_tokens, or nC for C splits per query block",
+        default=[(64, 1024, 4, 64, 0, 0)],
+        help="kernel tilings block_k:split:num_warps[:block_qg[:split_masks 0/1[:pieces]]]; "
+        "split: split_tokens, or nC for C splits per query block; pieces: dots a quantized tile "
+        "is contracted in (0: the kernel's default)",
     )
     ap.add_argument(
         "--warm-prefix",
@@ -222,13 +225,14 @@ def main():
         f"copy bandwidth {bw / 1e9:.0f} GB/s. KV MB counts the cache type's bytes (q8_0 34 and "
         "q4_0 18 bytes per 32 values); the XLA path reads the same cache, dequantizing in XLA.",
         "",
-        "| case | KV | block_k:split:warps:block_qg:split_masks | T | KV MB | Pallas us | XLA us | "
-        "speedup | Pallas KV GB/s | of copy BW | Pallas TFLOP/s | "
+        "| case | KV | block_k:split:warps:block_qg:split_masks[:pieces] | T | KV MB | Pallas us | "
+        "XLA us | speedup | Pallas KV GB/s | of copy BW | Pallas TFLOP/s | "
         f"max diff vs {'the first variant' if a.no_xla else 'XLA'} | vs f32 ref |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         tiling = f"{r['block_k']}:{r['split']}:{r['warps']}:{r['block_qg']}:{int(r['split_masks'])}"
+        tiling += f":{r['pieces']}" if r.get("pieces") else ""
         head = f"| {r['case']} | {r['kv']} | {tiling} | {r['T']} | {r['kv_MB']:.1f} |"
         if "error" in r:
             lines.append(f"{head} failed: {r['error'][:80]} | | | | | | | |")

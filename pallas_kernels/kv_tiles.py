@@ -6,8 +6,10 @@ Quantized codes become f16 through inline PTX, two words of one token at a time 
 permute takes the same byte of both words into the low bytes of two halves (q4_0's high nibble
 then one shift), one lop3 makes each half the f16 0x64XX = 1024 + XX with the code's bits in XX
 (q8_0's sign bit flipped), one packed subtraction leaves the value and one packed multiply
-applies the scale. The planes (a word's value m of each word) are joined into the tile's
-[BK, D] order in registers, which kv_cache.py's word layouts make the value order. Triton's own
+applies the scale. The planes (a word's value m of each word) are contracted in pieces
+(`tile_pieces`): each piece joins a run of planes in registers and is a dot of its own, with q's
+columns and the output's in the piece's order (one piece is the value order kv_cache.py's word
+layouts give). Joins cost permutes; more pieces cost dots. Triton's own
 int8 -> bf16 conversion had unpacked the loaded words byte by byte and packed them again (about
 5 instructions a code), and q4_0's nibbles had gone through shared memory for their reshape.
 Compiled for sm_90a the kernel's loop went from 1191 to 793 instructions an iteration for q8_0
@@ -132,18 +134,30 @@ def _tree(planes_: list):
     return pair.reshape(*pair.shape[:-2], -1)
 
 
-def dequantized(raw, kind, cdt, ptx: bool):
-    """quantized_loads' (words, scales) as values [BK, D] in cdt.
+def tile_pieces(raw, kind, cdt, ptx: bool, pieces: int = 1) -> list:
+    """quantized_loads' (words, scales) as `pieces` tiles [BK, D / pieces] in cdt, each for a
+    dot of its own: piece j joins planes j*k .. j*k + k - 1 (k = len(planes) / pieces) in
+    registers, so its column k*c + i is the token's value len(planes)*c + j*k + i
+    (`piece_values`); one piece is the tile in value order. Fewer joins cost more dots.
 
-    In a 16-bit cdt: the f16 products of the PTX above (the code exact, the product rounded to
-    f16, 2^-11 relative), joined in registers into the tile's order. In float32 the exact codes
-    are multiplied by the scale in float32. The tile then costs one dot like a plain one.
+    In a 16-bit cdt the values are the f16 products of the PTX above (the code exact, the
+    product rounded to f16, 2^-11 relative); in float32 the exact codes times the scale.
     """
     words, sc = raw
-    BK, NG = sc.shape
+    BK = sc.shape[0]
     exact = jnp.dtype(cdt).itemsize > 2
-    scales = None if exact else jnp.broadcast_to(sc[:, :, None], words.shape)
-    tile = interleaved(planes(words, scales, kind, ptx)).reshape(BK, NG * GROUP).astype(cdt)
+    scales = jnp.broadcast_to(sc[:, :, None], words.shape)
+    ps = planes(words, None if exact else scales, kind, ptx)
     if exact:
-        tile = tile * jnp.broadcast_to(sc.astype(cdt)[:, :, None], (BK, NG, GROUP)).reshape(BK, -1)
-    return tile
+        ps = [p.astype(cdt) * scales.astype(cdt) for p in ps]
+    k = len(ps) // pieces
+    group = [ps[j * k : (j + 1) * k] for j in range(pieces)]
+    return [(g[0] if k == 1 else interleaved(g)).reshape(BK, -1).astype(cdt) for g in group]
+
+
+def piece_values(kind: str, D: int, pieces: int) -> list:
+    """Per piece of `tile_pieces`, the values [D / pieces] its columns hold."""
+    n = VALUES_PER_WORD[kind]
+    k = n // pieces
+    cols = jnp.arange(D // pieces)
+    return [n * (cols // k) + j * k + cols % k for j in range(pieces)]

@@ -19,11 +19,12 @@ sequence's kv length are masked loads, never read.
 
 KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file). A quantized tile
 is one contiguous load of each token's code words and one of its scales, made f16 in registers
-by inline PTX (kv_tiles.dequantized) and contracted in one dot like a plain tile; its loads are
-issued a tile ahead. Per scale group dots (an earlier form) had left q4_0 2.4-2.9x slower than
-a tile (8 rows x 4096 178 -> 75 us, 64 rows 1209 -> 422: bench/results/
-2026-12-04_attention_tile_dequant_h200.md). With the PTX, 64 rows x 4096: q8_0 304 us, q4_0 289,
-bf16 269 (bench/results/2026-12-04_attention_kernel_planes_h200.md).
+by inline PTX and contracted in TILE_PIECES dots (kv_tiles.tile_pieces: runs of code planes, q
+read and the output stored in their column order); its loads are issued a tile ahead. Per scale
+group dots (an earlier form) had left q4_0 2.4-2.9x slower than a tile (8 rows x 4096 178 -> 75
+us, 64 rows 1209 -> 422: bench/results/2026-12-04_attention_tile_dequant_h200.md). With the PTX
+and the tile in value order, 64 rows x 4096: q8_0 304 us, q4_0 289, bf16 269 (bench/results/
+2026-12-04_attention_kernel_planes_h200.md); in pieces q8_0 280 and q4_0 247.
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
 tables, kv lengths and the query-block list are ordinary inputs read inside the kernel, and the
@@ -47,7 +48,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import kv_cache, kv_tiles
 from .call_options import call_options, uses_ptx, whole
-from .kv_cache import GROUP
+from .kv_cache import GROUP, VALUES_PER_WORD
 from .split_combine import MASK_VALUE, PALLAS_FROM_SPLITS, split_combine, split_combine_reference
 
 
@@ -106,6 +107,14 @@ def query_blocks(cu_q_lens, T: int, block_q: int, max_blocks: int | None = None)
     return jnp.stack([seg, start, n], axis=1).astype(jnp.int32)
 
 
+# Dots a quantized tile is contracted in (kv_tiles.tile_pieces), from a sweep of 1, 2 and 4 on
+# the H200 (bench/results/2026-12-04_attention_tile_pieces_h200.md): q8_0's 4 code planes each a
+# dot of its own, never joined (7-9% faster than one dot from 8 rows up), q4_0's 8 in 2 dots of 4
+# (14-17%: 128 registers against 157, so 4 programs an SM where 3 fit). One dot a q4_0 plane
+# spilled registers (1517 instructions a loop iteration against 704).
+TILE_PIECES = {"q8_0": 4, "q4_0": 2}
+
+
 def _dot(a, b, contract_b: int):
     return jax.lax.dot_general(
         a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32
@@ -114,7 +123,7 @@ def _dot(a, b, contract_b: int):
 
 def _kernel(
     meta_ref, bt_ref, kvlen_ref, q_ref, pos_ref, *refs, scale, BQG, G, BK, TPS, NS, kinds,
-    split_masks, ptx,
+    split_masks, ptx, pieces,
 ):  # fmt: skip
     k_kind, v_kind = kinds
     refs = list(refs)
@@ -138,8 +147,16 @@ def _kernel(
     # a partial (interpret mode's masked stores write back what they read).
     t = jnp.minimum(start + j // G, acc_ref.shape[1] - 1)
     tq, hq = jnp.minimum(t, T - 1), jnp.minimum(kh * Gr + j % G, H - 1)  # in bounds for loads
-    d = jnp.arange(D)[None, :]
-    q = plgpu.load(q_ref.at[tq[:, None], hq[:, None], d], mask=row_ok[:, None], other=0)
+    # Each cache's tile is contracted in pieces[c] dots (kv_tiles.tile_pieces), so q is read and
+    # the output stored in the pieces' column orders: K's pieces over D, V's into the output.
+    k_cols, v_cols = (
+        kv_tiles.piece_values(kind, D, n) if kind != "plain" else [jnp.arange(D)]
+        for kind, n in zip(kinds, pieces, strict=True)
+    )
+    qs = [
+        plgpu.load(q_ref.at[tq[:, None], hq[:, None], c[None, :]], mask=row_ok[:, None], other=0)
+        for c in k_cols
+    ]
     qpos = plgpu.load(pos_ref.at[tq])  # [BQG]
     # Keys this block needs: causal up to its last row's position, within the kv length.
     last = pos_ref[jnp.minimum(jnp.maximum(start + n - 1, 0), T - 1)]
@@ -177,13 +194,15 @@ def _kernel(
         # bench/results/2026-12-04_attention_kernel_kvtypes_h200.md).
         nxt, raw = loads(j + 1) if raw else (), list(raw)
 
-        def tile(c):
+        def tile(c) -> list:
+            """Cache c's tile as its pieces [BK, D / pieces[c]] (k_cols / v_cols)."""
             data, _, kind = caches[c]
             if kind == "plain":
-                return kv_tiles.load_tile(data, phys, off, kh, ok, cdt, D)
-            return kv_tiles.dequantized(raw.pop(0), kind, cdt, ptx)
+                return [kv_tiles.load_tile(data, phys, off, kh, ok, cdt, D)]
+            return kv_tiles.tile_pieces(raw.pop(0), kind, cdt, ptx, pieces[c])
 
-        s = _dot(q, tile(0), 1) * scale  # [BQG, BK]
+        dots = [_dot(qc, kc, 1) for qc, kc in zip(qs, tile(0), strict=True)]
+        s = functools.reduce(jnp.add, dots) * scale  # [BQG, BK]
         if masked:
             mask = (kpos[None, :] <= qpos[:, None]) & ok[None, :] & row_ok[:, None]
             s = jnp.where(mask, s, MASK_VALUE)
@@ -192,13 +211,14 @@ def _kernel(
         p = jnp.where(mask, p, 0.0) if masked else p
         alpha = jnp.exp(m - m_new)
         den = den * alpha + jnp.sum(p, axis=1)
-        v = tile(1)
-        return m_new, den, acc * alpha[:, None] + _dot(p.astype(cdt), v, 0), nxt
+        pv = [_dot(p.astype(cdt), vc, 0) for vc in tile(1)]
+        acc = tuple(a * alpha[:, None] + x for a, x in zip(acc, pv, strict=True))
+        return m_new, den, acc, nxt
 
     init = (
         jnp.full((BQG,), MASK_VALUE, jnp.float32),
         jnp.zeros((BQG,), jnp.float32),
-        jnp.zeros((BQG, D), jnp.float32),
+        tuple(jnp.zeros((BQG, c.shape[0]), jnp.float32) for c in v_cols),
         loads(lo),
     )
     if split_masks:
@@ -212,7 +232,9 @@ def _kernel(
     m, den, acc, _ = jax.lax.fori_loop(lo, hi, body, init)
     # Partials land at their query rows and heads: the combine needs no transpose or scatter.
     g = j % G
-    plgpu.store(acc_ref.at[sp, t[:, None], kh, g[:, None], d], acc, mask=row_ok[:, None])
+    for a, c in zip(acc, v_cols, strict=True):
+        at = (sp, t[:, None], kh, g[:, None], c[None, :])
+        plgpu.store(acc_ref.at[at], a, mask=row_ok[:, None])
     plgpu.store(m_ref.at[sp, t, kh, g], m, mask=row_ok)
     plgpu.store(l_ref.at[sp, t, kh, g], den, mask=row_ok)
 
@@ -275,6 +297,7 @@ def paged_attention(
     block_qg: int = 64,
     split_masks: bool | None = None,
     splits: int | None = None,
+    pieces: int | None = None,
 ):
     """Pallas ragged paged attention with paged_attention_reference's signature.
 
@@ -299,6 +322,8 @@ def paged_attention(
         place of split_tokens' splits over the longest context the block table holds: with few
         rows, a short context still spreads over `splits` programs, and a long one writes no
         more partials than a short one (flash-decoding with the split count fixed per bucket).
+      pieces: dots a quantized tile is contracted in, a power of two up to its planes (q8_0 4,
+        q4_0 8); None: TILE_PIECES per type.
     Returns:
       [T, H, D] in q's dtype; rows outside every segment are zero.
     """
@@ -318,6 +343,9 @@ def paged_attention(
             )
     if H % K:
         raise ValueError(f"{H} query heads are not a multiple of {K} kv heads")
+    planes = [VALUES_PER_WORD[k] for k in kinds if k != "plain"]
+    if pieces is not None and any(pieces < 1 or n % pieces for n in planes):
+        raise ValueError(f"pieces {pieces} does not divide the caches' code planes {planes}")
     G = H // K
     if split_masks is None:
         split_masks = kinds != ("plain", "plain") or T > 64
@@ -354,6 +382,7 @@ def paged_attention(
         kinds=kinds,
         split_masks=split_masks,
         ptx=uses_ptx(interpret),
+        pieces=tuple(1 if kind == "plain" else pieces or TILE_PIECES[kind] for kind in kinds),
     )
     options = call_options(interpret, num_warps, num_stages)
     # Partials [NS, T + BQ, K, G, (D)] at the rows and heads they belong to; rows outside every

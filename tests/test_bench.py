@@ -451,20 +451,25 @@ def test_attention_bench_counts_causal_work_and_checks_tilings_against_each_othe
         1e9,
         True,
         "bf16",
-        [(16, 64, 4, 16, 0), (16, 64, 4, 32, 1), (16, "n3", 4, 16, 0)],
+        [(16, 64, 4, 16, 0, 0), (16, 64, 4, 32, 1, 0), (16, "n3", 4, 16, 0, 0)],
         False,
     )
     assert [(r["block_qg"], r["split_masks"]) for r in rows] == [(16, False), (32, True)] + [
         (16, False)
     ]
-    assert attention_kernel.variant("64:256:4") == (64, 256, 4, 64, 0)
-    assert attention_kernel.variant("64:256:4:128:1") == (64, 256, 4, 128, 1)
-    assert attention_kernel.variant("64:n16:4") == (64, "n16", 4, 64, 0)  # 16 splits a block
+    assert attention_kernel.variant("64:256:4") == (64, 256, 4, 64, 0, 0)
+    assert attention_kernel.variant("64:256:4:128:1") == (64, 256, 4, 128, 1, 0)
+    assert attention_kernel.variant("64:256:4:64:1:2") == (64, 256, 4, 64, 1, 2)
+    assert attention_kernel.variant("64:n16:4") == (64, "n16", 4, 64, 0, 0)  # 16 splits a block
     with pytest.raises(argparse.ArgumentTypeError, match="split 'nx'"):
         attention_kernel.variant("64:nx:4")
     assert rows[0]["max_diff_vs_xla"] == 0.0  # the first variant is the baseline
     for r in rows[1:]:
         assert r["max_diff_vs_xla"] < 2e-2 and r["max_diff_vs_f32_ref"] < 2e-2
+    # a variant's pieces reach the kernel, which refuses 3 dots for q8_0's 4 planes
+    q8 = [(16, 64, 4, 16, 1, 3)]
+    (row,) = attention_kernel.run_case("decode 1x40", [(1, 40)], 1e9, False, "q8_0", q8, False)
+    assert row["pieces"] == 3 and "pieces 3" in row["error"]
 
 
 def test_gated_delta_bench_times_two_forms_that_compute_the_same(tmp_path, monkeypatch):

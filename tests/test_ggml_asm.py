@@ -173,3 +173,23 @@ def test_kv_planes_joined_are_the_cache_s_values_in_order(kind):
     got = kv_tiles.interleaved(kv_tiles.planes(words, sc, kind, ptx=False)).reshape(6, 128)
     want = (want.reshape(6, 4, 32).astype(jnp.float16) * q.scale[:, :, None]).reshape(6, 128)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("kind,pieces", [("q8_0", 1), ("q8_0", 4), ("q4_0", 2), ("q4_0", 8)])
+@pytest.mark.parametrize("cdt", [jnp.float16, jnp.float32])
+def test_tile_pieces_hold_the_values_piece_values_names(kind, pieces, cdt):
+    """Column i of piece j is the token's value piece_values[j][i] (the dequantized cache's, to
+    f16 in a 16-bit type), and the pieces' columns name every value once."""
+    rng = np.random.default_rng(9)
+    q = kv_cache.quantize(jnp.asarray(rng.standard_normal((6, 128)), jnp.float32), kind)
+    raw = (q.data.reshape(6, 4, -1), q.scale)  # quantized_loads' (words, scales)
+    got = kv_tiles.tile_pieces(raw, kind, cdt, ptx=False, pieces=pieces)
+    cols = kv_tiles.piece_values(kind, 128, pieces)
+    assert sorted(np.concatenate([np.asarray(c) for c in cols])) == list(range(128))
+    offset = 8 if kind == "q4_0" else 0
+    codes = (kv_cache.codes(q) - offset).reshape(6, 4, 32)
+    want = (codes.astype(cdt) * q.scale[:, :, None].astype(cdt)).reshape(6, 128)
+    assert len(got) == pieces
+    for tile, c in zip(got, cols, strict=True):
+        assert tile.dtype == cdt and tile.shape == (6, 128 // pieces)
+        np.testing.assert_array_equal(np.asarray(tile), np.asarray(want[:, c]))

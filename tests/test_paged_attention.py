@@ -105,6 +105,33 @@ def test_quantized_kv_with_bf16_queries():
     check(MIXED, H=8, K=2, D=128, P=16, dtype=jnp.bfloat16, kv_types=("q8_0", "q4_0"), tol=2e-2)
 
 
+@pytest.mark.parametrize(
+    "kv_types,pieces,dtype",
+    [
+        (("q8_0", "q8_0"), 1, jnp.bfloat16),
+        (("q8_0", "q8_0"), 2, jnp.bfloat16),
+        (("q4_0", "q4_0"), 1, jnp.bfloat16),
+        (("q4_0", "q4_0"), 4, jnp.bfloat16),
+        (("q4_0", "q4_0"), 8, jnp.float32),
+        (("q8_0", "q4_0"), 2, jnp.float32),
+    ],
+)
+def test_quantized_tiles_in_any_number_of_dots_match_reference(kv_types, pieces, dtype):
+    """A quantized tile contracted in 1 to 8 dots, q read and the output stored in each piece's
+    column order, is still attention over the dequantized caches (defaults: q8_0 4, q4_0 2)."""
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    check(MIXED, H=8, K=2, D=128, P=16, dtype=dtype, kv_types=kv_types, tol=tol,
+          kernel_kw={"pieces": pieces})  # fmt: skip
+
+
+def test_pieces_that_do_not_divide_the_planes_are_refused():
+    args, cu, _ = make_step([(2, 5)], H=4, K=4, D=64, P=16)
+    args = (args[0], kv_cache.quantize(args[1], "q8_0"), *args[2:])
+    for pieces in (3, 8, 0):  # q8_0 has 4 planes
+        with pytest.raises(ValueError, match=f"pieces {pieces}"):
+            paged_attention(*args, scale=1.0, cu_q_lens=cu, interpret=True, pieces=pieces)
+
+
 def test_bf16_within_bf16_tolerance():
     check(MIXED, H=8, K=2, D=128, P=16, dtype=jnp.bfloat16, tol=2e-2)
 
