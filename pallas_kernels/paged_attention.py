@@ -109,8 +109,8 @@ def query_blocks(cu_q_lens, T: int, block_q: int, max_blocks: int | None = None)
 
 # Dots a quantized tile is contracted in (kv_tiles.tile_pieces), from a sweep of 1, 2 and 4 on
 # the H200 (bench/results/2026-12-04_attention_tile_pieces_h200.md): q8_0's 4 code planes each a
-# dot of its own, never joined (7-9% faster than one dot from 8 rows up), q4_0's 8 in 2 dots of 4
-# (14-17%: 128 registers against 157, so 4 programs an SM where 3 fit). One dot a q4_0 plane
+# dot of its own, never joined (7-10% faster than one dot from 8 rows up), q4_0's 8 in 2 dots of 4
+# (12-17%: 128 registers against 157, so 4 programs an SM where 3 fit). One dot a q4_0 plane
 # spilled registers (1517 instructions a loop iteration against 704).
 TILE_PIECES = {"q8_0": 4, "q4_0": 2}
 
