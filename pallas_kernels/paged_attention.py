@@ -3,27 +3,26 @@
 Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas ops.
 
 Work split. The packed query axis is cut into query blocks of BQ rows of one sequence
-(`query_blocks`). Program (i, k, s) takes query block i, kv head k and kv split s: it gathers
-the G query heads of kv head k for those rows from q [T, H, D] into one [BQ*G, D] operand, and
-walks the sequence's keys in logical order over split s (TPS tiles of BK tokens, never past the
-keys the block needs) with an online softmax, causal per query position. A tile gathers its BK
-tokens through the block table, so BK is independent of the block size P: one iteration moves
-enough bytes to keep the memory system busy even for a single decode row. A long context is
-spread over several programs; each stores its (max, sum, accumulator) partials at its own rows
-and heads, and split_combine.py combines them (XLA's reduction, or from 32 splits on a kernel
-that reads the real rows' partials only). Gathering q and storing
-partials by row took a call in the bench's loop of layers from 11 kernels to 6 (no transpose
-of q, no scatter of the output): one decode row at 4096 keys 26 -> 17 us, 8 rows 56 -> 46, 64
-rows 296 -> 278 (bench/results/2026-12-04_attention_partials_by_row_h200.md). Tokens past a
-sequence's kv length are masked loads, never read.
+(`query_blocks`). Program (i, k, s) takes query block i, kv head k and kv split s: it gathers the G
+query heads of kv head k for those rows from q [T, H, D] into one [BQ*G, D] operand, and walks the
+sequence's keys in logical order over split s (TPS tiles of BK tokens, never past the keys the block
+needs) with an online softmax, causal per query position. A tile gathers its BK tokens through the
+block table, so BK is independent of the block size P: one iteration moves enough bytes to keep the
+memory system busy even for a single decode row. A long context is spread over several programs;
+each stores its (max, sum, accumulator) partials at its own rows and heads, and split_combine.py
+combines them (XLA's reduction, or from 32 splits on a kernel that reads the real rows' partials
+only). Gathering q and storing partials by row took a call in the bench's loop of layers from 11
+kernels to 6 (no transpose of q, no scatter of the output): one decode row at 4096 keys 26 -> 17 us,
+8 rows 56 -> 46, 64 rows 296 -> 278 (bench/results/2026-12-04_attention_partials_by_row_h200.md).
+Tokens past a sequence's kv length are masked loads, never read.
 
-KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file). A quantized tile
-is one contiguous load of each token's code words and one of its scales, made f16 in registers
-by inline PTX and contracted in TILE_PIECES dots (kv_tiles.tile_pieces: runs of code planes, q
-read and the output stored in their column order); its loads are issued a tile ahead. Per scale
-group dots (an earlier form) had left q4_0 2.4-2.9x slower than a tile (8 rows x 4096 178 -> 75
-us, 64 rows 1209 -> 422: bench/results/2026-12-04_attention_tile_dequant_h200.md). With the PTX
-and the tile in value order, 64 rows x 4096: q8_0 304 us, q4_0 289, bf16 269 (bench/results/
+KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file). A quantized tile is
+one contiguous load of each token's code words and one of its scales, made f16 in registers by
+inline PTX and contracted in TILE_PIECES dots (kv_tiles.tile_pieces: runs of code planes, q read and
+the output stored in their column order); its loads are issued a tile ahead. Per scale group dots
+(an earlier form) had left q4_0 2.4-2.9x slower than a tile (8 rows x 4096 178 -> 75 us, 64 rows
+1209 -> 422: bench/results/2026-12-04_attention_tile_dequant_h200.md). With the PTX and the tile in
+value order, 64 rows x 4096: q8_0 304 us, q4_0 289, bf16 269 (bench/results/
 2026-12-04_attention_kernel_planes_h200.md); in pieces q8_0 280 and q4_0 247.
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
@@ -107,11 +106,9 @@ def query_blocks(cu_q_lens, T: int, block_q: int, max_blocks: int | None = None)
     return jnp.stack([seg, start, n], axis=1).astype(jnp.int32)
 
 
-# Dots a quantized tile is contracted in (kv_tiles.tile_pieces), from a sweep of 1, 2 and 4 on
-# the H200 (bench/results/2026-12-04_attention_tile_pieces_h200.md): q8_0's 4 code planes each a
-# dot of its own, never joined (7-10% faster than one dot from 8 rows up), q4_0's 8 in 2 dots of 4
-# (12-17%: 128 registers against 157, so 4 programs an SM where 3 fit). One dot a q4_0 plane
-# spilled registers (1517 instructions a loop iteration against 704).
+# Dots a quantized tile is contracted in (kv_tiles.tile_pieces), from a sweep on the H200
+# (bench/results/2026-12-04_attention_tile_pieces_h200.md): against one dot, q8_0's 4 planes as 4
+# dots are 7-10% faster, q4_0's 8 as 2 dots 12-17% (128 registers, not 157); 8 dots spilled.
 TILE_PIECES = {"q8_0": 4, "q4_0": 2}
 
 
