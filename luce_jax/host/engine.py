@@ -158,9 +158,8 @@ class DenseEngine:
                 )
             except ValueError as e:
                 return AdmitResult("failed", error=f"json_schema: {e}")
-        # The repetition penalty reads the whole prompt from the device's prompt mask, which
-        # only a prefill fills: such a request computes its prompt in full, as does one that
-        # asks so (cache_prompt false).
+        # The repetition penalty reads the whole prompt from the device's prompt mask, which only
+        # a prefill fills: such a request computes its prompt in full, as does cache_prompt false.
         reuse = sampling.cache_prompt and sampling.repetition_penalty == 1
         shared = self.pool.match(prompt) if reuse else []
         if not self.pool.reserve(slot, need, shared):
