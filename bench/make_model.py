@@ -189,7 +189,9 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
         mat(p + "ffn_up_exps.weight", Fe, d, E, layer=i)
         mat(p + "ffn_down_exps.weight", d, Fe, E, layer=i)
         if "Fs" in s:  # the shared expert and its gate
-            w.add_tensor(p + "ffn_gate_inp_shexp.weight", 0.02 * rng.standard_normal(d, np.float32))
+            # GGUF [d, 1], as llama.cpp's converter writes it
+            gate = 0.02 * rng.standard_normal((1, d), np.float32)
+            w.add_tensor(p + "ffn_gate_inp_shexp.weight", gate)
             mat(p + "ffn_gate_shexp.weight", s["Fs"], d, layer=i)
             mat(p + "ffn_up_shexp.weight", s["Fs"], d, layer=i)
             mat(p + "ffn_down_shexp.weight", d, s["Fs"], layer=i)

@@ -216,6 +216,8 @@ class EngineConfig:
             bad("kv_block_size", "must be a power of two")
         if not isinstance(self.kv_pool_tokens, int) or self.kv_pool_tokens < 0:
             bad("kv_pool_tokens", "must be an integer >= 0 (0 = auto)")
+        if 0 < self.kv_pool_tokens < self.max_ctx:  # build.kv_pool_blocks' rule, before loading
+            bad("kv_pool_tokens", f"must hold one max_ctx={self.max_ctx} sequence (or be 0)")
         c = self.cuda_graph_max_tokens
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
             bad("cuda_graph_max_tokens", "must be an integer >= 0 (0 = every step)")

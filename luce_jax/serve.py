@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+from . import __version__
 from .config import (
     ATTENTION_BACKENDS,
     CACHE_TYPES,
@@ -80,6 +81,14 @@ HELP = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but an invalid value is one line naming the flag and pointing at --help, not
+    the 30-line usage first."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default, except None: the help text says what no value means."""
 
@@ -97,12 +106,20 @@ def on_off(value: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="python -m luce_jax.serve",
         description=__doc__,
         formatter_class=DefaultsFormatter,
     )
+    ap.add_argument("--version", action="version", version=f"luce_jax {__version__}")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("LUCE_API_KEY") or None,
+        help="Bearer token every /v1/*, /tokenize and /detokenize request must send (default: "
+        "$LUCE_API_KEY; none: no authentication); /health stays open, /metrics is open to "
+        "loopback clients",
+    )
     ap.add_argument("--port", type=int, default=8000, help="port to listen on")
     ap.add_argument(
         "--max-request-bytes",
@@ -163,6 +180,8 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
         ap.error(f"--default-max-tokens {args.default_max_tokens}: must be positive")
     if args.max_request_bytes < 1:
         ap.error(f"--max-request-bytes {args.max_request_bytes}: must be positive")
+    if args.api_key is not None and not args.api_key.strip():
+        ap.error("--api-key: must not be empty")
     try:
         config = EngineConfig(**kw)
     except ValueError as e:
@@ -186,19 +205,24 @@ def check_model_file(path: str) -> None:
     model_config(md)
 
 
+POLLED = ("/health", "/metrics")  # paths a load balancer or a scraper polls
+
+
 class _DropHealthChecks(logging.Filter):
-    """Drops uvicorn's access-log lines of GET /health: a load balancer or a client waiting for
-    the server polls it every second or so."""
+    """Drops uvicorn's access-log lines of GET /health and /metrics: load balancers, clients
+    waiting for the server and Prometheus poll them every few seconds."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        return not (len(args) >= 3 and args[1] == "GET" and str(args[2]).startswith("/health"))
+        return not (len(args) >= 3 and args[1] == "GET" and str(args[2]).startswith(POLLED))
 
 
 def quiet_logs() -> None:
-    """Silence what says nothing to a user: JAX's note that it found no TPU (INFO), health-check
-    access lines, and XLA's C++ warnings (GPU autotuning's "Delay kernel timed out"; set
-    TF_CPP_MIN_LOG_LEVEL to see them)."""
+    """Silence what says nothing to a user: JAX's note that it found no TPU (INFO), its
+    internals at --log-level debug (hundreds of lines of tracing and compile-cache notes),
+    polling access lines, and XLA's C++ warnings (GPU autotuning's "Delay kernel timed out";
+    set TF_CPP_MIN_LOG_LEVEL to see them)."""
+    logging.getLogger("jax").setLevel(logging.INFO)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, _DropHealthChecks) for f in access.filters):
@@ -207,6 +231,7 @@ def quiet_logs() -> None:
 
 
 SHUTDOWN_S = 5  # the longest a connection may hold up exit after SIGINT / SIGTERM
+SHUTTING_DOWN = "the server is shutting down"
 
 
 def _server_class():
@@ -224,7 +249,9 @@ def _server_class():
         def handle_exit(self, sig, frame):
             if self.state.engine is not None and self.state.engine.loop.closed is None:
                 log.info("shutting down: closing the engine to requests")
-                self.state.engine.loop.close("the server is shutting down")
+                self.state.engine.loop.close(SHUTTING_DOWN)
+            for stream in list(self.state.streams):  # now, not when the step in flight ends
+                stream.abort(SHUTTING_DOWN)
             super().handle_exit(sig, frame)
 
     return Server
@@ -234,6 +261,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     from server.app import ServerState, create_app
+    from server.auth import loopback
 
     from .build import start_engine
 
@@ -243,10 +271,14 @@ def main(argv=None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     quiet_logs()
+    if args.api_key is None and not loopback(args.host):
+        log.warning("listening on %s with no --api-key: anyone who can reach it can use it",
+                    args.host)  # fmt: skip
     state = ServerState(
         model_name=config.model_name,
         max_request_bytes=args.max_request_bytes,
         default_max_tokens=args.default_max_tokens,
+        api_key=args.api_key,
     )
     server = Server(
         state,
@@ -271,11 +303,22 @@ def main(argv=None) -> int:
             failed.append(e)
             server.should_exit = True
 
-    threading.Thread(target=load, name="luce-load", daemon=True).start()
-    server.run()
+    loader = threading.Thread(target=load, name="luce-load", daemon=True)
+    loader.start()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has stopped
+        pass
+    code = 1 if failed else 0
     if state.engine is not None:
-        state.engine.close()
-    return 1 if failed else 0
+        state.engine.loop.stop(timeout=1.0)
+    if loader.is_alive() or (state.engine is not None and state.engine.loop.running):
+        # Loading and compiling cannot be interrupted, nor can a step on the device (a long
+        # CPU prefill): exit now rather than when they end, as a user pressing Ctrl-C expects
+        log.info("exiting with %s still running", "loading" if loader.is_alive() else "a step")
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

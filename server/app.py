@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -17,6 +18,7 @@ from starlette.routing import Route
 
 from . import protocol as P
 from . import tools as T
+from .auth import APIKey
 from .generation import error_response, respond
 from .metrics import Metrics
 
@@ -32,7 +34,10 @@ class ServerState:
     keepalive_s: float = 5.0
     max_request_bytes: int = 4 << 20  # larger bodies get 413 before they are read whole
     default_max_tokens: int | None = None  # a chat request's cap when it sets none
+    api_key: str | None = None  # --api-key: Bearer token of /v1/*, /tokenize, /detokenize
     metrics: Metrics = field(init=False)
+    # generations being answered (a shutdown ends them at once: serve.py)
+    streams: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)
 
     def __post_init__(self):
         self.metrics = Metrics(self)
@@ -72,19 +77,32 @@ def _engine_endpoint(handler):
     return endpoint
 
 
+# A body over the limit is still read, and dropped, up to this many times the limit, so that a
+# client that sends its whole body before reading (urllib, httpx) reads the 413 instead of a
+# reset connection; past that the connection is closed.
+DRAIN_FACTOR = 4
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or a 413 as soon as it is known to pass `limit` bytes (from its
-    Content-Length, else while it arrives), so a huge body is never held whole."""
-    too_big = P.APIError(413, f"request body is over {limit} bytes (--max-request-bytes)")
+    """The request body, or a 413 once it is known to pass `limit` bytes (from its
+    Content-Length, else while it arrives): a huge body is never held whole."""
+    too_big = P.APIError(
+        413,
+        f"request body is over {limit} bytes (--max-request-bytes)",
+        headers={"Connection": "close"},
+    )
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isdigit() and int(declared) > DRAIN_FACTOR * limit:
         raise too_big
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
+        if size > DRAIN_FACTOR * limit:
             raise too_big
-        chunks.append(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise too_big
     return b"".join(chunks)
 
 
@@ -122,6 +140,15 @@ def _chat_prompt(engine, body: dict, tools: T.Tools | None) -> str:
         raise P.bad("messages", f"chat template failed: {e}") from None
 
 
+def _offered_tools(engine, body: dict) -> T.Tools | None:
+    """The request's tools as the template offers them to the model (None: no tools, or
+    tool_choice none), in the tool-call syntax its chat template teaches."""
+    tools = T.chat_tools(body)
+    if tools is None or tools.mode == "none":
+        return None
+    return dataclasses.replace(tools, syntax=T.syntax_of(engine.tokenizer.chat_template))
+
+
 @_engine_endpoint
 async def completions(request: Request, state: ServerState, engine, body: dict) -> Response:
     prompt = P.completion_prompt(body, engine.vocab_size)
@@ -147,11 +174,9 @@ async def completions(request: Request, state: ServerState, engine, body: dict) 
 @_engine_endpoint
 async def chat_completions(request: Request, state: ServerState, engine, body: dict) -> Response:
     P.check_fields(body, P.CHAT_FIELDS)
-    tools = T.chat_tools(body)
-    if tools is not None and tools.mode != "none":
-        tools = dataclasses.replace(tools, syntax=T.syntax_of(engine.tokenizer.chat_template))
-    else:
-        tools = None
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise P.bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    tools = _offered_tools(engine, body)
     text = await run_in_threadpool(_chat_prompt, engine, body, tools)
     check_length_bound(engine, text, "messages")
     ids = await run_in_threadpool(engine.tokenizer.encode, text, False)
@@ -177,29 +202,41 @@ async def chat_completions(request: Request, state: ServerState, engine, body: d
     )
 
 
-async def models(request: Request) -> Response:
-    state: ServerState = request.app.state.luce
+def _model_card(state: ServerState) -> dict:
     max_len = state.engine.config.max_ctx if state.engine is not None else None
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": P.now(),
-                    "owned_by": "luce_jax",
-                    "max_model_len": max_len,
-                }
-            ],
-        }
-    )
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": P.now(),
+        "owned_by": "luce_jax",
+        "max_model_len": max_len,
+    }
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.luce)]})
+
+
+async def model(request: Request) -> Response:
+    """GET /v1/models/{id}: the served model's card, or a 404 naming the id."""
+    state: ServerState = request.app.state.luce
+    name = request.path_params["model_id"]
+    if name != state.model_name:
+        return error_response(
+            P.APIError(
+                404,
+                f"model {name!r} not found; this server serves {state.model_name!r}",
+                "model",
+                code="model_not_found",
+            )  # fmt: skip
+        )
+    return JSONResponse(_model_card(state))
 
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.luce
     if state.engine is None:
-        return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
     return JSONResponse({"status": "ok"})
 
 
@@ -213,8 +250,8 @@ async def metrics(request: Request) -> Response:
 @_engine_endpoint
 async def tokenize(request: Request, state: ServerState, engine, body: dict) -> Response:
     # rendering and tokenizing run off the event loop: a long text never stalls other requests
-    if "messages" in body:
-        text = await run_in_threadpool(_chat_prompt, engine, body)
+    if "messages" in body:  # rendered as a chat request would be, tools offered included
+        text = await run_in_threadpool(_chat_prompt, engine, body, _offered_tools(engine, body))
         ids = await run_in_threadpool(engine.tokenizer.encode, text, False)
     elif isinstance(body.get("prompt"), str):
         add_special = body.get("add_special_tokens", True) is not False
@@ -244,6 +281,7 @@ def create_app(state: ServerState) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
@@ -251,4 +289,6 @@ def create_app(state: ServerState) -> Starlette:
         ],
     )
     app.state.luce = state
+    if state.api_key:
+        app.add_middleware(APIKey, key=state.api_key)
     return app

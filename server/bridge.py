@@ -2,7 +2,9 @@
 
 The engine thread never waits on a client: it hands each event to the event loop with
 call_soon_threadsafe. A stream whose reader falls more than `max_buffer` bytes behind, or
-leaves its events unread for `stall_s` seconds, is cancelled, so it cannot pin a slot.
+leaves its events unread for `stall_s` seconds, is cancelled, so it cannot pin a slot. Only
+time in which events wait unread counts as a stall: a request waiting in the queue or in a
+long prefill, its reader waiting on it, is never a slow reader.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import itertools
 import logging
 import threading
 import time
+
+from luce_jax.host.request import Event
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,7 @@ class Stream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._lock = threading.Lock()
         self._buffered = 0
-        self._last_read = time.monotonic()
+        self._unread_since: float | None = None  # since when events wait unread (None: none)
         self._max_buffer, self._stall_s = max_buffer, stall_s
         self.slow_reader = False
         self.finished = False
@@ -84,11 +88,12 @@ class Stream:
             self.marks["engine"] = time.perf_counter()
         if self._metrics is not None:
             self._observe(ev)
+        now = time.monotonic()
         with self._lock:
+            if self._unread_since is None:
+                self._unread_since = now
             self._buffered += self._size(ev)
-            too_slow = self._buffered > self._max_buffer or (
-                time.monotonic() - self._last_read > self._stall_s and self._buffered > 0
-            )
+            too_slow = self._buffered > self._max_buffer or now - self._unread_since > self._stall_s
         if too_slow and not ev.final and not self.slow_reader:
             self.slow_reader = True
             log.warning("request %s: reader too slow, cancelling", self.req.id)
@@ -102,7 +107,7 @@ class Stream:
             self.marks["loop"] = time.perf_counter()
         with self._lock:
             self._buffered -= self._size(ev)
-            self._last_read = time.monotonic()
+            self._unread_since: float | None = None  # since when events wait unread (None: none)
         if ev.final:
             self.finished = True
         return ev
@@ -113,6 +118,15 @@ class Stream:
         at = [(k, self.marks[k]) for k in MARKS if k in self.marks]
         steps = [f"-> {k} {(t - p) * 1e3:.2f}" for (_, p), (k, t) in itertools.pairwise(at)]
         return " ".join([at[0][0], *steps]) if at else ""
+
+    def abort(self, error: str) -> None:
+        """End the stream for its reader now with `error` (the server is shutting down), and
+        cancel the request; the engine's own final event, if it comes, is never read."""
+        if not self.finished:
+            self._aloop.call_soon_threadsafe(
+                self._queue.put_nowait, Event(finish_reason="error", error=error)
+            )
+            self._engine.cancel(self.req)
 
     def cancel(self) -> None:
         """Cancel the request (client gone); its slot is free before the next step."""

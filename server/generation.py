@@ -28,15 +28,22 @@ class Generation:
     def __init__(self, state, stream: Stream, tokenizer, n_logprobs):
         self.state, self.stream, self.tok, self.n_lp = state, stream, tokenizer, n_logprobs
         self.text, self.tokens, self.logprobs = "", [], []
-        self.finish_reason, self.error = None, None
+        self.finish_reason, self.error, self.retryable = None, None, False
 
     def absorb(self, ev) -> None:
         self.text += ev.text
         self.tokens.extend(ev.token_ids)
         self.logprobs.extend(ev.logprobs)
         if ev.final:
-            self.finish_reason = "stop" if ev.finish_reason == "stop" else ev.finish_reason
-            self.error = ev.error
+            self.finish_reason, self.error = ev.finish_reason, ev.error
+            self.retryable = ev.retryable
+            if ev.finish_reason == "cancelled":  # not an OpenAI finish_reason: an error
+                self.finish_reason = "error"
+                self.error = (
+                    "cancelled: the client left its output unread too long"
+                    if self.stream.slow_reader
+                    else "cancelled by the server"
+                )
 
     def usage(self) -> dict:
         s = self.stream
@@ -87,7 +94,7 @@ class Generation:
 
     def raise_if_failed(self) -> None:
         if self.finish_reason == "error":
-            if self.stream.closed_by_server:
+            if self.stream.closed_by_server or self.retryable:
                 raise shutting_down(self.error)
             raise P.APIError(500, self.error or "generation failed", type_="server_error")
 
@@ -172,6 +179,7 @@ async def respond(
         ) from None
     except Closed as e:
         raise shutting_down(str(e)) from None
+    state.streams.add(s)
     gen = Generation(state, s, engine.tokenizer, sp.logprobs)
     rid, created = P.new_id("chatcmpl" if chat else "cmpl"), P.now()
 

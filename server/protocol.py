@@ -238,11 +238,11 @@ def response_schema(body: dict) -> str | None:
     else:
         where = "response_format.json_schema.schema"
         js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
             raise bad("response_format.json_schema", "must be an object with a schema object")
         if "name" in js and not isinstance(js["name"], str):
             raise bad("response_format.json_schema.name", "must be a string")
-        schema = js.get("schema", {})
+        schema = js["schema"]
     text = json.dumps(schema)
     try:
         check_schema(text)

@@ -83,12 +83,12 @@ def chat_tools(body: dict) -> Tools | None:
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", f"must be a boolean, got {parallel!r}")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", f"must be a list of function tools, got {tools!r}")
     if not tools:
         if choice not in (None, "none"):
             raise bad("tool_choice", "needs tools")
         return None
-    if not isinstance(tools, list):
-        raise bad("tools", "must be a list of function tools")
     seen = set()
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
@@ -106,15 +106,11 @@ def chat_tools(body: dict) -> Tools | None:
         if not isinstance(f.get("description", ""), str):
             raise bad(f"{where}.function.description", "must be a string")
         params = f.get("parameters")
-        if params is not None:
-            if not isinstance(params, dict):
-                raise bad(f"{where}.function.parameters", "must be a JSON schema object")
-            try:
-                check_schema(json.dumps(params))
-            except ValueError as e:
-                raise bad(f"{where}.function.parameters", str(e)) from None
+        if params is not None and not isinstance(params, dict):
+            raise bad(f"{where}.function.parameters", "must be a JSON schema object")
     if choice is None or choice in ("none", "auto", "required"):
-        return Tools(tools, choice or "auto", None, parallel)
+        out = Tools(tools, choice or "auto", None, parallel)
+        return _grammar_checked(out) if out.mode == "required" else out
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in seen:
         raise bad(
@@ -122,7 +118,21 @@ def chat_tools(body: dict) -> Tools | None:
             'must be "none", "auto", "required" or {"type": "function", "function": {"name"}} '
             "naming one of the tools",
         )
-    return Tools(tools, "named", name, parallel)
+    return _grammar_checked(Tools(tools, "named", name, parallel))
+
+
+def _grammar_checked(tools: Tools) -> Tools:
+    """`tools`, once the parameters of each function a grammar may force compile (xgrammar,
+    the structured extra); auto and none need no grammar, so no xgrammar."""
+    for i, t in enumerate(tools.tools):
+        params = t["function"].get("parameters")
+        if params is None or (tools.mode == "named" and t["function"]["name"] != tools.name):
+            continue
+        try:
+            check_schema(json.dumps(params))
+        except ValueError as e:
+            raise bad(f"tools[{i}].function.parameters", str(e)) from None
+    return tools
 
 
 def call_from(block: str, names: set[str]) -> dict | None:

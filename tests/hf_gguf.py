@@ -38,9 +38,14 @@ def make_hf_model(
     vocab: int = 320,
     tie: bool | None = None,
     rope_scaling: dict | None = None,
+    width: int = 64,
+    ffn: int = 96,
+    special: tuple[int | None, int] | None = None,
+    norm_topk: bool = True,
 ):
-    """A small random-weight HF model of `arch` (llama, qwen2, qwen3, qwen3moe, qwen35),
-    float32."""
+    """A small random-weight HF model of `arch` (llama, qwen2, qwen3, qwen3moe, qwen35,
+    qwen35moe), float32: `width` wide with FFNs (experts, a shared expert) `ffn` wide or half
+    that; `special`: its (bos, eos) ids (default: the tiny vocabulary's)."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -56,17 +61,17 @@ def make_hf_model(
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
+        hidden_size=width,
+        intermediate_size=ffn,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
-        bos_token_id=vocab - 1,
-        eos_token_id=256 + 6,
+        bos_token_id=vocab - 1 if special is None else special[0],
+        eos_token_id=256 + 6 if special is None else special[1],
     )
-    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=ffn // 2)
     if arch == "llama":
         cfg = LlamaConfig(
             **common, rope_theta=10000.0, tie_word_embeddings=bool(tie), rope_scaling=rope_scaling
@@ -86,7 +91,7 @@ def make_hf_model(
             rope_theta=1e6,
             tie_word_embeddings=bool(tie),
             **experts,
-            norm_topk_prob=True,
+            norm_topk_prob=norm_topk,
         )
         model = Qwen3MoeForCausalLM(cfg)
     elif arch in ("qwen35", "qwen35moe"):  # layers 0-2 Gated DeltaNet, 3 full attention
@@ -98,7 +103,7 @@ def make_hf_model(
         )
 
         moe = arch == "qwen35moe"  # 8 experts, 2 per token, and a gated shared expert
-        extra = dict(experts, shared_expert_intermediate_size=40)
+        extra = dict(experts, shared_expert_intermediate_size=ffn * 5 // 12)  # 40 at 96
         cfg = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(
             **{**common, "num_hidden_layers": 4},
             **(extra if moe else {}),
@@ -264,7 +269,7 @@ def _qwen35_layer(cfg, sd, p: str, g: str, put) -> None:
         put(g + "ffn_gate_exps.weight", gate_up[:, :F])
         put(g + "ffn_up_exps.weight", gate_up[:, F:])
         put(g + "ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
-        put(g + "ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"][0])
+        put(g + "ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"])  # [1, d]
         for x in ("gate", "up", "down"):
             put(g + f"ffn_{x}_shexp.weight", sd[p + f"mlp.shared_expert.{x}_proj.weight"])
     else:

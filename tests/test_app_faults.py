@@ -22,6 +22,7 @@ from fake_engine import FakeEngine
 
 class ByteTokenizer:
     vocab_size = 256
+    chat_template = None
     eog_ids = frozenset()
     token_bytes = [bytes([i]) for i in range(256)]
 

@@ -627,8 +627,9 @@ def test_health_polls_and_the_no_tpu_note_stay_out_of_the_log():
         args = ("127.0.0.1:5", "GET", path, "1.1", 200)
         return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, fmt, args, None)
 
-    assert not access.filter(line("/health"))
+    assert not access.filter(line("/health")) and not access.filter(line("/metrics"))
     assert access.filter(line("/v1/models"))
+    assert logging.getLogger("jax").getEffectiveLevel() == logging.INFO  # also at debug
 
 
 @pytest.mark.parametrize("kind", ["half", "random", "empty", "100 bytes", "template"])
@@ -649,6 +650,33 @@ def test_a_bad_model_or_template_file_exits_2_naming_the_flag(tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()[-1]
     flag = "--chat-template-file" if kind == "template" else "--model"
     assert e.value.code == 2 and f"error: {flag}" in err and "Traceback" not in err
+
+
+def test_a_body_over_the_limit_is_a_413_a_client_writing_it_whole_can_read(base_url):
+    """urllib and httpx (the openai client) send their whole body before reading: the server
+    reads past the limit (up to DRAIN_FACTOR times it) so they see the 413, not a reset."""
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    big = json.dumps({"model": "tiny", "prompt": "x" * (10 << 20), "max_tokens": 1}).encode()
+    req = urllib.request.Request(base_url + "/v1/completions", data=big,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 413 and b"max-request-bytes" in e.value.read()
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="tiny", prompt="x" * (10 << 20), max_tokens=1)
+    assert e.value.status_code == 413
+
+
+def test_the_served_model_can_be_retrieved_by_id(base_url):
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+    assert client.models.retrieve("tiny").id == "tiny"
 
 
 def test_sigint_with_a_stream_in_flight_exits_within_5_s(base_url):

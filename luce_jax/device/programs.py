@@ -87,11 +87,14 @@ def compile_all(
     todo = [(p, k) for p, keys in groups for k in keys if k not in p._exec]
     workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
     names = " and ".join(p.name for p, _ in groups)
+    log.info("compiling %d %s programs", len(todo), names)
     with ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(p.compile, *k) for p, k in todo]
-        for f in tqdm(
-            as_completed(futures), total=len(futures), desc=f"compiling {names}", leave=False
-        ):
+        # a bar on a terminal only (disable=None): a log file or a notebook gets the plain
+        # lines around it, not carriage-return frames
+        bar = tqdm(as_completed(futures), total=len(futures), desc=f"compiling {names}",
+                   leave=False, disable=None)  # fmt: skip
+        for f in bar:
             f.result()
     for p, keys in groups:
         log.info("compiled %d %s buckets", len(keys), p.name)

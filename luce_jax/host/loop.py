@@ -23,6 +23,7 @@ from .request import Event, Request
 from .scheduler import Closed, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
+RETRIES = 3  # loop iterations failing in a row before queued requests are failed too
 
 
 class EngineLoop:
@@ -37,10 +38,16 @@ class EngineLoop:
         self.closed: str | None = None  # why submits are refused (close())
         self._thread = threading.Thread(target=self._run, name="luce-engine", daemon=True)
         self.step_listeners: list = []  # callables(seconds) told each step's duration
+        self._failures = 0  # iterations failed in a row
 
     def start(self) -> EngineLoop:
         self._thread.start()
         return self
+
+    @property
+    def running(self) -> bool:
+        """The engine thread has not ended (stop() waits at most its timeout for it)."""
+        return self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -118,14 +125,31 @@ class EngineLoop:
             t0 = time.perf_counter()
             try:
                 worked = sched.step()
-            except Exception:  # a bug in the loop itself: fail what is in flight, go on
-                log.exception("engine loop iteration failed")
-                for req in list(sched.running.values()) + list(sched.queue):
-                    sched.cancel(req)
+            except Exception as e:  # a bug, not a StepFailed: see _recover
+                self._failures += 1
+                self._recover(e)
                 continue
+            self._failures = 0
             if worked:
                 dt = time.perf_counter() - t0
                 for fn in self.step_listeners:
                     fn(dt)
             elif not sched.idle:
                 time.sleep(0.001)  # waiting out the admission coalesce window
+
+    def _recover(self, e: Exception) -> None:
+        """After an exception escaped a scheduler step: the requests that held a slot fail
+        with an error (the server answers 500); those still queued never ran and stay queued,
+        unless iterations keep failing (RETRIES in a row), when they fail as retryable (503)
+        so that no client waits on a loop that cannot recover. The loop goes on either way."""
+        sched = self.scheduler
+        log.exception("engine loop iteration failed (%d in a row)", self._failures)
+        error = f"internal error in the engine loop: {type(e).__name__}: {e}"
+        for req in list(sched.running.values()):
+            try:
+                sched.fail(req, error)
+            except Exception:
+                log.exception("failing request %s", req.id)
+        if self._failures >= RETRIES:
+            for req in list(sched.queue):
+                sched.fail(req, error + " (not started; retry)", retryable=True)

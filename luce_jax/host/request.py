@@ -23,6 +23,7 @@ class Event:
     logprobs: tuple = ()  # per token: (logprob, ((id, logprob), ...))
     finish_reason: str | None = None  # stop | length | cancelled | error
     error: str | None = None
+    retryable: bool = False  # an error of a request that never ran: the client may retry
 
     @property
     def final(self) -> bool:

@@ -71,6 +71,16 @@ class Scheduler:
             self._retire(req)
         self._finish(req, "cancelled")
 
+    def fail(self, req: Request, error: str, retryable: bool = False) -> None:
+        """Finish one queued or running request with `error`, retiring its slot."""
+        if req.done:
+            return
+        if req.phase == "queued":
+            self.queue.remove(req)
+        else:
+            self._retire(req)
+        self._finish(req, "error", error=error, retryable=retryable)
+
     def fail_all(self, error: str) -> None:
         """Finish every queued and running request with `error`, retiring their slots."""
         for req in list(self.queue) + list(self.running.values()):
@@ -193,11 +203,11 @@ class Scheduler:
             del self.running[req.slot]
             self.engine.retire(req.slot)
 
-    def _finish(self, req: Request, reason: str, text="", token_ids=(), logprobs=(), error=None):
+    def _finish(
+        self, req: Request, reason: str, text="", token_ids=(), logprobs=(), error=None,
+        retryable=False,
+    ):  # fmt: skip
         req.finish_reason, req.error = reason, error
         req.phase = {"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")
-        req.emit(
-            Event(
-                text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason, error=error
-            )
-        )
+        ev = Event(text, token_ids, logprobs, reason, error, retryable)
+        req.emit(ev)

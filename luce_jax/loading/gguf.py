@@ -167,11 +167,14 @@ def model_config(md: dict) -> ModelConfig:
     if scaling not in ("none", "linear"):
         raise ValueError(f"unsupported rope scaling {scaling!r}; supported: none, linear")
     vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
+    # llama.cpp's converter exports MTP (next-token prediction) blocks after the model's own,
+    # counted in block_count: the model is the blocks before them, and theirs are not read.
+    n_layers = int(get("block_count")) - int(get("nextn_predict_layers", 0))
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
         d_model=d_model,
-        n_layers=int(get("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv[0] if isinstance(n_kv, list) else n_kv),
         head_dim=head_dim,
@@ -188,15 +191,14 @@ def model_config(md: dict) -> ModelConfig:
         attn_bias=arch == "qwen2",
         context_length=int(get("context_length", 4096)),
         **(_moe_config(get) if arch in ("qwen3moe", "qwen35moe") else {}),
-        **(_hybrid_config(get, md, arch) if arch in HYBRID else {}),
+        **(_hybrid_config(get, md, arch, n_layers) if arch in HYBRID else {}),
     )
 
 
-def _hybrid_config(get, md: dict, arch: str) -> dict:
+def _hybrid_config(get, md: dict, arch: str, n: int) -> dict:
     """Gated DeltaNet fields of ModelConfig, as llama.cpp's qwen35 loader reads them: which
     layers are recurrent (attention.recurrent_layers, else every layer but each
-    full_attention_interval-th), and the ssm.* sizes."""
-    n = int(get("block_count"))
+    full_attention_interval-th), and the ssm.* sizes, for the model's `n` blocks."""
     flags = md.get(f"{arch}.attention.recurrent_layers")
     if flags is None:
         every = int(get("full_attention_interval", 4))

@@ -99,6 +99,8 @@ def load_params(
                     return None
                 raise ValueError(f"{f.path}: missing tensor {name!r}")
             t = f.tensors[name]
+            want = expected_shape(name, cfg)
+            squeeze = want is not None and check_shape(f.path, name, t.shape, want)
             if t.qtype not in floats and (
                 (keep and quantized and t.qtype not in QTYPES) or t.qtype not in DEQUANTIZERS
             ):
@@ -112,7 +114,7 @@ def load_params(
             except ValueError as e:
                 raise ValueError(f"{f.path}: tensor {name!r}: {e}") from e
             bar.update(t.nbytes)
-            return x
+            return x.reshape(want) if squeeze else x
 
         def linear(*names):
             """One projection from the named file tensors, outputs concatenated in order."""
@@ -137,7 +139,8 @@ def load_params(
                 "w_down_exps": down,
             }
             if cfg.shared_expert_ffn_dim:
-                out["shexp_gate"] = tensor(p + "ffn_gate_inp_shexp.weight", out_dtype=f32)  # [d]
+                # [d]: llama.cpp's converter writes [1, d] (GGUF [d, 1]), check_shape squeezes it
+                out["shexp_gate"] = tensor(p + "ffn_gate_inp_shexp.weight", out_dtype=f32)
                 out["w_gu_shexp"] = linear(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")
                 out["w_down_shexp"] = linear(p + "ffn_down_shexp.weight")
             return out
@@ -204,6 +207,73 @@ def load_params(
         if vocab != cfg.vocab_size:
             cfg = dataclasses.replace(cfg, vocab_size=vocab)
         return dataclasses.replace(cfg, tied_embeddings=lm_head is None), params
+
+
+def expected_shape(name: str, cfg: ModelConfig) -> tuple | None:
+    """The numpy-order shape (GGUF's reversed) `cfg` expects of a file tensor, None for a
+    dimension it does not fix (the vocabulary) and for tensors it does not know."""
+    d, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    E, Fe, Fs = cfg.n_experts, cfg.expert_ffn_dim, cfg.shared_expert_ffn_dim
+    C, Hv, Dv = cfg.conv_dim, cfg.ssm_v_heads, cfg.ssm_v_dim
+    q = H * D * (2 if cfg.attn_gate else 1)  # a gated query also yields its gate
+    shapes = {
+        "token_embd.weight": (None, d),
+        "output.weight": (None, d),
+        "output_norm.weight": (d,),
+        "rope_freqs.weight": ((cfg.rope_dim or D) // 2,),
+        "attn_norm.weight": (d,),
+        "ffn_norm.weight": (d,),
+        "post_attention_norm.weight": (d,),
+        "attn_q.weight": (q, d),
+        "attn_k.weight": (K * D, d),
+        "attn_v.weight": (K * D, d),
+        "attn_output.weight": (d, H * D),
+        "attn_q.bias": (H * D,),
+        "attn_k.bias": (K * D,),
+        "attn_v.bias": (K * D,),
+        "attn_q_norm.weight": (D,),
+        "attn_k_norm.weight": (D,),
+        "ffn_gate.weight": (cfg.ffn_dim, d),
+        "ffn_up.weight": (cfg.ffn_dim, d),
+        "ffn_down.weight": (d, cfg.ffn_dim),
+        "ffn_gate_inp.weight": (E, d),
+        "ffn_gate_exps.weight": (E, Fe, d),
+        "ffn_up_exps.weight": (E, Fe, d),
+        "ffn_down_exps.weight": (E, d, Fe),
+        "ffn_gate_inp_shexp.weight": (d,),
+        "ffn_gate_shexp.weight": (Fs, d),
+        "ffn_up_shexp.weight": (Fs, d),
+        "ffn_down_shexp.weight": (d, Fs),
+        "attn_qkv.weight": (C, d),
+        "attn_gate.weight": (Hv * Dv, d),
+        "ssm_beta.weight": (Hv, d),
+        "ssm_alpha.weight": (Hv, d),
+        "ssm_conv1d.weight": (C, cfg.ssm_conv),
+        "ssm_dt.bias": (Hv,),
+        "ssm_a": (Hv,),
+        "ssm_norm.weight": (Dv,),
+        "ssm_out.weight": (d, Hv * Dv),
+    }
+    return shapes.get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
+
+
+def check_shape(path, name: str, shape: tuple, want: tuple) -> bool:
+    """Whether a file tensor of `shape` must be reshaped to `want` (it differs only by unit
+    dimensions, as a converter's [d, 1] vector); a tensor that does not fit raises one line
+    that names it, in GGUF's order (ne0 first), as gguf-dump prints shapes."""
+
+    def fits(s):
+        return len(s) == len(want) and all(w in (None, x) for w, x in zip(want, s, strict=True))
+
+    if fits(shape):
+        return False
+    if None not in want and fits(tuple(x for x in shape if x != 1)):
+        return True
+    ggml = lambda s: "[" + ", ".join("n" if x is None else str(x) for x in reversed(s)) + "]"
+    raise ValueError(
+        f"{path}: tensor {name!r} has shape {ggml(shape)}; the file's metadata makes it "
+        f"{ggml(want)} (n: any)"
+    )
 
 
 _LINEAR_IN = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")

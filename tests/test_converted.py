@@ -1,0 +1,186 @@
+"""GGUF files made by llama.cpp's own converter and quantizer (tests/converted.py), not by our
+writer: every layout the converter writes for the architectures we serve loads, computes what
+transformers computes on the same weights, and is served end to end."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from luce_jax.host.batch import Row, lower
+from luce_jax.loading.gguf import GGUFFile, model_config
+from luce_jax.loading.params import load_params
+from luce_jax.models import dense, hybrid
+
+import converted
+
+P = 16
+
+
+def prompt_logits(cfg, params, prompt) -> np.ndarray:
+    """Our float32 logits at the prompt's last position, the prompt in one step."""
+    blocks = -(-len(prompt) // P)
+    tables = np.zeros((1, blocks), np.int32)
+    tables[0] = np.arange(1, blocks + 1)
+    batch = lower([Row(0, tuple(prompt), 0, True)], tables, P, 64, 1)
+    if cfg.recurrent:
+        batch["fresh"] = np.ones(1, np.int32)
+        batch = {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in batch.items()}
+        kv = hybrid.init_kv(cfg, blocks + 1, P, jnp.float32)
+        logits, _, _ = hybrid.forward(params, kv, hybrid.init_state(cfg, 1), batch, cfg)
+    else:
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        logits, _, _ = dense.forward(params, dense.init_kv(cfg, blocks + 1, P, jnp.float32),
+                                     batch, cfg)  # fmt: skip
+    return np.asarray(logits)[0]
+
+
+def greedy(path, prompt, dtype="float32", n=converted.GREEDY) -> list[int]:
+    """`n` greedy tokens after `prompt` from the engine (LLM), as a user gets them."""
+    from luce_jax.llm import LLM
+    from luce_jax.sampling_params import SamplingParams
+
+    llm = LLM(model=str(path), dtype=dtype, max_ctx=128, max_concurrency=1, kv_pool_tokens=256,
+              prefill_chunk=64, prefill_token_budget=64)  # fmt: skip
+    try:
+        out = llm.generate([[int(t) for t in prompt]], SamplingParams(max_tokens=n, temperature=0))[
+            0
+        ]
+    finally:
+        llm.close()
+    return list(out.token_ids)
+
+
+@pytest.mark.parametrize("name", list(converted.VARIANTS))
+def test_a_converter_made_file_computes_what_transformers_does(name):
+    path, ref = converted.gguf(name), converted.reference(name)
+    f = GGUFFile(path)
+    v = converted.VARIANTS[name]
+    cfg, params = load_params(f, model_config(f.metadata), "float32")
+    assert cfg.arch == v.arch and cfg.tied_embeddings == v.tie
+    assert ("rope_freqs" in params) == (v.rope_scaling is not None)
+    if v.arch == "qwen3moe":  # no expert_weights_norm in the file: renormalized, as llama.cpp
+        assert f"{v.arch}.expert_weights_norm" not in f.metadata and cfg.expert_weights_norm
+    got = prompt_logits(cfg, params, ref["prompt"].tolist())
+    np.testing.assert_allclose(got, ref["logits"][0], atol=1e-3, rtol=0)
+    assert greedy(path, ref["prompt"]) == ref["greedy"].tolist()
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
+def test_mtp_layers_the_converter_exports_are_skipped(name):
+    """The converter exports Qwen3.5's MTP block as one more block (nextn_predict_layers): the
+    model is the blocks before it, and the block's tensors are left unread."""
+    f = GGUFFile(converted.gguf(name))
+    arch = f.metadata["general.architecture"]
+    assert f.metadata[f"{arch}.nextn_predict_layers"] == 1
+    n = f.metadata[f"{arch}.block_count"]
+    assert any(t.startswith(f"blk.{n - 1}.nextn.") for t in f.tensors)
+    cfg = model_config(f.metadata)
+    assert cfg.n_layers == n - 1 and len(cfg.recurrent) == n - 1
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_in_one_line_naming_it(tmp_path):
+    """A file whose tensor does not match its metadata fails at load, naming the tensor, its
+    shape and the one expected: never an XLA shape error when the step compiles."""
+    from gguf import GGUFReader, GGUFWriter
+
+    src = GGUFReader(converted.gguf("qwen3"))
+    out = tmp_path / "bad.gguf"
+    w = GGUFWriter(str(out), "qwen3")
+    for fld in src.fields.values():
+        if fld.name.startswith("GGUF.") or fld.name == "general.architecture":
+            continue
+        val = fld.contents()
+        vtype = fld.types[0]
+        sub = fld.types[-1] if len(fld.types) > 1 else None
+        w.add_key_value(fld.name, val, vtype, sub_type=sub)
+    for t in src.tensors:
+        x = np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)])
+        if t.name == "blk.1.attn_k.weight":
+            x = x[:-1]  # one output row short
+        w.add_tensor(t.name, np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(out)
+    with pytest.raises(ValueError) as e:
+        load_params(f, model_config(f.metadata), "float32")
+    msg = str(e.value)
+    assert "\n" not in msg and "'blk.1.attn_k.weight'" in msg
+    assert "[64, 63]" in msg and "[64, 64]" in msg
+
+
+@pytest.mark.parametrize("arch", list(converted.QUANTIZED))
+def test_a_quantizer_made_file_dequantizes_as_gguf_py_and_keeps_its_tokens(arch):
+    """llama-quantize's output: every tensor dequantizes to what gguf-py makes of it, and the
+    engine's greedy tokens with the weights kept quantized equal those of the file
+    dequantized at load."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from luce_jax.loading.quants import dequantize
+
+    path, qtype = converted.quantized(arch)
+    reader = GGUFReader(path)
+    types = {t.tensor_type.name for t in reader.tensors}
+    assert qtype.split("_K")[0].split("_M")[0] in " ".join(types), types
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        want = gguf_dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+        got = np.asarray(dequantize(np.asarray(t.data).reshape(-1).view(np.uint8), t.tensor_type,
+                                    shape, jnp.float32))  # fmt: skip
+        np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=t.name)
+    prompt = np.random.default_rng(1).integers(0, 100000, 24).tolist()
+    assert greedy(path, prompt, "quantized") == greedy(path, prompt, "float32")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe"])
+def test_a_converter_made_file_is_served_end_to_end(arch):
+    """`python -m luce_jax.serve` on the file answers one chat completion through the
+    official client, with the chat template the converter copied from the tokenizer."""
+    import openai
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "luce_jax.serve", "--model", str(converted.gguf(arch)),
+           "--port", str(port), "--max-ctx", "256", "--max-concurrency", "1",
+           "--kv-pool-tokens", "512", "--prefill-chunk", "128",
+           "--prefill-token-budget", "128"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                r = client.chat.completions.create(
+                    model=client.models.list().data[0].id,
+                    messages=[{"role": "user", "content": "Hello"}],
+                    max_tokens=4,
+                    temperature=0,
+                )
+                break
+            except (openai.APIConnectionError, openai.InternalServerError):
+                assert time.monotonic() < deadline, "the server did not come up in 300 s"
+                time.sleep(0.5)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
