@@ -63,32 +63,26 @@ class Scheduler:
 
     def cancel(self, req: Request) -> None:
         """Cancel in any phase; a running request's slot is retired at once."""
-        if req.done:
-            return
-        if req.phase == "queued":
-            self.queue.remove(req)
-        else:
-            self._retire(req)
-        self._finish(req, "cancelled")
+        self._end(req, "cancelled")
 
     def fail(self, req: Request, error: str, retryable: bool = False) -> None:
         """Finish one queued or running request with `error`, retiring its slot."""
-        if req.done:
-            return
-        if req.phase == "queued":
-            self.queue.remove(req)
-        else:
-            self._retire(req)
-        self._finish(req, "error", error=error, retryable=retryable)
+        self._end(req, "error", error=error, retryable=retryable)
 
     def fail_all(self, error: str) -> None:
         """Finish every queued and running request with `error`, retiring their slots."""
         for req in list(self.queue) + list(self.running.values()):
-            if req.phase == "queued":
-                self.queue.remove(req)
-            else:
-                self._retire(req)
-            self._finish(req, "error", error=error)
+            self._end(req, "error", error=error)
+
+    def _end(self, req: Request, reason: str, **why) -> None:
+        """Take `req` out of the queue, or retire its slot, and finish it."""
+        if req.done:
+            return
+        if req.phase == "queued":
+            self.queue.remove(req)
+        else:
+            self._retire(req)
+        self._finish(req, reason, **why)
 
     @property
     def idle(self) -> bool:
