@@ -85,7 +85,11 @@ def compile_all(
     in C++ without the GIL, so the pool uses the host's cores, and one group's slow programs
     (the sampling's sort) compile beside another's rather than after them."""
     todo = [(p, k) for p, keys in groups for k in keys if k not in p._exec]
-    workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
+    # On CPU one at a time: the suite once hung for good with one thread in XLA's CPU compile and
+    # another serializing its executable for the persistent cache (jax 0.10.2), and a CPU
+    # compile already takes the host's cores.
+    cpu = jax.default_backend() == "cpu"
+    workers = workers or (1 if cpu else max(1, min(len(todo), os.cpu_count() or 2)))
     names = " and ".join(p.name for p, _ in groups)
     log.info("compiling %d %s programs", len(todo), names)
     with ThreadPoolExecutor(workers) as pool:
