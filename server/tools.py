@@ -14,7 +14,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from luce_jax.host.grammar import check_schema
+from luce_jax.host.grammar import INSTALL_HINT, check_schema
 
 from .protocol import bad
 
@@ -109,8 +109,7 @@ def chat_tools(body: dict) -> Tools | None:
         if params is not None and not isinstance(params, dict):
             raise bad(f"{where}.function.parameters", "must be a JSON schema object")
     if choice is None or choice in ("none", "auto", "required"):
-        out = Tools(tools, choice or "auto", None, parallel)
-        return _grammar_checked(out) if out.mode == "required" else out
+        return _grammar_checked(Tools(tools, choice or "auto", None, parallel))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in seen:
         raise bad(
@@ -122,8 +121,11 @@ def chat_tools(body: dict) -> Tools | None:
 
 
 def _grammar_checked(tools: Tools) -> Tools:
-    """`tools`, once the parameters of each function a grammar may force compile (xgrammar,
-    the structured extra); auto and none need no grammar, so no xgrammar."""
+    """`tools`, once each function's parameters compile to a grammar (xgrammar, the structured
+    extra). A grammar forces the call only under required or a named function; under auto and
+    none a plain install, without xgrammar, takes them unchecked (agent frameworks send tools
+    with every request)."""
+    forced = tools.mode in ("required", "named")
     for i, t in enumerate(tools.tools):
         params = t["function"].get("parameters")
         if params is None or (tools.mode == "named" and t["function"]["name"] != tools.name):
@@ -131,6 +133,8 @@ def _grammar_checked(tools: Tools) -> Tools:
         try:
             check_schema(json.dumps(params))
         except ValueError as e:
+            if str(e) == INSTALL_HINT and not forced:
+                return tools
             raise bad(f"tools[{i}].function.parameters", str(e)) from None
     return tools
 
