@@ -81,9 +81,11 @@ def test_quantized_kv_needs_a_head_dim_divisible_by_32():
 
 
 # Measured on 2026-11-30 (CPU, XLA attention, the embedded model, 8 prompts x 32 greedy tokens,
-# common prefix with bf16 KV): q8_0 keeps 7 of 8 completions identical (227 of 256 prefix
-# tokens; one prompt diverges after 3 tokens where two tokens are nearly tied); q4_0 keeps 2 of 8
-# (99 of 256). f32 KV equals bf16 KV on all 256.
+# common prefix with bf16 KV): q8_0 kept 7 of 8 completions identical (one prompt diverges after
+# 3 tokens where two tokens are 0.003 apart); q4_0 kept 2 of 8 (99 of 256). On 2026-12-05, the
+# same environment's runs differed by one more q8_0 divergence (batches form as requests
+# arrive), so the test asks what q8_0 promises: it parts from bf16 only at near ties.
+NEAR_TIE = 0.1  # nats between the token q8_0 chose and bf16's choice, in q8_0's logprobs
 PROMPTS = [
     "def add(a, b):",
     "import os\n",
@@ -97,21 +99,28 @@ PROMPTS = [
 
 
 def test_greedy_tokens_with_quantized_kv_agree_with_bf16_kv(compile_cache):
-    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=5)
     out = {}
     for t in ("bf16", "q8_0", "q4_0"):
         kw = dict(max_concurrency=8, max_ctx=128, kv_pool_tokens=1024, prefill_chunk=128)
         kw.update(prefill_token_budget=128, cache_type_k=t, cache_type_v=t)
         with LLM(compile_cache_dir=compile_cache, attention_backend="xla", **kw) as llm:
-            out[t] = [c.token_ids for c in llm.generate(PROMPTS, sp)]
+            out[t] = llm.generate(PROMPTS, sp)
 
-    def prefixes(t):
+    def parted(t):
+        """Per prompt, the first position where `t`'s tokens leave bf16's (32: never)."""
         pairs = zip(out["bf16"], out[t], strict=True)
         return [
-            sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(a, b, strict=True)))
+            sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1],
+                                               zip(a.token_ids, b.token_ids, strict=True)))
             for a, b in pairs
-        ]
+        ]  # fmt: skip
 
-    q8, q4 = prefixes("q8_0"), prefixes("q4_0")
-    assert sum(n == 32 for n in q8) >= 7 and sum(q8) >= 0.85 * 256, q8
+    q8, q4 = parted("q8_0"), parted("q4_0")
+    assert sum(n == 32 for n in q8) >= 5, q8
+    for p, n in enumerate(q8):
+        if n < 32:  # a near tie: bf16's token is within NEAR_TIE of q8_0's choice there
+            chosen, top = out["q8_0"][p].logprobs[n]
+            theirs = dict(top).get(out["bf16"][p].token_ids[n], -1e9)
+            assert chosen - theirs <= NEAR_TIE, (p, n, chosen, top)
     assert sum(q4) >= 0.3 * 256, q4  # coarser, yet far from noise (a broken dequant gives ~0)
