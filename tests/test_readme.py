@@ -1,18 +1,56 @@
-"""The README stays true to the code: every engine flag documented, every file in its
-architecture tree present, no links that leave the repository."""
+"""The README and docs/ stay true to the code: every flag they name exists, every link
+resolves inside the repository, every engine field is documented, the architecture tree names
+files that exist, and docs/flags.md is what the parser makes."""
 
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from luce_jax.config import EngineConfig
+from luce_jax.serve import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-def test_every_engine_flag_has_a_row_in_the_flag_table():
-    rows = [line for line in README.splitlines() if line.startswith("| `")]
+def test_the_readme_is_a_front_door():
+    """At most ~250 lines: the two commands first, then what it serves and the results."""
+    lines = README.splitlines()
+    assert len(lines) <= 250
+    assert "pip install -e . && python -m luce_jax.serve" in "\n".join(lines[:6])
+    assert "## What it serves" in README and "## Results" in README
+
+
+def test_every_link_resolves_inside_the_repository():
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = target.split("#", 1)[0]
+            if not path:  # a link within the page
+                continue
+            resolved = (page.parent / path).resolve()
+            assert resolved.is_relative_to(ROOT), (page.name, target)
+            assert resolved.exists(), (page.name, target)
+
+
+def test_every_flag_the_readme_and_the_serving_pages_name_exists():
+    """The pages about running the server name only its flags (the benchmark and design pages
+    also name llama-server's and the scripts')."""
+    flags = {o for a in build_parser()._actions for o in a.option_strings}
+    for name in ("README.md", "docs/serving.md", "docs/flags.md"):
+        text = re.sub(r"`[^`]*bench/[^`]*`", "", (ROOT / name).read_text())  # scripts' flags
+        named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", text))
+        assert named - {"--index-url"} <= flags, (name, named - flags)
+
+
+def test_every_engine_field_has_a_row_in_the_configuration_table():
+    text = (ROOT / "docs" / "serving.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
     named = {n for line in rows for n in re.findall(r"`(\w+)`", line.split("|")[1])}
     missing = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in named]
     assert not missing
@@ -21,11 +59,13 @@ def test_every_engine_flag_has_a_row_in_the_flag_table():
 
 
 def test_the_architecture_tree_names_only_files_that_exist():
-    tree = README.split("## Architecture", 1)[1].split("```", 2)[1]
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = text.split("```", 2)[1]
     files = {p.name for p in ROOT.rglob("*.py")}
     named = set(re.findall(r"\b(\w+\.py)\b", tree))
     assert named and not named - files
 
 
-def test_no_link_leaves_the_repository():
-    assert not re.search(r"\.\./", README)
+def test_the_flags_page_is_what_the_parser_makes():
+    r = subprocess.run([sys.executable, str(ROOT / "docs" / "flags.py"), "--check"], timeout=120)
+    assert r.returncode == 0, "docs/flags.md is stale: run python docs/flags.py"
