@@ -107,7 +107,8 @@ class Stream:
             self.marks["loop"] = time.perf_counter()
         with self._lock:
             self._buffered -= self._size(ev)
-            self._unread_since: float | None = None  # since when events wait unread (None: none)
+            # the reader took an event: what still waits has waited from now on
+            self._unread_since = time.monotonic() if self._buffered > 0 else None
         if ev.final:
             self.finished = True
         return ev

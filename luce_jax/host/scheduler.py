@@ -203,5 +203,9 @@ class Scheduler:
     ):  # fmt: skip
         req.finish_reason, req.error = reason, error
         req.phase = {"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")
-        ev = Event(text, token_ids, logprobs, reason, error, retryable)
-        req.emit(ev)
+        req.emit(
+            Event(
+                text=text, token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
+                error=error, retryable=retryable,
+            )
+        )  # fmt: skip

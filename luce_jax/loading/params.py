@@ -79,6 +79,7 @@ def load_params(
         t = f.tensors[n]
         return prepare(raw(n), t.qtype, t.shape, dt, quantized)
 
+    shapes = expected_shapes(cfg)
     order = load_order([(n, t.nbytes) for n, t in f.tensors.items()])
     fetch = Prefetch(order, made, workers=0 if abstract else 4)
     with fetch:  # its threads end with the load, or its error
@@ -99,7 +100,7 @@ def load_params(
                     return None
                 raise ValueError(f"{f.path}: missing tensor {name!r}")
             t = f.tensors[name]
-            want = expected_shape(name, cfg)
+            want = shapes.get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
             squeeze = want is not None and check_shape(f.path, name, t.shape, want)
             if t.qtype not in floats and (
                 (keep and quantized and t.qtype not in QTYPES) or t.qtype not in DEQUANTIZERS
@@ -209,14 +210,14 @@ def load_params(
         return dataclasses.replace(cfg, tied_embeddings=lm_head is None), params
 
 
-def expected_shape(name: str, cfg: ModelConfig) -> tuple | None:
-    """The numpy-order shape (GGUF's reversed) `cfg` expects of a file tensor, None for a
-    dimension it does not fix (the vocabulary) and for tensors it does not know."""
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """The numpy-order shape (GGUF's reversed) `cfg` expects of each file tensor, by its name
+    without the blk.N. prefix; None for a dimension it does not fix (the vocabulary)."""
     d, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     E, Fe, Fs = cfg.n_experts, cfg.expert_ffn_dim, cfg.shared_expert_ffn_dim
     C, Hv, Dv = cfg.conv_dim, cfg.ssm_v_heads, cfg.ssm_v_dim
     q = H * D * (2 if cfg.attn_gate else 1)  # a gated query also yields its gate
-    shapes = {
+    return {
         "token_embd.weight": (None, d),
         "output.weight": (None, d),
         "output_norm.weight": (d,),
@@ -254,7 +255,6 @@ def expected_shape(name: str, cfg: ModelConfig) -> tuple | None:
         "ssm_norm.weight": (Dv,),
         "ssm_out.weight": (d, Hv * Dv),
     }
-    return shapes.get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
 
 
 def check_shape(path, name: str, shape: tuple, want: tuple) -> bool:
