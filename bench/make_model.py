@@ -34,7 +34,7 @@ SHAPES = {
     # Hybrid (architecture qwen35): every 4th layer gated full attention (rotary on a quarter of
     # D), the others Gated DeltaNet with Hk key and Hv value heads of Dk = Dv = 128, conv 4.
     "qwen35-27b": dict(d=5120, L=64, H=24, K=4, D=256, F=17408, tied=False, Hk=16, Hv=48),
-    # a small one for correctness checks on the GPU (bench/backend_tokens.py)
+    # a small one for correctness checks on the GPU (bench/kernels/backend_tokens.py)
     "qwen35-small": dict(d=1024, L=8, H=8, K=2, D=128, F=2048, tied=False, Hk=4, Hv=8),
     # and its MoE form (qwen35moe): E experts, k per token, and a shared expert of Fs
     "qwen35moe-35b-a3b": dict(

@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+RECORD_SUFFIXES = (".json", ".md", ".png", ".txt")
 
 
 def _out(cmd: list[str]) -> str:
@@ -31,11 +34,63 @@ def meta_line(m: dict) -> str:
     return f"{m['device']}, {m['date']}, commit {m['commit'] or '?'}. Command: `{m['command']}`"
 
 
+def archive(out: str) -> None:
+    """Before a run writes the record `results/<table>.json`, move the record it replaces (json,
+    md, png) into `results/history/` under its date, `DATE_<table>` (bench/results/README.md):
+    the folder keeps one current record per table and every earlier one."""
+    stem = Path(out).with_suffix("")
+    if stem.parent.name != "results":
+        return
+    old = [p for p in stem.parent.glob(stem.name + ".*") if p.suffix in RECORD_SUFFIXES]
+    if not old:
+        return
+    date = time.strftime("%Y-%m-%d", time.localtime(min(p.stat().st_mtime for p in old)))
+    js = stem.with_suffix(".json")
+    if js.exists():
+        try:
+            date = json.loads(js.read_text()).get("date") or date
+        except (ValueError, AttributeError):
+            pass
+    history = stem.parent / "history"
+    history.mkdir(exist_ok=True)
+    name = f"{date}_{stem.name}"
+    n = 1
+    while any((history / (name + p.suffix)).exists() for p in old):
+        n += 1
+        name = f"{date}_{stem.name}_{n}"
+    for p in old:
+        p.rename(history / (name + p.suffix))
+
+
 def write_result(res: dict, md: str, out: str | None) -> None:
-    """Print the markdown; with `out`, write the JSON there and the markdown beside it."""
+    """Print the markdown; with `out`, write the JSON there and the markdown beside it (a record
+    already there moves to history/ first)."""
     sys.stdout.write(md)
     if out:
+        archive(out)
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
         with open(out.rsplit(".", 1)[0] + ".md", "w") as f:
             f.write(md)
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def keep(paths: list[str], results: Path = RESULTS) -> None:
+    """Copy runs brought back from the device into `results` as the current records of their
+    tables (each file keeps its name, `<table>.json|md|png`); the records they replace move to
+    history/ first."""
+    import shutil
+
+    for stem in dict.fromkeys(str(Path(p).with_suffix("")) for p in paths):
+        archive(str(results / (Path(stem).name + ".json")))
+        for p in Path(stem).parent.glob(Path(stem).name + ".*"):
+            if p.suffix in RECORD_SUFFIXES:
+                shutil.copy(p, results / p.name)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] != "keep":
+        sys.exit("usage: python bench/meta.py keep RESULT.json [...]")
+    keep(sys.argv[2:])

@@ -16,11 +16,11 @@ def per_call(fn, x, ws: list, layers: int, rounds: int = 7, round_s: float = 0.0
     one's output, so calls never overlap. One buffer per call, not a cycle over fewer: XLA
     computes a weight-only part of fn (dequantize.py's kernel, XLA's dequantizing ops) once
     per distinct buffer, and with 2 buffers for 8 calls such a variant timed a quarter of its
-    dequantizing (bench/results/2026-12-02_quant_matmul_mmq_prefill_h200.md).
+    dequantizing (bench/results/history/2026-12-02_quant_matmul_mmq_prefill_h200.md).
 
     The executable first runs for `warmup_s` (the GPU's clocks rise from idle; five runs of a
     0.4 ms chain had timed one kernel and grid 7 to 25% apart on the H200,
-    bench/results/2026-12-01_quant_matmul_vector_splits_h200.md), then `rounds` rounds of
+    bench/results/history/2026-12-01_quant_matmul_vector_splits_h200.md), then `rounds` rounds of
     about `round_s` each are timed and the median round is returned."""
 
     if len(ws) < layers:

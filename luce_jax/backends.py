@@ -25,7 +25,7 @@ def gated_delta_fn(backend: str):
 
         # Whole chunks of 16 kept tokens in the chunked (WY) form, the rest token by token
         # (decode rows). On the H200 the kernel took 13.1 ms of a 45.9 ms 512-token prompt
-        # step of the 27B hybrid (bench/results/2026-12-03_hybrid_qwen35-27b_h200.md).
+        # step of the 27B hybrid (bench/results/hybrid_qwen35-27b_h200.md).
         return functools.partial(gated_delta_in_place, chunk=16)
     from pallas_kernels.gated_delta import gated_delta_in_place_reference
 
@@ -59,7 +59,7 @@ def quant_activations_for(setting: str, model_cfg) -> str:
     0.5 ms faster a step, but each rounding of x added kernels to a step of 1122 and the host
     prepares the step's CUDA graph in time that grows with them (8.7 -> 15.6 ms a step in one
     profile); the dense 8B Q4_K_M gained, 154 -> 196 tok/s at C1 (bench/results/
-    2026-12-01_profile_qwen3-30b-a3b-q4_k_m_int8_0b2eb14.md)."""
+    history/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_int8_0b2eb14.md)."""
     if setting != "auto":
         return setting
     return "float" if model_cfg.n_experts else "int8"
@@ -89,7 +89,8 @@ def quant_matmul_fn(backend: str, activations: str = "int8"):
 # 8B Q4_K_M's device step by 10% at C4 and C8 (7.49 -> 6.74 ms, 7.67 -> 6.89), left C16 even
 # and lengthened C1's by 4% (3.86 -> 4.04: the kernel carries the branch C1 does not take);
 # Q8_0's were even at C4 and C8 and slower at C1 (bench/results/
-# 2026-12-02_engine_decode_qwen3-8b-q4_k_m_int8_dots_6ec2d5b.md, ..._q8_0_int8_dots_2b8d095.md).
+# history/2026-12-02_engine_decode_qwen3-8b-q4_k_m_int8_dots_6ec2d5b.md,
+# ..._q8_0_int8_dots_2b8d095.md).
 SERVED_INT8_DOTS = ("q4_k",)
 
 

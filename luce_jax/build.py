@@ -197,8 +197,8 @@ def keep_quantized(dtype: str, f, device) -> bool:
 
     auto prefers dequantized weights where they fit because they are still faster: on the H200
     the 8B q8_0 file kept quantized served 182 / 344 / 537 / 1106 tok/s at C1 / C2 / C4 / C8
-    (bench/results/2026-12-01_compare_qwen3-8b-q8_0.md), dequantized 193 / 379 / 737 / 1422
-    (2026-11-30_compare_qwen3-8b-q8_0.md)."""
+    (bench/results/history/2026-12-01_compare_qwen3-8b-q8_0.md), dequantized 193 / 379 / 737 / 1422
+    (history/2026-11-30_compare_qwen3-8b-q8_0.md)."""
     from gguf import GGML_QUANT_SIZES
 
     if dtype != "auto":

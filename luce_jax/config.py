@@ -12,21 +12,21 @@ from pathlib import Path
 # tensors and activations in bfloat16 on GPU, float32 on CPU. auto keeps them quantized only when
 # the dequantized weights would not fit (build.keep_quantized): the quantized matmuls still run
 # slower than XLA's bf16 dot (H200, Qwen3-8B shapes, decode: Q8_0 at 0.33x to 0.41x its speed,
-# Q4_K at 0.54x to 0.62x; bench/results/2026-11-30_quant_matmul_types_h200.md), so dequantizing
-# is the faster choice wherever it fits.
+# Q4_K at 0.54x to 0.62x; bench/results/history/2026-11-30_quant_matmul_types_h200.md), so
+# dequantizing is the faster choice wherever it fits.
 DTYPES = ("auto", "quantized", "bfloat16", "float16", "float32")
 FLOAT_CACHE_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 # q8_0 / q4_0: int8 or packed 4-bit values with an f16 scale per 32 (pallas_kernels/kv_cache.py).
 CACHE_TYPES = ("auto", *FLOAT_CACHE_TYPES, "q8_0", "q4_0")
 # auto: the Pallas kernel on GPU (1.47x to 1.85x the XLA path's decode tok/s at 4k-token
 # contexts, C1 to C32, and 13x to 15x faster prefill on the H200:
-# bench/results/2026-11-30_engine_decode_4k_qwen3-8b-bf16.md); xla on CPU, where the kernel
+# bench/results/engine_decode_4k_qwen3-8b-bf16.md); xla on CPU, where the kernel
 # runs only in interpret mode.
 ATTENTION_BACKENDS = ("auto", "pallas", "xla")
 # Grouped expert matmuls of MoE models: auto is pallas on GPU (pallas_kernels/moe_grouping.py:
 # 1.9x / 1.8x / 2.6x the decode tokens/s of jax.lax.ragged_dot at C1 / C8 / C32 on a
 # Qwen3-30B-A3B-shaped file, 8x faster prefill, on the H200:
-# bench/results/2026-11-30_engine_decode_qwen3-30b-a3b-bf16.md); xla on CPU.
+# bench/results/engine_decode_qwen3-30b-a3b-bf16.md); xla on CPU.
 MOE_BACKENDS = ("auto", "pallas", "xla")
 # Projections with quantized weights: pallas runs pallas_kernels/quant_matmul.py for steps of at
 # most 64 tokens (faster than XLA's dequantize-then-dot there, slower above: models/linear.py)
@@ -37,7 +37,7 @@ QUANT_BACKENDS = ("auto", "pallas", "xla")
 # dot the codes with: int8 rounds the activations to int8 per 32 values, as llama.cpp's q8_1,
 # and takes four products a dp4a instruction (H200, one live row: Q4_K gate/up 54 -> 43 us, down
 # 35 -> 26, Q8_0 gate/up 46 -> 42, at 78% of the copy bandwidth; Q6_K 80 -> 82;
-# bench/results/2026-12-01_quant_matmul_int8_x_h200.md); float keeps them in float32. With
+# bench/results/history/2026-12-01_quant_matmul_int8_x_h200.md); float keeps them in float32. With
 # int8, Q4_K's calls of more rows also dot int8 rows with int8 codes (backends.SERVED_INT8_DOTS).
 QUANT_ACTIVATIONS = ("auto", "int8", "float")
 # Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
@@ -48,7 +48,7 @@ SPEC_MODES = ("off", "ngram", "draft", "head")
 # vLLM does), auto (with proposals on the device: always, while speculation/gate.py measures it
 # serving faster than no speculation, else none; with proposals from the host: adaptive). On
 # the H200 the embedded pair ran 1.36x to 2.07x mode off at C1 to C32 with always, 0.86x to
-# 1.41x with adaptive (bench/results/2026-12-03_speculative_embedded_h200.md), and prompt
+# 1.41x with adaptive (bench/results/history/2026-12-03_speculative_embedded_h200.md), and prompt
 # lookup 1.11x to 1.67x against 0.71x to 1.38x: the host bounds those steps, and warmup's
 # step times, which the adaptive policy's costs start from, say little. A proposer that
 # rarely agrees costs a step its verify tokens under always; the gate turns it off.
@@ -150,7 +150,7 @@ class EngineConfig:
     # steps of more tokens than this compile without CUDA graphs (0: every step uses them): a
     # warm prefix-cached request's prompt step waits 2.3 ms for its launch on the H200 host,
     # but launching its kernels one by one took 6.3-6.8 ms and warm TTFT stayed 22-23 ms
-    # (bench/results/2026-12-03_prefix_cuda_graph_max_tokens_h200.md), so graphs stay on by
+    # (bench/results/prefix_cuda_graph_max_tokens_h200.md), so graphs stay on by
     # default. (About 1.3 ms of that launch is its ~370 arguments, and keeping the graph's
     # temporaries at fixed addresses did not shorten it: ..._command_buffer_update_mode_h200.md.)
     cuda_graph_max_tokens: int = 0

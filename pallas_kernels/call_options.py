@@ -29,7 +29,7 @@ def call_options(interpret: bool | None, num_warps: int, num_stages: int) -> dic
 
 def uses_ptx(interpret: bool | None) -> bool:
     """Whether a Triton kernel may hold PTX: not in interpret mode and not on a ROCm backend.
-    Lowering for cuda from the CPU (tests, bench/kernel_ptx.py) takes the PTX."""
+    Lowering for cuda from the CPU (tests, bench/kernels/kernel_ptx.py) takes the PTX."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     return not interpret and "rocm" not in jax.extend.backend.get_backend().platform_version

@@ -5,15 +5,15 @@ Kernel, wrapper and reference together, in the style of JAX's Pallas ops. Steps 
 as fast as the bf16 model's, so W's decoding is all a quantized prefill step adds. XLA's own
 dequantizing fusions ran that at 35 to 45% of the copy bandwidth (a 512-token step of the 8B
 Q4_K_M took 23.7 ms against 13.7 with bf16 weights; bench/results/
-2026-12-02_profile_prefill_qwen3-8b-q4_k_m.md). Here a program decodes BN weight rows by U
+history/2026-12-02_profile_prefill_qwen3-8b-q4_k_m.md). Here a program decodes BN weight rows by U
 blocks a piece at a time (`BlockFormat.decode`, the runs of code bytes quant_matmul loads) and
 stores each piece's values [BN, n] where they go: every byte of W is read once and every
 value written once.
 
-Speed (H200, Qwen3-8B shapes, M 512, with the dot; 2026-12-02_dequantize_prefill_h200.md):
+Speed (H200, Qwen3-8B shapes, M 512, with the dot; history/2026-12-02_dequantize_prefill_h200.md):
 Q4_K gate/up 207 us against XLA's dequantize-then-dot 260 and the bf16 dot 157; down 111
 against 149. A 4k-token prompt's TTFT on the 8B Q4_K_M went from 341 to 243 ms, the bf16
-model's being 174 (2026-12-02_ttft4k_qwen3-8b-q4_k_m_dequant.md).
+model's being 174 (history/2026-12-02_ttft4k_qwen3-8b-q4_k_m_dequant.md).
 
 Shapes: N rows (outputs), K values per row, B values per block, U blocks per program.
 """
@@ -97,7 +97,7 @@ def dequantize(
       num_warps: Triton warps per program.
       transpose: write W^T [K, N], the layout a bf16 model's weights have (the 2048-token
         step's GEMMs on W [N, K] took 2.4 ms more than the bf16 model's on [K, N]:
-        bench/results/2026-12-02_profile_prefill2048_qwen3-8b-q4_k_m.md). Off until timed.
+        bench/results/history/2026-12-02_profile_prefill2048_qwen3-8b-q4_k_m.md). Off until timed.
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [N, K] ([K, N] with transpose) in dtype, equal to dequantize_reference(w, dtype) (float32

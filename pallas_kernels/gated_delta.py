@@ -22,7 +22,7 @@ the state (its WY inverse, u, w, the masked q k^T) for every chunk of the step a
 (`_chunk_parts`), then in the kernel the chunk-to-chunk recurrence of the state, four small
 matmuls a chunk; the rest of a segment token by token. (Computing a chunk's parts inside the
 serial loop, 13 dependent matmuls a chunk, took 177 ms of a 512-token prompt step of the 27B
-hybrid on the H200: bench/results/2026-12-03_profile_prefill_qwen35-27b-q4_k_m_e53d7e7.md.)
+hybrid on the H200: bench/results/history/2026-12-03_profile_prefill_qwen35-27b-q4_k_m_e53d7e7.md.)
 Both forms are exact against the reference.
 
 Triton backend (CUDA; ROCm through Triton too): no scalar prefetch, so cu_q_lens is an ordinary

@@ -3,8 +3,8 @@
 quant_matmul's vector path (a decode step's one or two live rows) is bound by instruction
 issue, not memory. On the H200, Nsight Compute counted 16 thread instructions per Q4_K weight
 value, 0.77 warp instructions issued a clock per scheduler, and 18% of DRAM's bandwidth
-(bench/results/2026-12-01_quant_matmul_live_rows_h200.md). About 5 of those instructions turned
-a code into a float: extract the byte from its register, widen it, shift, mask, add the bits
+(bench/results/history/2026-12-01_quant_matmul_live_rows_h200.md). About 5 of those instructions
+turned a code into a float: extract the byte from its register, widen it, shift, mask, add the bits
 of 1.5 * 2**23, and subtract that float (`ggml_blocks.exact_f32`).
 
 Here a Triton inline-asm instance takes four code bytes in one 32-bit register (pack 4). It
@@ -18,12 +18,12 @@ Unit codes: `codes(lo, ...)` takes uint8 tensors lo (and hi) of one shape and gi
 that shape; `DECODERS` give quant_matmul's vector path each type's group in this form
 (`unit_codes=True`). Off by default: timed on the H200 against the integer codes, one live row
 gained 2 to 7% for Q4_K and lost 3 to 17% for Q6_K, and two live rows lost 20 to 60%
-(bench/results/2026-12-01_quant_matmul_unit_codes_h200.md).
+(bench/results/history/2026-12-01_quant_matmul_unit_codes_h200.md).
 
 Int8 dots: `dots4(lo, x, ...)` extracts the codes the same way and sums their products with four
 int8 activations in one `dp4a`; `INT_DECODERS` give the vector path each type's group against
 activations rounded to int8 (`int8_x=True`, on in the engine for dense models: Q4_K 22 to 29%
-and Q8_0 2 to 9% faster on the H200, bench/results/2026-12-01_quant_matmul_int8_x_h200.md).
+and Q8_0 2 to 9% faster on the H200, bench/results/history/2026-12-01_quant_matmul_int8_x_h200.md).
 Both read the byte layouts from one table, `PIECES`.
 
 With ptx=False (interpret mode on the CPU, and ROCm) the same results come from jnp integer ops
@@ -140,7 +140,7 @@ def _q5_k(load, load1, g, piece=32):
 
 def _q6_k(load, load1, g, piece=32):
     # A group at a time. Two groups as one 32-byte run (half the loads, no shuffle in the SASS
-    # a newer Triton compiled) ran 2.3x slower on the H200 (2026-12-02_q6_k_pairs_h200.md).
+    # a newer Triton compiled) ran 2.3x slower on the H200 (history/2026-12-02_q6_k_pairs_h200.md).
     h, v = divmod(g * 16, 128)  # ggml_blocks._q6_k's layout
     kw = dict(shift=4 * (v // 64), mask=15, hi=load(128 + 32 * h + v % 32, 16),
               hi_shift=2 * (v // 32), hi_mask=3, hi_to=4)  # fmt: skip

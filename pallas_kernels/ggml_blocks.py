@@ -149,7 +149,7 @@ def _int(v):
 # Codes to floats inside a kernel. The H200 converts integers to floats (I2F) at 16 results per
 # clock and SM against 128 FMAs (an eighth of the rate; CUDA's throughput table for sm_90), and
 # a kernel converts every weight value it reads, so both helpers stay off that unit
-# (`bench/kernel_ptx.py --vector` counts the I2Fs).
+# (`bench/kernels/kernel_ptx.py --vector` counts the I2Fs).
 
 
 def exact_f32(codes):

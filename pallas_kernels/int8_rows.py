@@ -5,21 +5,21 @@ XLA ran the rounding as three kernels per call (the block maxima, the scales, th
 their sums): on the H200 a 30B-A3B Q4_K_M decode step at C1 ran 1652 kernels, 530 of them
 these, and 0.83 of its 4.54 ms of kernel time; the step's CUDA graph (XLA's command buffer)
 is prepared on the host in time that grows with its kernels, and the step went from 8.7 to
-15.6 ms (bench/results/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_int8_0b2eb14.md). Here a
+15.6 ms (bench/results/history/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_int8_0b2eb14.md). Here a
 call is one kernel: a program rounds BK values of one row.
 
 `norm_int8_rows` puts the RMSNorm before a projection in the same kernel (a program per row):
 the H200 profile of the 8B Q4_K_M's C1 decode step (777 kernels, 21 a layer; bench/results/
-2026-12-02_profile_qwen3-8b-q4_k_m_c1_9345aba.md) ran XLA's norm fusion (2.0 us) then
+history/2026-12-02_profile_qwen3-8b-q4_k_m_c1_9345aba.md) ran XLA's norm fusion (2.0 us) then
 int8_rows (1.4 us) twice a layer, each kernel of a step adding its launch and a round trip
 through memory; that took the device step 5.23 -> 5.17 ms at C1
-(2026-12-02_engine_decode_qwen3-8b-q4_k_m_156141c.md). `glu_int8_rows` does the same for the
+(history/2026-12-02_engine_decode_qwen3-8b-q4_k_m_156141c.md). `glu_int8_rows` does the same for the
 FFN's hidden rows: the gate | up kernel's split partials summed, silu(gate) * up and the
 rounding, where XLA's fusion (2.1 us) and int8_rows (1.5 us) were two kernels. quant_matmul's
 `splits` writes the partials of live rows only (at C1 one row of a bucket of 8 is live) and
 glu_int8_rows reads no others; with the gate | up, attention output and down projections'
 partials so and glu_int8_rows' programs at 128 values (PARTS_BLOCK), the device step went 5.17
--> 4.97 ms at C1 (2026-12-02_engine_decode_qwen3-8b-q4_k_m_5c5faaf.md).
+-> 4.97 ms at C1 (history/2026-12-02_engine_decode_qwen3-8b-q4_k_m_5c5faaf.md).
 A kernel for the residual add of the attention output's and the down projection's partials
 and the norm after it was tried the same way and dropped: a program per row (the norm needs
 the whole row) was 0.2 ms a step slower than XLA's sum and norm_int8_rows, and chunks of a row
@@ -166,7 +166,7 @@ def _block(K: int, most: int = 1024) -> int:
 # programs keep more of those loads in flight than a few large ones. At 1024 values the 8B's
 # gate | up (F 12288) took 12 programs a live row, each reading 4 splits x 2 x 4 KB; a kernel
 # of the same shape over the down projection's 24 splits made the decode step slower
-# (2026-12-02_engine_decode_qwen3-8b-q4_k_m_5c5faaf.md).
+# (history/2026-12-02_engine_decode_qwen3-8b-q4_k_m_5c5faaf.md).
 PARTS_BLOCK = 128
 
 

@@ -15,8 +15,8 @@ int8 -> bf16 conversion had unpacked the loaded words byte by byte and packed th
 Compiled for sm_90a the kernel's loop went from 1191 to 793 instructions an iteration for q8_0
 (217 to 194 registers) and from 1440 to 751 for q4_0 (168 to 128 registers). On the H200, 64
 decode rows over 4096 keys: q8_0 313 -> 304 us, q4_0 379 -> 289, bf16 269 (bench/results/
-2026-12-04_attention_kernel_planes_h200.md); instructions no longer bound q8_0, and no tiling
-did better (..._planes_tilings_h200.md).
+history/2026-12-04_attention_kernel_planes_h200.md); instructions no longer bound q8_0, and no
+tiling did better (..._planes_tilings_h200.md).
 
 Shapes: BK tokens a tile, D head dim; phys / off [BK] each token's physical block and offset,
 kh the kv head; ok [BK] the tokens that are needed (None: all of the tile).

@@ -11,7 +11,7 @@ group, and an expert with no rows gets none; the tile count is bounded by
 min(ceil(M / BM) + E, M) (the static grid; tiles past the real ones have 0 rows and exit at
 once). The bound M matters at decode: one token's 8 rows over 128 experts made a grid of 129
 row tiles, 121 of them empty, and the call took 196 us on the H200; with 8 tiles it took 27 us
-(bench/results/2026-11-30_moe_kernel_grid_h200.md).
+(bench/results/history/2026-11-30_moe_kernel_grid_h200.md).
 
 The gate/up projection fuses SwiGLU: with `swiglu`, w holds [gate | up] along its columns and
 a program computes both column tiles and writes silu(gate) * up, so the [M, 2F] intermediate is
@@ -21,7 +21,7 @@ Triton backend: expert ids and row offsets are ordinary inputs read inside the k
 prefetch); rows, contraction and columns are gathered with masks, so widths that are not
 multiples of the tiles (or not powers of two, like an expert FFN of 768) need no padding of the
 weights. On CPU the kernel runs in interpret mode, and its Triton module is verified by
-tests/test_triton_lowering.py; bench/moe_kernel.py times it against ragged_dot on the GPU.
+tests/test_triton_lowering.py; bench/kernels/moe_kernel.py times it against ragged_dot on the GPU.
 
 Shapes: M grouped rows, K contraction width, N output columns, E experts.
 """
@@ -162,7 +162,7 @@ def grouped_matmul(
       block_m, block_n, block_k: tile caps (BM rows, BN columns, BK contraction); BM is
         the mean rows per expert rounded up to a power of two, at least 16, at most block_m.
         The defaults (16, 128, 128, 4 warps, 3 stages) were the fastest of five tilings on
-        the H200 from 8 to 32768 rows (bench/results/2026-11-30_moe_kernel_h200.md).
+        the H200 from 8 to 32768 rows (bench/results/moe_kernel_h200.md).
       interpret: run in interpret mode (default: when the backend is the CPU).
     Returns:
       [M, N] in out_dtype; rows past sum(sizes) are zero.

@@ -13,7 +13,7 @@ each stores its (max, sum, accumulator) partials at its own rows and heads, and 
 combines them (XLA's reduction, or from 32 splits on a kernel that reads the real rows' partials
 only). Gathering q and storing partials by row took a call in the bench's loop of layers from 11
 kernels to 6 (no transpose of q, no scatter of the output): one decode row at 4096 keys 26 -> 17 us,
-8 rows 56 -> 46, 64 rows 296 -> 278 (bench/results/2026-12-04_attention_partials_by_row_h200.md).
+8 rows 56 -> 46, 64 rows 296 -> 278 (bench/results/attention_partials_by_row_h200.md).
 Tokens past a sequence's kv length are masked loads, never read.
 
 KV types: plain float caches, and q8_0 / q4_0 (kv_cache.py beside this file). A quantized tile is
@@ -21,9 +21,9 @@ one contiguous load of each token's code words and one of its scales, made f16 i
 inline PTX and contracted in TILE_PIECES dots (kv_tiles.tile_pieces: runs of code planes, q read and
 the output stored in their column order); its loads are issued a tile ahead. Per scale group dots
 (an earlier form) had left q4_0 2.4-2.9x slower than a tile (8 rows x 4096 178 -> 75 us, 64 rows
-1209 -> 422: bench/results/2026-12-04_attention_tile_dequant_h200.md). With the PTX and the tile in
+1209 -> 422: bench/results/attention_tile_dequant_h200.md). With the PTX and the tile in
 value order, 64 rows x 4096: q8_0 304 us, q4_0 289, bf16 269 (bench/results/
-2026-12-04_attention_kernel_planes_h200.md); in pieces q8_0 280 and q4_0 247.
+history/2026-12-04_attention_kernel_planes_h200.md); in pieces q8_0 280 and q4_0 247.
 
 Triton backend (CUDA; ROCm through Triton as well): there is no scalar prefetch, so block
 tables, kv lengths and the query-block list are ordinary inputs read inside the kernel, and the
@@ -107,7 +107,7 @@ def query_blocks(cu_q_lens, T: int, block_q: int, max_blocks: int | None = None)
 
 
 # Dots a quantized tile is contracted in (kv_tiles.tile_pieces), from a sweep on the H200
-# (bench/results/2026-12-04_attention_tile_pieces_h200.md): against one dot, q8_0's 4 planes as 4
+# (bench/results/attention_tile_pieces_h200.md): against one dot, q8_0's 4 planes as 4
 # dots are 7-10% faster, q4_0's 8 as 2 dots 12-17% (128 registers, not 157); 8 dots spilled.
 TILE_PIECES = {"q8_0": 4, "q4_0": 2}
 
@@ -188,7 +188,7 @@ def _kernel(
         # A quantized tile is dequantized in registers, which keeps Triton from pipelining its
         # loads as it does a plain tile's; they are issued a tile ahead here instead (64 rows x
         # 4096 of q8_0 367 -> 313 us on the H200; q4_0, bound by its unpacking, 389 -> 379:
-        # bench/results/2026-12-04_attention_kernel_kvtypes_h200.md).
+        # bench/results/attention_kernel_kvtypes_h200.md).
         nxt, raw = loads(j + 1) if raw else (), list(raw)
 
         def tile(c) -> list:
@@ -313,7 +313,7 @@ def paged_attention(
         prompt rows 13-27% faster (2048 rows over 6k keys 981 -> 721 us, a 200-row warm prefix
         step over 8.6k 198 -> 156), q8_0 caches 8-13% faster at every shape, and plain decode
         rows 0-3% slower (64 x 32k 1995 -> 2054 us):
-        bench/results/2026-12-03_attention_split_masks_h200.md.
+        bench/results/attention_split_masks_h200.md.
       splits: a fixed number of kv splits per query block and kv head, each walking an equal
         share of the keys that block needs (computed in the kernel from its kv length), in
         place of split_tokens' splits over the longest context the block table holds: with few

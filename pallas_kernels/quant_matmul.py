@@ -60,7 +60,7 @@ from .quant_weight import QuantWeight, dequantize_weight
 
 # Types whose int8_dots run on int8 codes (pieces of 32 values): Q6_K's 16-value pieces, a K
 # below Triton's int8 MMA shape, came out wrong on the H200, so types with 16-value pieces keep
-# the bf16 dots; Q5_K is unchecked on a GPU (2026-12-02_quant_matmul_int8_dots_h200.md)
+# the bf16 dots; Q5_K is unchecked on a GPU (history/2026-12-02_quant_matmul_int8_dots_h200.md)
 INT8_DOTS = ("q8_0", "q4_k")
 
 
@@ -327,7 +327,7 @@ def quant_matmul(
         are not written, so a consumer reads the live rows only.
       out_dtype: result dtype (accumulation is float32).
       block_m, block_n: caps on BM (rows, at least 16) and BN (weight rows); the defaults
-        were the fastest of six decode tilings (2026-11-30_quant_matmul_tiling_h200.md).
+        were the fastest of six decode tilings (history/2026-11-30_quant_matmul_tiling_h200.md).
       values_per_step: contraction values per loop step (U = this / B blocks, at least 1).
       min_programs: split the contraction until the grid has about this many programs (16
         per SM of an H200), never below one step per split.
@@ -339,7 +339,7 @@ def quant_matmul(
         q8_1 rounding) and dots Q8_0, Q4_0, Q4_K, Q5_K and Q6_K codes with it four at a time
         (dp4a); other types ignore it. On for dense models (EngineConfig.quant_activations).
       prefetch: the vector path issues a loop step's weight loads one step ahead. Default: for
-        Q6_K only, the type it sped up (2026-12-02_quant_matmul_prefetch_h200.md).
+        Q6_K only, the type it sped up (history/2026-12-02_quant_matmul_prefetch_h200.md).
       int8_dots: with int8_x, the dots (a call of more live rows than vector_rows, or any
         call without `live`) run on x's int8 rows and the codes as int8 (int32 sums a group)
         rather than on bf16 x and codes; for the INT8_DOTS types only.
@@ -373,7 +373,8 @@ def quant_matmul(
     unit_codes = unit_codes and vector and not int8_x
     # The int8 path's pieces: a run of 32 code bytes is loaded as two halves where the tile
     # has a weight row for every thread (BN >= threads), so each thread sums a group without a
-    # shuffle (BN 128 lost to 64 on the H200 anyway: 2026-12-02_quant_matmul_units_block_n_h200.md)
+    # shuffle (BN 128 lost to 64 on the H200 anyway:
+    # history/2026-12-02_quant_matmul_units_block_n_h200.md)
     piece = 16 if BN >= 32 * num_warps else 32
     prefetch = QTYPES[fmt.qtype] == "q6_k" if prefetch is None else prefetch
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,

@@ -28,13 +28,13 @@ class QuantWeight:
     `body`. Q8_0's 34-byte blocks (and Q6_K's 210) put the codes at offsets no wider load can
     use; split, every row of codes starts aligned and Triton reads it 16 bytes per load, and a
     block's scale byte for BN outputs is one contiguous run. On the H200 this split took a
-    Q8_0 decode-sized call from 141 to 94 us (bench/results/2026-12-01_quant_gemv_h200.md).
+    Q8_0 decode-sized call from 141 to 94 us (bench/results/history/2026-12-01_quant_gemv_h200.md).
 
     head: [..., K / B * hs / u, N] of u-byte little-endian units (`BlockFormat.head_unit`:
       uint32 for Q4_K, Q5_K and IQ4_XS, uint16 for the rest): bytes u * w .. u * w + u - 1
       of block k of every row are row k * hs / u + w, so a kernel reads Q4_K's 16 scale bytes
       in 4 loads, not 16 (on the H200 that and one load for x's sums per group took its
-      decode-sized gate/up from 42.7 to 35 us, 2026-12-02_quant_matmul_head_words_h200.md).
+      decode-sized gate/up from 42.7 to 35 us, history/2026-12-02_quant_matmul_head_words_h200.md).
     body: uint8 [..., N, K / B * bs]: one row of code bytes per output, blocks in order.
       (hs + bs = type_size; leading axes for stacked experts.)
     qtype: a FORMATS key. dtype: the activations' dtype the matmuls run in (the dtype the

@@ -5,20 +5,20 @@ Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas op
 
 In XLA a decode layer ran these as five small kernels (q norm, k norm + rope, q rope into
 attention's layout, a scatter for k and one for v), 1.5 to 2.1 us each on the H200
-(results/2026-12-02_profile_qwen3-8b-q4_k_m_c1_9345aba.md). Program (t, g) takes token row t's
-kv heads g * KP .. (g + 1) * KP - 1 and their query heads: it loads each head as two halves
+(results/history/2026-12-02_profile_qwen3-8b-q4_k_m_c1_9345aba.md). Program (t, g) takes token row
+t's kv heads g * KP .. (g + 1) * KP - 1 and their query heads: it loads each head as two halves
 (NEOX rotates the halves of a head, llama adjacent pairs: the halves are then its even and odd
 values), norms each head over both halves, rotates, stores q and writes k and v at the row's
 KV slot. Padding rows write the sink slot their write_idx points at (block 0), as the XLA
 scatter does. With a program a row (KP = K) the 8B Q4_K_M's decode step on the H200 was 1% to
 2% shorter than with XLA's kernels (3.90 against 3.98 ms at C1), 4 kernels a layer fewer
-(results/2026-12-02_engine_decode_qwen3-8b-q4_k_m_pallas_2b8d095.md).
+(results/history/2026-12-02_engine_decode_qwen3-8b-q4_k_m_pallas_2b8d095.md).
 
 Quantized caches (q8_0 / q4_0, kv_cache.py) are written by the same kernel: each row's groups
 of 32 values are quantized as ggml does, from the rotated float32 k and the loaded v, and stored
 as kv_cache's words and f16 scales. In XLA that write (quantize, then a scatter for codes and
 one for scales, for k and v) took 0.37 to 0.41 ms of an 8B decode step at 4096 keys on the H200
-(bench/results/2026-12-04_profile_decode_4k_qwen3-8b-bf16_kvq8_0_2ae5267.md). The rotated
+(bench/results/history/2026-12-04_profile_decode_4k_qwen3-8b-bf16_kvq8_0_2ae5267.md). The rotated
 halves are quantized where they lie: NEOX's halves each hold whole groups, llama's pairs put
 each group's even values in one half and its odd values in the other. Divisions go through
 PTX's div.rn.f32 (Triton's f32 division is div.full, two ulps off), so the codes and scales
@@ -228,7 +228,7 @@ def rope_write(qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads: int, kv_hea
       out_dtype: q's dtype (the attention's compute dtype).
       kv_heads_per_program: KP, a divisor of K: a program takes one row's KP kv heads and
         their H / K query heads each (grid T x K / KP). None: all K, a program a row (the
-        form timed on the H200, 2026-12-02_engine_decode_qwen3-8b-q4_k_m_pallas_2b8d095.md).
+        form timed on the H200, history/2026-12-02_engine_decode_qwen3-8b-q4_k_m_pallas_2b8d095.md).
       interpret: run in interpret mode (default: when the backend is the CPU).
       num_warps: Triton's warps a program.
     Returns:

@@ -12,7 +12,7 @@ row t's NS partials of head h only where t is a real row, and writes zeros elsew
 bucket of 8 rows with one live reads one row's partials. On the H200 with 64 splits (one decode
 row over 16k keys, bf16 KV) the attention call took 37.5 -> 32.6 us, over 32k keys 52.8 -> 47.9,
 q8_0 KV at 16k 43.5 -> 37.0; at 16 splits (4k keys) it was within 1 us either way, and a
-512-row prompt chunk was 13% slower (bench/results/2026-12-04_attention_split_combine_h200.md):
+512-row prompt chunk was 13% slower (bench/results/attention_split_combine_h200.md):
 paged_attention takes it from 32 splits on.
 
 Shapes: NS splits, T rows (+ spare rows of the last query block), K kv heads, G heads a kv head

@@ -11,8 +11,8 @@ import pytest
 from gguf import GGUFReader
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(BENCH / "peers"))
+# The scripts run from their folders with bench/ on the path; imported here the same way.
+sys.path[:0] = [str(BENCH / d) for d in ("", "peers", "serving", "kernels", "engine")]
 
 import compare  # noqa: E402
 import concurrency  # noqa: E402
@@ -174,10 +174,10 @@ def test_slot_groups_send_each_concurrency_to_the_smallest_server_that_fits():
 
 
 def test_engine_decode_runs_an_engine_per_cache_type_and_maps_their_rates(tiny_gguf, tmp_path):
-    """bench/engine_decode.py --cache-types: one engine per type, every row named by its type,
-    and the top-level tok_s {type: {C: tok/s}} that the KV-type results are recorded as."""
+    """bench/engine/engine_decode.py --cache-types: one engine per type, every row named by its
+    type, and the top-level tok_s {type: {C: tok/s}} that the KV-type results are recorded as."""
     out = tmp_path / "d.json"
-    cmd = [sys.executable, str(BENCH / "engine_decode.py"), "--model", tiny_gguf]
+    cmd = [sys.executable, str(BENCH / "engine" / "engine_decode.py"), "--model", tiny_gguf]
     cmd += ["--ctx", "24", "--concurrency", "1", "2", "--steps", "2", "--warm", "1"]
     cmd += ["--budget", "32", "--dtype", "float32", "--cache-types", "bf16", "q8_0"]
     cmd += ["--copy-gib", "0.01", "--out", str(out)]
@@ -204,7 +204,7 @@ def test_concurrency_harness_drives_fresh_servers(tiny_gguf, compile_cache, tmp_
         "--cache-type-k f32 --cache-type-v f32 --prefill-token-budget 256 --prefill-chunk 256 "
         f"--compile-cache-dir {compile_cache} --log-level info"
     )
-    cmd = [sys.executable, str(BENCH / "concurrency.py"), "--server-cmd", server]
+    cmd = [sys.executable, str(BENCH / "serving" / "concurrency.py"), "--server-cmd", server]
     cmd += ["--slot-groups", "1", "2", "--concurrency", "1", "2", "--waves", "2", "--reps", "1"]
     cmd += ["--max-tokens", "6", "--prompts", "3", "--out", str(out), "--server-log", str(log)]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
@@ -272,7 +272,7 @@ def test_profile_attributes_step_time_to_model_parts(engine_config):
 
 
 def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
-    """bench/kernel_ptx.py: Pallas's Triton module compiled for sm_90a on the CPU, with its
+    """bench/kernels/kernel_ptx.py: Pallas's Triton module compiled for sm_90a on the CPU, with its
     registers and instructions (the tool for kernel work between GPU runs). The Q8_0 kernel,
     vector path included, converts no code with an I2F (an eighth of the FMA rate)."""
     import jax.numpy as jnp
@@ -325,8 +325,8 @@ def test_kernel_ptx_compiles_one_path_when_asked(monkeypatch):
 
 
 def test_kernel_bench_variants_take_a_row_tile_and_int8_dots():
-    """bench/quant_matmul.py's --variants: optional fifth to seventh fields set the programs,
-    the row tile and the int8 dots (x's int8 rows times int8 codes) for every row."""
+    """bench/kernels/quant_matmul.py's --variants: optional fifth to seventh fields set the
+    programs, the row tile and the int8 dots (x's int8 rows times int8 codes) for every row."""
     import quant_matmul as qmm_bench
 
     plain = qmm_bench.parse_variant("64:256:4:2")
@@ -339,7 +339,7 @@ def test_kernel_bench_variants_take_a_row_tile_and_int8_dots():
 
 
 def test_kernel_bench_vector_variants_select_the_decoding():
-    """bench/quant_matmul.py's --vector-variants: optional sixth to ninth fields turn on the
+    """bench/kernels/quant_matmul.py's --vector-variants: optional sixth to ninth fields turn on the
     unit codes, the int8 activations, the loads a step ahead and the int8 dots, so one device
     call can time every vector path."""
     import quant_matmul as qmm_bench
@@ -356,8 +356,8 @@ def test_kernel_bench_vector_variants_select_the_decoding():
 
 
 def test_kernel_bench_dequant_variants_take_the_transposed_layout():
-    """bench/quant_matmul.py's --dequant: an optional fourth field writes W^T [K, N], and the
-    variant's product is still x @ W^T."""
+    """bench/kernels/quant_matmul.py's --dequant: an optional fourth field writes W^T [K, N], and
+    the variant's product is still x @ W^T."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -383,8 +383,8 @@ def test_kernel_bench_dequant_variants_take_the_transposed_layout():
 
 
 def test_int4_gemm_bench_splits_q4_k_into_scaled_codes_and_offsets():
-    """bench/int4_gemm.py times Q4_K's dequantization split into a GEMM operand of convert and
-    multiply (codes times group scales) and a product of the group offsets, also on a file's
+    """bench/kernels/int4_gemm.py times Q4_K's dequantization split into a GEMM operand of convert
+    and multiply (codes times group scales) and a product of the group offsets, also on a file's
     own Q4_K and Q8_0 blocks (Q4_K's nibbles in their order, x's columns permuted to it); on a
     tiny shape each product equals x times the weight dequantized in float32 (for the blocks:
     quant_matmul_reference) to bf16 rounding, and the compiled call's fusions are reported."""
@@ -473,7 +473,7 @@ def test_attention_bench_counts_causal_work_and_checks_tilings_against_each_othe
 
 
 def test_gated_delta_bench_times_two_forms_that_compute_the_same(tmp_path, monkeypatch):
-    """bench/gated_delta_kernel.py (at toy sizes): the served in-place kernel and the former
+    """bench/kernels/gated_delta_kernel.py (at toy sizes): the served in-place kernel and the former
     gather-kernel-scatter path give the same outputs and state, and the run writes a row per
     case and form with the live states' bytes."""
     import gated_delta_kernel as gd
@@ -505,7 +505,7 @@ def test_gated_delta_bench_times_two_forms_that_compute_the_same(tmp_path, monke
 
 
 def test_backend_tokens_reports_where_pallas_and_xla_part_and_the_top_two_there(made):
-    """bench/backend_tokens.py: a run gives each prompt's greedy tokens with two logprobs a
+    """bench/kernels/backend_tokens.py: a run gives each prompt's greedy tokens with two logprobs a
     token and puts the engine's gated delta form back after it; a pair that parts is reported
     at its first differing token with each side's two best logprobs there. (That the Pallas
     kernels give the references' tokens is test_paged_attention's and test_hybrid_model's.)"""
@@ -528,9 +528,9 @@ def test_backend_tokens_reports_where_pallas_and_xla_part_and_the_top_two_there(
 
 
 def test_dispatch_cost_times_launches_by_argument_count(tmp_path):
-    """bench/dispatch_cost.py: one row per case and donation, each a positive launch time."""
+    """bench/engine/dispatch_cost.py: one row per case and donation, each a positive launch time."""
     out = tmp_path / "d.json"
-    cmd = [sys.executable, str(BENCH / "dispatch_cost.py"), "--cases", "2:0", "2:3"]
+    cmd = [sys.executable, str(BENCH / "engine" / "dispatch_cost.py"), "--cases", "2:0", "2:3"]
     subprocess.run(
         [*cmd, "--out", str(out)], check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
     )
@@ -539,3 +539,34 @@ def test_dispatch_cost_times_launches_by_argument_count(tmp_path):
         (2, 0, False), (2, 3, False), (2, 3, True)
     ]  # fmt: skip
     assert all(r["launch_ms"] > 0 for r in rows)
+
+
+def test_a_new_record_moves_the_one_it_replaces_into_history(tmp_path):
+    """bench/results/ keeps one record a table: writing `results/<table>.json` again moves the
+    earlier json and md into results/history/ under the earlier run's date; runs brought back
+    from the device become records the same way (`meta.py keep`)."""
+    import meta
+
+    results = tmp_path / "results"
+    results.mkdir()
+    out = str(results / "compare_x.json")
+    meta.write_result({"date": "2026-11-30", "rate": 1}, "first\n", out)
+    meta.write_result({"date": "2026-12-05", "rate": 2}, "second\n", out)
+    assert json.loads((results / "compare_x.json").read_text())["rate"] == 2
+    assert (results / "compare_x.md").read_text() == "second\n"
+    old = results / "history" / "2026-11-30_compare_x"
+    assert json.loads(old.with_suffix(".json").read_text())["rate"] == 1
+    assert old.with_suffix(".md").read_text() == "first\n"
+
+    device = tmp_path / "res"
+    device.mkdir()
+    (device / "compare_x.json").write_text(json.dumps({"date": "2026-12-06", "rate": 3}))
+    (device / "compare_x.png").write_bytes(b"png")
+    meta.keep([str(device / "compare_x.json")], results)
+    assert json.loads((results / "compare_x.json").read_text())["rate"] == 3
+    assert (results / "compare_x.png").exists() and not (results / "compare_x.md").exists()
+    assert (results / "history" / "2026-12-05_compare_x.md").read_text() == "second\n"
+    # a writer outside a results folder (a scratch --out) moves nothing
+    meta.write_result({"rate": 4}, "x\n", str(tmp_path / "scratch.json"))
+    meta.write_result({"rate": 5}, "y\n", str(tmp_path / "scratch.json"))
+    assert not (tmp_path / "history").exists()

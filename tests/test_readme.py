@@ -1,6 +1,7 @@
 """The README and docs/ stay true to the code: every flag they name exists, every link
 resolves inside the repository, every engine field is documented, the architecture tree names
-files that exist, and docs/flags.md is what the parser makes."""
+files that exist, docs/flags.md is what the parser makes, and bench/results/ keeps one record a
+table, indexed, with nothing pointing at a superseded run."""
 
 import dataclasses
 import re
@@ -13,7 +14,14 @@ from luce_jax.serve import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RESULTS = ROOT / "bench" / "results"
+PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "bench" / "README.md",
+    RESULTS / "README.md",
+    RESULTS / "history" / "README.md",
+]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -69,3 +77,51 @@ def test_the_architecture_tree_names_only_files_that_exist():
 def test_the_flags_page_is_what_the_parser_makes():
     r = subprocess.run([sys.executable, str(ROOT / "docs" / "flags.py"), "--check"], timeout=120)
     assert r.returncode == 0, "docs/flags.md is stale: run python docs/flags.py"
+
+
+def _tracked_text() -> list[Path]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
+    keep = (".py", ".md", ".sh", ".ipynb", ".html")
+    return [
+        ROOT / f
+        for f in out.split()
+        if f.endswith(keep) and (not f.startswith("bench/results/") or f.endswith("README.md"))
+    ]
+
+
+def test_the_results_index_lists_every_record():
+    """bench/results/README.md links each current record (`<table>.json/.md/.png`) once; the
+    dated runs live in history/."""
+    records = {p.name.split(".", 1)[0] for p in RESULTS.iterdir() if p.is_file()} - {"README"}
+    index = (RESULTS / "README.md").read_text()
+    linked = {Path(t).name.split(".", 1)[0] for t in LINK.findall(index) if "/" not in t}
+    assert records and records == linked
+    assert not [r for r in records if re.match(r"20\d\d-\d\d-\d\d_", r)]
+
+
+def test_nothing_points_at_a_superseded_result():
+    """A dated result file is named only through history/ (a table's current record has no date
+    in its name), and every result a file names exists."""
+    named = re.compile(r"(results/)?(history/)?(20\d\d-\d\d-\d\d_[\w.\-]*\w)")
+    for f in _tracked_text():
+        text = f.read_text(errors="replace")
+        in_history = f.parent.name == "history"
+        for m in named.finditer(text):
+            if "history" in f.parts or in_history:
+                continue
+            assert m.group(2), (f.relative_to(ROOT), m.group(0))
+        for m in re.finditer(r"bench/results/([\w./\-]*\.(?:md|json|png|txt))", text):
+            assert (RESULTS / m.group(1)).exists(), (f.relative_to(ROOT), m.group(0))
+
+
+def test_the_bench_guide_names_every_script():
+    """bench/README.md says which script answers which question: every script is in it."""
+    bench = ROOT / "bench"
+    guide = (bench / "README.md").read_text()
+    scripts = [
+        p.relative_to(bench).as_posix()
+        for p in bench.rglob("*")
+        if p.suffix in (".py", ".sh") and "results" not in p.parts
+    ]
+    assert len(scripts) > 30
+    assert [s for s in scripts if f"`{s}`" not in guide] == []

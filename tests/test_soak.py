@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "serving"))
 from soak import soak  # noqa: E402
 
 from concurrency import free_port, start_server, stop_server  # noqa: E402

@@ -1,8 +1,8 @@
-"""Ratio tables and a plot from two bench/concurrency.py results measured in the same call.
+"""Ratio tables and a plot from two bench/serving/concurrency.py results measured in the same call.
 
     python bench/peers/compare.py --ours ours.json --peer llama.json --peer-name llama-server \
         --model q8b.gguf --bandwidth-gbs 3346 --ctx 400 --meta "H200, 2026-11-29, commit abc" \
-        --out bench/results/x_compare.json
+        --out bench/results/compare_qwen3-8b-bf16.json
 
 Per C: both servers' total and output-window tok/s (medians with [min-max]), ours / peer for
 each, TTFT medians and their ratio, and the decode roofline at the bandwidth measured in the
@@ -17,6 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from meta import archive  # noqa: E402
 from roofline import decode_step, model_bytes  # noqa: E402
 
 
@@ -152,6 +153,7 @@ def main():
     md = markdown(rows, a.peer_name, title, roof, holds)
     sys.stdout.write(md)
     stem = a.out.rsplit(".", 1)[0]
+    archive(a.out)
     with open(a.out, "w") as f:
         json.dump(
             {

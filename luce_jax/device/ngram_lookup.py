@@ -4,7 +4,7 @@ proposals found there in the sampling program, with no host round trip.
 With proposals from the host (speculation/ngram.py), a step's proposals follow the tokens of
 the step before, so the host had to read those first and steps could not overlap: on the H200
 a random-weight Qwen3-8B, whose proposals were never kept, ran at 0.72 to 0.89x of `off`
-(bench/results/2026-12-03_speculative_qwen3-8b-bf16_h200.md), 7.0 ms a step at C1 against
+(bench/results/speculative_qwen3-8b-bf16_h200.md), 7.0 ms a step at C1 against
 4.7. Here the lookup needs nothing from the host, so steps overlap as with a draft head.
 
 A token cache mirrors the target's KV pool (one int32 per KV position, on the same block ids):

@@ -1,7 +1,7 @@
 """A small model's params packed into one buffer per dtype, so a program takes two arguments
 for them, not one per tensor.
 
-A program's launch costs about 4 us per argument on the H200 (bench/dispatch_cost.py): the
+A program's launch costs about 4 us per argument on the H200 (bench/engine/dispatch_cost.py): the
 embedded draft model's 34 tensors, passed to both programs of a step, added about 0.3 ms to a
 decode step the host already bounds. Inside the program each tensor is a static slice of its
 dtype's buffer, reshaped; XLA fuses such slices into the ops that read them (the draft's

@@ -7,7 +7,7 @@ under a grammar can run while the host still fills their masks from the last ste
 (host/engine.py), so a constrained request keeps the asynchronous loop. (DESIGN.md has one
 jitted function per step; with it, constrained requests ran at 0.47x to 0.81x the throughput of
 unconstrained ones on the H200, and split at 1.02x to 1.47x:
-bench/results/2026-12-01_structured_qwen3-8b-bf16.md.) The forward pass also does the fed-token
+bench/results/structured_qwen3-8b-bf16.md.) The forward pass also does the fed-token
 bookkeeping (the penalties' seen mask, the tokens verification reads), so the sampling program
 reads no [T] array and one serves every bucket of a row width. A step's inputs go up in one
 buffer (device/step_io.py); outputs start copying to the host at launch and `fetch` waits for

@@ -8,7 +8,8 @@ and noise from (seed, step), so a seeded request reproduces whatever it is batch
 
 The sampling program holds no data-dependent control flow (lax.cond, while_loop): XLA:GPU reads
 such a predicate on the host, so dispatching the program waited for the forward pass queued
-before it, 14 ms of a prefix-cached request's 21 (bench/results/2026-12-01_warm_ttft_h200.md).
+before it, 14 ms of a prefix-cached request's 21
+(bench/results/history/2026-12-01_warm_ttft_h200.md).
 What a step needs (the top-k/p filters, top logprobs) is known on the host and chosen by static
 arguments; the cheap parts (penalties, grammar masks) always run, an identity when unused.
 

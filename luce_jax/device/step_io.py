@@ -4,7 +4,7 @@ A step sends one int32 buffer: the forward pass's row arrays (host.batch.step_la
 sampling's (sample_layout), then the bits of the float32 sampling parameters. The forward pass
 takes it in its launch and returns the sampling's part, on the device, for the sampling
 program. On the H200's host each array copied in a launch added 60 to 130 us to it, and there
-were three (bench/results/2026-12-03_host_launch_embedded_h200.md). Shapes: T tokens, S rows,
+were three (bench/results/host_launch_embedded_h200.md). Shapes: T tokens, S rows,
 R logits rows, K proposals, V vocabulary.
 """
 

@@ -14,7 +14,7 @@ is False and each step is collected before the next is planned.
 A row under a grammar (host/grammar.py) samples from a mask that needs its last token, which
 step N+1's dispatch does not know: its forward pass is launched at once, its sampling when
 step N is collected (at the next dispatch or collect), with masks filled meanwhile. Collecting
-each step instead lost 19 to 53% at C1 to C32 (2026-12-01_structured_qwen3-8b-bf16.md).
+each step instead lost 19 to 53% at C1 to C32 (structured_qwen3-8b-bf16.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ nibble h -> value 64r + 32h + j of group 2r + h), x' is x's columns put in that 
 small), A = d*sc and B = dmin*m per group, and xs x's sums per group. Not used by the
 engine: bench/int4_gemm.py times the products against the bf16 dot. On the H200 at 512 rows
 they took 1.38x to 1.79x its time, slower than dequantize.py then the dot, with no Triton GEMM
-fusion (results/2026-12-02_int4_gemm_h200.md), so the engine's prefill stays on dequantize.py.
+fusion (results/history/2026-12-02_int4_gemm_h200.md), so the engine's prefill stays on
+dequantize.py.
 
 Shapes: M rows, K contraction, N outputs.
 """

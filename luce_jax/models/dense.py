@@ -124,7 +124,7 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
     T = x.shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
-    # (bench/profile_step.py); they change no computation.
+    # (bench/engine/profile_step.py); they change no computation.
     with jax.named_scope("qkv"):
         qkv = linear(Normed(x, lp["attn_norm"], cfg.rms_eps), lp["wqkv"], quant_matmul, live)
         if "bqkv" in lp:

@@ -29,17 +29,17 @@ class QuantMatmul(NamedTuple):
 
     Per bucket, since T is static: on the H200 the Pallas kernel beat XLA's dequantize-then-dot
     at decode sizes (Q4_K gate/up M 1: 95 vs 125 us) and lost badly at prefill sizes (M 512:
-    1011 vs 231 us), bench/results/2026-11-30_quant_matmul_types_h200.md. Above max_rows the
+    1011 vs 231 us), bench/results/history/2026-11-30_quant_matmul_types_h200.md. Above max_rows the
     engine's prefill is pallas_kernels/dequantize.py then XLA's dot, faster than XLA's own
-    dequantizing (Q4_K gate/up M 512: 207 vs 260 us; 2026-12-02_dequantize_prefill_h200.md).
+    dequantizing (Q4_K gate/up M 512: 207 vs 260 us; history/2026-12-02_dequantize_prefill_h200.md).
     """
 
     kernel: object = None
     max_rows: int = 64
     # Quantized experts a (token, expert) pair at a time up to this many pairs (models/moe.
     # by_rows), grouped above. Q4_K, 30B-A3B shapes, H200 (bench/results/
-    # 2026-12-01_moe_kernel_rows_q4_k_0b2eb14.md), float activations, us per call, grouped vs
-    # pairs: gate/up 306 vs 104 at 64 pairs, 447 vs 328 at 256, 464 vs 628 at 512; down 169
+    # history/2026-12-01_moe_kernel_rows_q4_k_0b2eb14.md), float activations, us per call, grouped
+    # vs pairs: gate/up 306 vs 104 at 64 pairs, 447 vs 328 at 256, 464 vs 628 at 512; down 169
     # vs 177 at 256.
     max_pairs: int = 256
     # The smallest token bucket: the only one whose steps can hold as few live rows as the

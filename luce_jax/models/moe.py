@@ -80,7 +80,7 @@ def by_rows(w, pairs: int, qmm) -> bool:
     a Pallas quant_matmul, and at most qmm.max_pairs pairs (linear.QuantMatmul says why that
     many). The grouped kernel gave each expert's row tile a program that walked all of K:
     30B-A3B Q4_K_M decode spent 6.7 of its 16.3 ms step in the gate/up call; a pair at a time
-    the step took 6.0 ms (bench/results/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_{6a8b89c,
+    the step took 6.0 ms (bench/results/history/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_{6a8b89c,
     a415112}.md)."""
     kernel = getattr(qmm, "kernel", None)
     return isinstance(w, QuantWeight) and kernel is not None and pairs <= qmm.max_pairs

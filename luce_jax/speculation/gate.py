@@ -4,7 +4,7 @@ A cost model predicts a step's time from warmup's timings, and where the host, n
 bounds the step (a small model, or the H200 at low concurrency) those timings say little: on the
 embedded pair the adaptive policy ran prompt lookup at 0.71 to 1.38x of `off`, where verifying K
 proposals on every step ran at 1.11 to 1.67x, and the draft head at 0.86 to 0.99x whichever
-policy (bench/results/2026-12-03_speculative_ngram_device_embedded_h200.md). So `auto` measures:
+policy (bench/results/speculative_ngram_device_embedded_h200.md). So `auto` measures:
 
 1. Run the regime believed best (speculating at first) for a window of steps, then the other
    for a short trial window, and compare their served rates: tokens emitted per sampled row
@@ -12,7 +12,7 @@ policy (bench/results/2026-12-03_speculative_ngram_device_embedded_h200.md). So 
    step time. The median, because a pause of the host (a garbage collection) of a few ms in
    a trial of 16 steps of 2 ms moved a mean by a quarter: the first gate, on means, kept the
    draft head on at 0.74x to 0.85x of `off` (bench/results/
-   2026-12-03_speculative_gated_mean_embedded_h200.md).
+   history/2026-12-03_speculative_gated_mean_embedded_h200.md).
 2. Keep a moving average of log(rate speculating / rate not) over the trials; the better side
    is the regime from then on.
 3. Each trial that agrees with the standing choice doubles the next window (up to
@@ -29,11 +29,11 @@ policy (bench/results/2026-12-03_speculative_ngram_device_embedded_h200.md). So 
    takes the nearest measured level's, and a trial soon), and a trial under way is dropped.
    Why levels: at C32 on a random 8B file a single average kept prompt lookup on, as trials
    at C1 to C16 had found faster, where it served 0.95x of `off`
-   (bench/results/2026-12-03_speculative_gated_qwen3-8b-bf16_h200.md); the gate after it,
+   (bench/results/history/2026-12-03_speculative_gated_qwen3-8b-bf16_h200.md); the gate after it,
    which restarted its average whenever the load moved, decided afresh within each wave of
    concurrent requests (their ends thin the rows out), on trials that straddled the moves:
    it ended with the draft model off at C16 and C32 on the embedded pair
-   (bench/results/2026-12-03_speculative_head_lookup_embedded_h200.md). Simulated waves
+   (bench/results/speculative_head_lookup_embedded_h200.md). Simulated waves
    (tests/test_spec_gate.py): the faster regime runs 98% and 96% of each level's steps,
    where the gate before ran it 82% and 62%.
 
