@@ -81,7 +81,7 @@ def test_the_flags_page_is_what_the_parser_makes():
 
 def _tracked_text() -> list[Path]:
     out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout
-    keep = (".py", ".md", ".sh", ".ipynb", ".html")
+    keep = (".py", ".md", ".sh", ".ipynb", ".html", ".toml")
     return [
         ROOT / f
         for f in out.split()
@@ -107,9 +107,10 @@ def test_nothing_points_at_a_superseded_result():
         text = f.read_text(errors="replace")
         in_history = f.parent.name == "history"
         for m in named.finditer(text):
-            if "history" in f.parts or in_history:
+            if in_history or m.group(2):
                 continue
-            assert m.group(2), (f.relative_to(ROOT), m.group(0))
+            run = m.group(3).split(".", 1)[0].rstrip("_*")
+            assert not list((RESULTS / "history").glob(run + "*")), (f.relative_to(ROOT), m[0])
         for m in re.finditer(r"bench/results/([\w./\-]*\.(?:md|json|png|txt))", text):
             assert (RESULTS / m.group(1)).exists(), (f.relative_to(ROOT), m.group(0))
 
