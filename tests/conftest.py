@@ -1,21 +1,36 @@
 """Shared fixtures: tiny random models written as GGUF, the fixtures folder, CPU-only JAX."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite's time is mostly XLA compiling tiny models' programs, and LLVM's optimizations are
-# a third of it: without them the speculation tests' three engines started in 76 s, not 126
-# (2 cores). They change no float semantics (no fast-math either way), so tokens and logits
-# are the same; subprocesses (servers, the notebook's kernel) inherit the flag.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    ).strip()
+# The suite's time is mostly XLA compiling tiny models' programs. Two compiler settings halve
+# it and change no float semantics (no fast-math either way; tokens and logits are the same):
+# without LLVM's optimizations the speculation tests' three engines started in 76 s, not 126,
+# and XLA:CPU's older elemental emitters in place of its MLIR fusion emitters took the draft
+# head tests from 72 to 49 s (2 cores). Subprocesses (servers, the notebook's kernel) inherit
+# the flags.
+for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# One persistent compilation cache for the whole run, shared by the pytest-xdist workers and
+# the servers they start (the engine's default cache lives under XDG_CACHE_HOME): engines of
+# equal shapes in different test files compile once. It starts empty each run, as on CI.
+# The run is named by the process that runs the session (a worker's parent is the controller).
+_RUN_PID = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+RUN_DIR = Path(tempfile.gettempdir()) / f"luce_jax_tests_{_RUN_PID}"
+os.environ["XDG_CACHE_HOME"] = str(RUN_DIR)
 
 import pytest  # noqa: E402
 
 from hf_gguf import hf_to_gguf, make_hf_model  # noqa: E402
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller, after every worker
+        shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -47,9 +62,12 @@ def tiny_gguf(tiny_models):
 
 
 @pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory) -> str:
-    """One persistent compilation cache for the session: engines of equal shapes compile once."""
-    return str(tmp_path_factory.mktemp("xla_cache"))
+def compile_cache() -> str:
+    """The run's persistent compilation cache (RUN_DIR): engines of equal shapes compile once,
+    whichever worker or file starts them first."""
+    from luce_jax.config import default_compile_cache_dir
+
+    return default_compile_cache_dir()
 
 
 TINY_ENGINE = dict(
