@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Defaults as a user's shell has them: the cache folder under ~/.cache, not a test run's.
+os.environ.pop("XDG_CACHE_HOME", None)
+os.environ.pop("LUCE_COMPILE_CACHE_DIR", None)
 from luce_jax.serve import build_parser  # noqa: E402
 
 OUT = Path(__file__).with_name("flags.md")

@@ -121,6 +121,10 @@ DEFAULT_HEAD = ASSETS / "luce-stdlib-head.gguf"  # its draft head (bench/tiny_mo
 
 
 def default_compile_cache_dir() -> str:
+    """LUCE_COMPILE_CACHE_DIR if set (one cache for several checkouts or a test run), else
+    luce_jax/xla under XDG_CACHE_HOME or ~/.cache."""
+    if os.environ.get("LUCE_COMPILE_CACHE_DIR"):
+        return os.environ["LUCE_COMPILE_CACHE_DIR"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return os.path.join(base, "luce_jax", "xla")
 

@@ -66,7 +66,8 @@ HELP = {
     "prefix_cache": "on: requests reuse the KV blocks of a prompt prefix an earlier request "
     "computed (whole blocks; off: every prompt is computed in full)",
     "chat_template_file": "Jinja chat template overriding the GGUF's",
-    "compile_cache_dir": "JAX persistent compilation cache ('' to disable)",
+    "compile_cache_dir": "JAX persistent compilation cache ('' to disable; the default "
+    "follows LUCE_COMPILE_CACHE_DIR)",
     "spec_mode": f"speculative decoding: {', '.join(SPEC_MODES)} (draft: a draft model proposes; "
     "ngram: prompt lookup; head: a draft head on the model's hidden states, inside its step)",
     "draft": "draft GGUF for --spec-mode draft (same vocabulary), or draft head GGUF for "

@@ -16,12 +16,12 @@ for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitte
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 # One persistent compilation cache for the whole run, shared by the pytest-xdist workers and
-# the servers they start (the engine's default cache lives under XDG_CACHE_HOME): engines of
-# equal shapes in different test files compile once. It starts empty each run, as on CI.
+# the servers they start (LUCE_COMPILE_CACHE_DIR is the engine's default): engines of equal
+# shapes in different test files compile once. It starts empty each run, as on CI.
 # The run is named by the process that runs the session (a worker's parent is the controller).
 _RUN_PID = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
 RUN_DIR = Path(tempfile.gettempdir()) / f"luce_jax_tests_{_RUN_PID}"
-os.environ["XDG_CACHE_HOME"] = str(RUN_DIR)
+os.environ["LUCE_COMPILE_CACHE_DIR"] = str(RUN_DIR / "xla")
 
 import pytest  # noqa: E402
 

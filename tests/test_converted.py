@@ -120,7 +120,7 @@ def test_a_tensor_of_the_wrong_shape_is_refused_in_one_line_naming_it(tmp_path):
 @pytest.mark.parametrize("arch", list(converted.QUANTIZED))
 def test_a_quantizer_made_file_dequantizes_as_gguf_py_and_keeps_its_tokens(arch):
     """llama-quantize's output: every tensor dequantizes to what gguf-py makes of it, and the
-    engine's greedy tokens with the weights kept quantized equal those of the file
+    model's logits and greedy tokens with the weights kept quantized equal those of the file
     dequantized at load."""
     from gguf import GGUFReader
     from gguf.quants import dequantize as gguf_dequantize
@@ -140,8 +140,12 @@ def test_a_quantizer_made_file_dequantizes_as_gguf_py_and_keeps_its_tokens(arch)
     prompt = np.random.default_rng(1).integers(0, 100000, 24).tolist()
     _, cfg, kept = load(path, quantized=True)
     _, _, dense_params = load(path)
-    kept_tokens = greedy_logits(cfg, kept, prompt).argmax(-1).tolist()
-    assert kept_tokens == greedy_logits(cfg, dense_params, prompt).argmax(-1).tolist()
+    # the kept blocks' logits equal the dequantized ones' to float32 rounding (1.6e-5 at most
+    # here), over the prompt and 4 greedy steps (each step decodes the 150k-row tied table)
+    kept_logits = greedy_logits(cfg, kept, prompt, n=4)
+    dense_logits = greedy_logits(cfg, dense_params, prompt, n=4)
+    assert kept_logits.argmax(-1).tolist() == dense_logits.argmax(-1).tolist()
+    np.testing.assert_allclose(kept_logits, dense_logits, atol=1e-4, rtol=0)
 
 
 def free_port() -> int:

@@ -64,7 +64,12 @@ def kernel_cases():
         yield q, 3 * B, 40, 2 * B if B == 256 else 256
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 64, 300])
+# Rows reach the kernel's branches at M = 3 (one 16-row tile, ragged) and 80 (two 64-row tiles,
+# the second ragged); the rest of the grid runs with `-m slow` (docs/development.md).
+ROWS = [3, 80, *(pytest.param(m, marks=pytest.mark.slow) for m in (1, 8, 64, 300))]
+
+
+@pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("qtype, K, N, vps", list(kernel_cases()), ids=lambda v: str(v))
 def test_kernel_matches_reference(qtype, K, N, vps, M):
     w = weight(qtype, N, K, seed=M)

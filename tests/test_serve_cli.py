@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_compile_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    """The default persistent compilation cache: LUCE_COMPILE_CACHE_DIR where set, else
+    luce_jax/xla under XDG_CACHE_HOME, else under ~/.cache."""
+    from luce_jax.config import EngineConfig
+
+    monkeypatch.setenv("LUCE_COMPILE_CACHE_DIR", str(tmp_path / "c"))
+    assert EngineConfig().compile_cache_dir == str(tmp_path / "c")
+    monkeypatch.delenv("LUCE_COMPILE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert EngineConfig().compile_cache_dir == str(tmp_path / "luce_jax" / "xla")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert EngineConfig().compile_cache_dir == str(Path.home() / ".cache" / "luce_jax" / "xla")
