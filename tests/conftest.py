@@ -28,6 +28,19 @@ import pytest  # noqa: E402
 from hf_gguf import hf_to_gguf, make_hf_model  # noqa: E402
 
 
+# The longest files first: pytest-xdist hands out whole files (--dist loadfile) in collection
+# order, so a long file started last would keep one worker busy while the other idles. From
+# `--durations` on the 2-core machine (docs/development.md); the order changes no result.
+LONG_FIRST = ("test_converted", "test_quantized_weights", "test_quant_matmul", "test_bench",
+              "test_notebook", "test_hybrid_model", "test_paged_attention", "test_server",
+              "test_speculation", "test_default_model", "test_soak")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
+
 def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput"):  # the controller, after every worker
         shutil.rmtree(RUN_DIR, ignore_errors=True)

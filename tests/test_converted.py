@@ -163,8 +163,8 @@ def test_a_converter_made_file_is_served_end_to_end(arch):
     port = free_port()
     cmd = [sys.executable, "-m", "luce_jax.serve", "--model", str(converted.gguf(arch)),
            "--port", str(port), "--max-ctx", "256", "--max-concurrency", "1",
-           "--kv-pool-tokens", "512", "--prefill-chunk", "128",
-           "--prefill-token-budget", "128"]  # fmt: skip
+           "--kv-pool-tokens", "512", "--prefill-chunk", "32",
+           "--prefill-token-budget", "32"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     try:

@@ -10,7 +10,7 @@ from concurrency import free_port, start_server, stop_server  # noqa: E402
 
 
 def test_500_requests_with_30_percent_disconnects_leave_no_5xx_leak_or_compile(compile_cache):
-    """Completions and chat, streamed or not, prompts of 1 to 120 words, 64 clients at a time
+    """Completions and chat, streamed or not, prompts of 1 to 40 words, 64 clients at a time
     over 16 slots: afterwards no KV block or slot is held, no step was compiled while serving,
     and every answer that came was a 200."""
     port = free_port()
@@ -18,7 +18,7 @@ def test_500_requests_with_30_percent_disconnects_leave_no_5xx_leak_or_compile(c
            f"--max-ctx 512 --compile-cache-dir {compile_cache} --log-level warning")  # fmt: skip
     proc = start_server(cmd, port, timeout=300)
     try:
-        s = soak(f"http://127.0.0.1:{port}", 500, 64, max_words=120, max_tokens=6)
+        s = soak(f"http://127.0.0.1:{port}", 500, 64, max_words=40, max_tokens=6)
     finally:
         stop_server(proc)
     assert s["server_errors"] == 0 and set(s["status_counts"]) <= {"200", "left"}
