@@ -27,7 +27,6 @@ import pytest  # noqa: E402
 
 from hf_gguf import hf_to_gguf, make_hf_model  # noqa: E402
 
-
 # The longest files first: pytest-xdist hands out whole files (--dist loadfile) in collection
 # order, so a long file started last would keep one worker busy while the other idles. From
 # `--durations` on the 2-core machine (docs/development.md); the order changes no result.
