@@ -45,6 +45,20 @@ def pytest_sessionfinish(session):
         shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test file, drop the worker's compiled programs and what they hold (jitted
+    closures keep a file's engines' weights alive): a worker runs many files, and on a 24 GB
+    machine their caches had grown to 9 GB a worker. The run's persistent cache keeps them."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     """llama.cpp's vocabularies (tokenizers/ggml-vocab-NAME.gguf with their .inp texts and .out
@@ -89,8 +103,9 @@ TINY_ENGINE = dict(
     max_concurrency=4,
     max_ctx=128,
     kv_pool_tokens=512,
-    prefill_chunk=128,
-    prefill_token_budget=128,
+    # 32-token buckets (8, 16, 32): a prompt longer than 32 tokens is prefilled in chunks
+    prefill_chunk=32,
+    prefill_token_budget=32,
 )
 
 
