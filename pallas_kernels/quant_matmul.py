@@ -373,8 +373,7 @@ def quant_matmul(
     unit_codes = unit_codes and vector and not int8_x
     # The int8 path's pieces: a run of 32 code bytes is loaded as two halves where the tile
     # has a weight row for every thread (BN >= threads), so each thread sums a group without a
-    # shuffle (BN 128 lost to 64 on the H200 anyway:
-    # history/2026-12-02_quant_matmul_units_block_n_h200.md)
+    # shuffle (BN 128 lost to 64 on the H200: history/2026-12-02_quant_matmul_units_block_n_h200.md)
     piece = 16 if BN >= 32 * num_warps else 32
     prefetch = QTYPES[fmt.qtype] == "q6_k" if prefetch is None else prefetch
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
