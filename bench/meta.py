@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 RECORD_SUFFIXES = (".json", ".md", ".png", ".txt")
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _out(cmd: list[str]) -> str:
@@ -74,15 +76,10 @@ def write_result(res: dict, md: str, out: str | None) -> None:
             f.write(md)
 
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
 def keep(paths: list[str], results: Path = RESULTS) -> None:
     """Copy runs brought back from the device into `results` as the current records of their
     tables (each file keeps its name, `<table>.json|md|png`); the records they replace move to
     history/ first."""
-    import shutil
-
     for stem in dict.fromkeys(str(Path(p).with_suffix("")) for p in paths):
         archive(str(results / (Path(stem).name + ".json")))
         for p in Path(stem).parent.glob(Path(stem).name + ".*"):

@@ -102,14 +102,13 @@ def test_the_results_index_lists_every_record():
 def test_nothing_points_at_a_superseded_result():
     """A dated result file is named only through history/ (a table's current record has no date
     in its name), and every result a file names exists."""
-    named = re.compile(r"(results/)?(history/)?(20\d\d-\d\d-\d\d_[\w.\-]*\w)")
+    named = re.compile(r"(history/)?(20\d\d-\d\d-\d\d_[\w.\-]*\w)")
     for f in _tracked_text():
         text = f.read_text(errors="replace")
-        in_history = f.parent.name == "history"
-        for m in named.finditer(text):
-            if in_history or m.group(2):
+        for m in named.finditer(text) if f.parent.name != "history" else ():
+            if m.group(1):
                 continue
-            run = m.group(3).split(".", 1)[0].rstrip("_*")
+            run = m.group(2).split(".", 1)[0].rstrip("_*")
             assert not list((RESULTS / "history").glob(run + "*")), (f.relative_to(ROOT), m[0])
         for m in re.finditer(r"bench/results/([\w./\-]*\.(?:md|json|png|txt))", text):
             assert (RESULTS / m.group(1)).exists(), (f.relative_to(ROOT), m.group(0))
