@@ -21,7 +21,9 @@ STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 
 @pytest.fixture(scope="module")
 def llm(compile_cache):
-    with LLM(max_concurrency=10, max_ctx=1024, compile_cache_dir=compile_cache) as m:
+    # the 20 HumanEval prompts (191 tokens at most) and their 96-token completions fit in 512
+    kw = dict(max_concurrency=10, max_ctx=512, prefill_chunk=128, prefill_token_budget=256)
+    with LLM(compile_cache_dir=compile_cache, **kw) as m:
         yield m
 
 

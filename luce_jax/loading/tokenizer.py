@@ -106,6 +106,15 @@ def check_supported(v: GGUFVocab) -> None:
         )
 
 
+def byte_level_splits(split: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of a BPE vocabulary whose `tokenizer.ggml.pre` splits by rule `split`
+    (pretokenizers.SPLITS): its regexes in turn, then bytes to GPT-2's printable characters."""
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in SPLITS[split]]
+    return pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
 def build_hf_tokenizer(v: GGUFVocab) -> Tokenizer:
     """Build the HF `tokenizers` object that tokenizes as llama.cpp does for this vocabulary."""
     check_supported(v)
@@ -114,10 +123,7 @@ def build_hf_tokenizer(v: GGUFVocab) -> Tokenizer:
         split, ignore_merges, _ = NAMES[v.pre]
         merges = [tuple(m.split(" ", 1)) for m in v.merges]
         tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
-        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in SPLITS[split]]
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+        tok.pre_tokenizer = byte_level_splits(split)
         tok.decoder = decoders.ByteLevel()
     elif v.model == "llama":
         if v.scores is None:
