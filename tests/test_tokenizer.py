@@ -162,7 +162,6 @@ def test_every_supported_pre_tokenizer_gives_llama_cpps_ids(fixtures_dir):
     from pathlib import Path
 
     from luce_jax.loading.pretokenizers import NAMES
-
     from luce_jax.loading.tokenizer import byte_level_splits
 
     data = json.loads((Path(__file__).parent / "data/pre_tokenizer_vectors.json").read_text())
