@@ -70,7 +70,7 @@ def test_made_models_have_real_shapes_and_tokenizer(made):
     assert t["blk.0.ffn_up_exps.weight"].qtype.name == "Q8_0"
 
 
-def test_q4_k_m_files_mix_types_as_llama_cpp_and_load(fixtures_dir, tmp_path, monkeypatch):
+def test_q4_k_m_files_mix_types_as_llama_cpp_and_load(tiny_gguf, tmp_path, monkeypatch):
     """--type q4_k_m: Q6_K for the output head and for attn_v / ffn_down in the layers
     use_more_bits picks (of 8: 0, 3, 6, 7), Q4_K elsewhere; random K-quant blocks with small
     finite scales, so every tensor dequantizes to finite values of about the usual size."""
@@ -81,7 +81,7 @@ def test_q4_k_m_files_mix_types_as_llama_cpp_and_load(fixtures_dir, tmp_path, mo
 
     monkeypatch.setitem(make_model.SHAPES, "tiny-k", dict(d=256, L=8, H=4, K=2, D=64, F=512,
                                                          tied=False))  # fmt: skip
-    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    vocab = tiny_gguf  # its 320 tokens: the types do not depend on the vocabulary
     path = str(tmp_path / "q4km.gguf")
     make_model.write("tiny-k", "q4_k_m", vocab, path)
     f = GGUFFile(path)
@@ -101,7 +101,7 @@ def test_q4_k_m_files_mix_types_as_llama_cpp_and_load(fixtures_dir, tmp_path, mo
 
 
 @pytest.mark.parametrize("type_name", ["q5_k", "iq4_xs"])
-def test_k_quant_and_iq4_xs_files_load(fixtures_dir, tmp_path, monkeypatch, type_name):
+def test_k_quant_and_iq4_xs_files_load(tiny_gguf, tmp_path, monkeypatch, type_name):
     import numpy as np
 
     from luce_jax.loading.gguf import GGUFFile, model_config
@@ -109,7 +109,7 @@ def test_k_quant_and_iq4_xs_files_load(fixtures_dir, tmp_path, monkeypatch, type
 
     monkeypatch.setitem(make_model.SHAPES, "tiny-k", dict(d=256, L=1, H=4, K=2, D=64, F=512,
                                                          tied=True))  # fmt: skip
-    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    vocab = tiny_gguf
     path = str(tmp_path / f"{type_name}.gguf")
     make_model.write("tiny-k", type_name, vocab, path)
     f = GGUFFile(path)

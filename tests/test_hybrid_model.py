@@ -314,7 +314,7 @@ TINY_SHAPES = {
     "arch, file_type", [("qwen35", "q8_0"), ("qwen35", "q4_k_m"), ("qwen35moe", "q4_k_m")]
 )
 def test_make_model_writes_a_hybrid_file_that_runs_kept_quantized(
-    tmp_path, fixtures_dir, monkeypatch, arch, file_type
+    tmp_path, tiny_gguf, monkeypatch, arch, file_type
 ):
     """bench/make_model.py's qwen35 and qwen35moe shapes (here scaled down) load, and their
     logits are the same with the weights kept in their blocks as dequantized at load."""
@@ -326,7 +326,7 @@ def test_make_model_writes_a_hybrid_file_that_runs_kept_quantized(
 
     monkeypatch.setitem(make_model.SHAPES, "qwen35-tiny", TINY_SHAPES[arch])
     path = str(tmp_path / "h.gguf")
-    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    vocab = tiny_gguf  # its 320 tokens: a real vocabulary's head would be most of the work
     make_model.write("qwen35-tiny", file_type, vocab, path)
     outs = []
     for quantized in (True, False):
@@ -342,7 +342,7 @@ def test_make_model_writes_a_hybrid_file_that_runs_kept_quantized(
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5 * np.abs(outs[1]).max())
 
 
-def test_a_decode_step_on_the_fused_int8_kernels_computes_what_xla_does(tmp_path, fixtures_dir):
+def test_a_decode_step_on_the_fused_int8_kernels_computes_what_xla_does(tmp_path, tiny_gguf):
     """qwen35 q8_0 kept quantized: a two-row decode step on quant_matmul's int8 vector path
     (interpret mode), each norm and the int8 rows it feeds from norm_int8_rows and the FFN's
     silu(gate) * up and its rows from glu_int8_rows (gate | up unsummed), gives XLA's
@@ -360,7 +360,7 @@ def test_a_decode_step_on_the_fused_int8_kernels_computes_what_xla_does(tmp_path
     import make_model
 
     path = str(tmp_path / "h.gguf")
-    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    vocab = tiny_gguf  # its 320 tokens: a real vocabulary's head would be most of the work
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(make_model.SHAPES, "qwen35-tiny", TINY_SHAPES["qwen35"])
         make_model.write("qwen35-tiny", "q8_0", vocab, path)

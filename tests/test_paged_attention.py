@@ -232,7 +232,9 @@ def test_engine_greedy_tokens_equal_with_pallas_and_xla(tiny_gguf, compile_cache
     out = {}
     for backend in ("xla", "pallas"):
         kw = dict(TINY_ENGINE, attention_backend=backend, compile_cache_dir=compile_cache)
-        kw.update(cache_type_k=kv[0], cache_type_v=kv[1])
+        # 16-token buckets (8, 16): the prompts' steps and the decode steps, and no 32-token
+        # program of interpret-mode kernels to compile
+        kw.update(cache_type_k=kv[0], cache_type_v=kv[1], prefill_chunk=16, prefill_token_budget=16)
         with LLM(tiny_gguf, **kw) as llm:
             out[backend] = [c.token_ids for c in llm.generate(prompts, sp)]
         assert bool(traced) == (backend == "pallas" and kv[0] == "f32")

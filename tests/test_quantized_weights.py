@@ -34,11 +34,13 @@ FILE_TYPES = {"tied": "iq4_xs", "q5-0": "q5_0"}  # the others are Q4_K_M mixes
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, fixtures_dir):
+def files(tmp_path_factory, tiny_gguf):
     """name -> GGUF path: a Q4_K_M mix, a tied IQ4_XS model (quantized embedding table used
-    as the output head), a Q4_K_M MoE and a Q5_0 model (a type no kernel keeps)."""
+    as the output head), a Q4_K_M MoE and a Q5_0 model (a type no kernel keeps). The tiny
+    model's 320-token vocabulary: with the real 151k-token one, the output head's rows were
+    most of every step's work here."""
     d = tmp_path_factory.mktemp("quantized")
-    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    vocab = tiny_gguf
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         for name, shape in SHAPES.items():
@@ -442,7 +444,7 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
 
 
 def test_the_hybrid_step_exports_for_rocm_with_its_state_updated_in_place(
-    tmp_path, fixtures_dir, verified
+    tmp_path, tiny_gguf, verified
 ):
     """A qwen35 Q4_K_M step (decode rows, and a prompt bucket whose whole chunks take the
     chunked gated delta form) exports for rocm with every Triton module verified: one gated
@@ -457,7 +459,7 @@ def test_the_hybrid_step_exports_for_rocm_with_its_state_updated_in_place(
     from pallas_kernels.paged_attention import paged_attention
 
     path = str(tmp_path / "h.gguf")
-    vocab = str(fixtures_dir / "tokenizers" / "ggml-vocab-qwen2.gguf")
+    vocab = tiny_gguf  # its 320 tokens: the vocabulary is not what this checks
     shape = dict(d=256, L=4, H=2, K=1, D=128, F=256, tied=False, Hk=2, Hv=4)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(make_model.SHAPES, "qwen35-tiny", shape)

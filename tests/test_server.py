@@ -44,7 +44,7 @@ def base_url(tiny_gguf, compile_cache):
         "--cache-type-v",
         "f32",
         "--max-ctx",
-        "4096",
+        "1024",
         "--max-concurrency",
         "8",
         "--kv-pool-tokens",
@@ -536,12 +536,12 @@ def test_models_tokenize_detokenize(base_url, client):
 def test_max_tokens_is_clamped_to_the_context_left(client):
     out = client.completions.create(
         model="tiny",
-        prompt="x " * 1990,
+        prompt="x " * 490,  # 980 tokens
         max_tokens=10_000,
         temperature=0,
         extra_body={"ignore_eos": True},
     )
-    assert out.usage.prompt_tokens + out.usage.completion_tokens == 4096
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == 1024
     assert out.choices[0].finish_reason == "length"
 
 
@@ -683,7 +683,7 @@ def test_sigint_with_a_stream_in_flight_exits_within_5_s(base_url):
     """Ctrl-C: the stream in flight gets an error event and the server exits within 5 s, not
     when the generation would have ended. Keep this test last: it stops the module's server."""
     proc = SERVER["proc"]
-    body = {"model": "tiny", "prompt": "the", "max_tokens": 3000, "min_tokens": 3000,
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 1000, "min_tokens": 1000,
             "stream": True}  # fmt: skip
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
