@@ -61,7 +61,7 @@ def engines(engine_config, targets, head_gguf):
     """(eps, mode) -> loaded engine; head engines always propose K (flat step times). At eps
     0.05 the head takes prompt lookup's proposals where a row's text repeats (head_lookup);
     at eps 0, where the head is exact, it proposes alone."""
-    base = engine_config.replace(max_concurrency=8, prefill_chunk=32, prefill_token_budget=32)
+    base = engine_config.replace(max_concurrency=4, prefill_chunk=16, prefill_token_budget=16)
     out = {}
     for eps, path in targets.items():
         out[eps, "off"] = load_engine(base.replace(model=path))

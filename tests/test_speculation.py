@@ -36,7 +36,7 @@ def draft_gguf(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(engine_config, draft_gguf):
-    base = engine_config.replace(max_concurrency=8, prefill_chunk=32, prefill_token_budget=32)
+    base = engine_config.replace(max_concurrency=4, prefill_chunk=16, prefill_token_budget=16)
     out = {"off": load_engine(base)}
     out["ngram"] = load_engine(base.replace(spec_mode="ngram", draft_tokens=K))
     out["draft"] = load_engine(base.replace(spec_mode="draft", draft=draft_gguf, draft_tokens=K))
@@ -211,7 +211,7 @@ def test_sampled_proposals_share_the_targets_noise_and_are_kept(engines, engine_
     noise the target's rows use, so nearly every one is the token the target samples (greedy
     proposals would match a sampled token only as often as it is the argmax), and the output
     is still the one without speculation."""
-    base = engine_config.replace(max_concurrency=8, prefill_chunk=32, prefill_token_budget=32)
+    base = engine_config.replace(max_concurrency=4, prefill_chunk=16, prefill_token_budget=16)
     loaded = load_engine(base.replace(spec_mode="draft", draft=tiny_gguf, draft_tokens=K))
     engine = loaded[1]
     engine.spec.policy = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
