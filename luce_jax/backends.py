@@ -74,7 +74,7 @@ def quant_matmul_fn(backend: str, activations: str = "int8"):
         from pallas_kernels.dequantize import dequantized_matmul
         from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
 
-        from .host.batch import SMALLEST_TOKEN_BUCKET
+        from .step_format import SMALLEST_TOKEN_BUCKET
 
         int8 = activations == "int8"
         kernel = functools.partial(served_quant_matmul, int8_x=int8)

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from luce_jax.host.batch import Row, lower
 from luce_jax.loading.gguf import GGUFFile, model_config
 from luce_jax.loading.params import load_params
 from luce_jax.models import dense, hybrid
+from luce_jax.step_format import Row, lower
 
 import converted
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from luce_jax.host.batch import Row, lower
 from luce_jax.loading.gguf import GGUFFile, model_config
 from luce_jax.loading.params import load_params
 from luce_jax.models import dense
+from luce_jax.step_format import Row, lower
 
 P = 16  # block size
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from luce_jax.host.batch import Row, lower
 from luce_jax.loading.gguf import GGUFFile, model_config
 from luce_jax.loading.params import load_params
 from luce_jax.models import hybrid
 from luce_jax.sampling_params import SamplingParams
+from luce_jax.step_format import Row, lower
 
 P = 16
 SLOTS = 4
@@ -203,7 +203,8 @@ def spec_engines(qwen35, tiny_models, compile_cache):
     from conftest import TINY_ENGINE
 
     base = EngineConfig(model=qwen35[3], compile_cache_dir=compile_cache, **TINY_ENGINE)
-    base = base.replace(prefill_chunk=32, prefill_token_budget=64)
+    # 16-token buckets: 4 verify rows of 1 + 3 tokens fill one step
+    base = base.replace(prefill_chunk=16, prefill_token_budget=16)
     draft = str(tiny_models["qwen3"][1])
     out = {"off": load_engine(base)}
     out["ngram"] = load_engine(base.replace(spec_mode="ngram", draft_tokens=3))

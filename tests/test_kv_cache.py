@@ -102,8 +102,9 @@ def test_greedy_tokens_with_quantized_kv_agree_with_bf16_kv(compile_cache):
     sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=5)
     out = {}
     for t in ("bf16", "q8_0", "q4_0"):
-        kw = dict(max_concurrency=8, max_ctx=128, kv_pool_tokens=1024, prefill_chunk=128)
-        kw.update(prefill_token_budget=128, cache_type_k=t, cache_type_v=t)
+        # 16-token buckets: the prompts' chunks and 8 decode rows (fewer programs to compile)
+        kw = dict(max_concurrency=8, max_ctx=128, kv_pool_tokens=1024, prefill_chunk=16)
+        kw.update(prefill_token_budget=16, cache_type_k=t, cache_type_v=t)
         with LLM(compile_cache_dir=compile_cache, attention_backend="xla", **kw) as llm:
             out[t] = llm.generate(PROMPTS, sp)
 

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from luce_jax.host.slots import FLOAT_FIELDS, NEUTRAL, SlotTable
+from luce_jax.host.slots import SlotTable
 from luce_jax.sampling_params import SamplingParams
+from luce_jax.step_format import FLOAT_FIELDS, NEUTRAL
 
 
 def test_row_inputs_gather_each_slots_own_parameters_and_pad_neutrally():

@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 
 from luce_jax.config import EngineConfig
-from luce_jax.host.batch import FROM_DEVICE, lower
 from luce_jax.host.engine import DenseEngine
 from luce_jax.host.request import Request
 from luce_jax.host.scheduler import Scheduler
@@ -38,6 +37,7 @@ from luce_jax.speculation.ngram import NgramProposer
 from luce_jax.speculation.on_device import OnDeviceProposer
 from luce_jax.speculation.policy import SpecPolicy
 from luce_jax.speculation.speculator import Speculator
+from luce_jax.step_format import FROM_DEVICE, lower
 
 VOCAB = 5  # small, so prompt lookup finds matches and proposals are often right
 

@@ -188,8 +188,8 @@ def test_speculation_leaves_constrained_rows_unchanged(llm, compile_cache):
         max_ctx=512,
         compile_cache_dir=compile_cache,
         spec_mode="ngram",
-        prefill_chunk=32,
-        prefill_token_budget=32,
+        prefill_chunk=16,
+        prefill_token_budget=16,
     )
     try:
         got = spec.generate(prompts, params)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ..host.batch import lower
-from ..host.slots import padding_inputs
+from ..step_format import lower, padding_inputs
 from .programs import best_of_3
 
 

@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..host.batch import layout_size, step_layout, unpack
-from ..host.grammar import words as mask_words
 from ..models import dense, hybrid
+from ..step_format import layout_size, mask_words, step_layout, unpack
 from . import proposals, sampling
 from .draft_model import DraftModel
 from .head_proposer import HeadProposer
@@ -312,7 +311,7 @@ class Runner:
         host; does not wait.
 
         Args:
-          b: host.batch.lower's arrays for bucket (T, S, logit_width) and SlotTable.row_inputs'
+          b: step_format.lower's arrays for bucket (T, S, logit_width) and SlotTable.row_inputs'
             (and "allow", the grammar masks, where a row samples under one).
         """
         return self.launch_sample(self.launch_forward(b, T, S), b)

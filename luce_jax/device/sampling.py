@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..host.slots import FLOAT_FIELDS
+from ..step_format import FLOAT_FIELDS
 
 TOP_LOGPROBS = 20  # OpenAI's maximum; computed only in steps where some row asks for logprobs
 
@@ -66,7 +66,7 @@ def catch_up(batch: dict, off, block_size: int) -> dict:
     starts that many positions later. Its positions, KV write slots and kv length move by
     that offset (the host claimed blocks for the largest). Other rows and padding stay.
 
-    Args: batch: the step's arrays (host.batch.lower's); off: int32 [S] each row's move
+    Args: batch: the step's arrays (step_format.lower's); off: int32 [S] each row's move
       (device/proposals.offsets); block_size: P.
     Returns: the shifted batch.
     """
@@ -209,7 +209,7 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
     Args:
       logits: [R, V] float32; row_tokens: [R, K + 1] (mark_fed's); state: counts and last
         (consumed); prompt_mask: mark_fed's, read only.
-      batch: the step's row arrays (host.batch.sample_layout's: slots, sample_mask, n_draft,
+      batch: the step's row arrays (step_format.sample_layout's: slots, sample_mask, n_draft,
         logit_start, top_k, seeds, steps, fresh [S], logit_seg, logit_off [R]); floats: [6, S]
         FLOAT_FIELDS per row; k: K;
       allow: int32 [S, ceil(V / 32)] token bitmasks per row (structured output; all bits

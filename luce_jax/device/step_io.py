@@ -1,6 +1,6 @@
 """A step's inputs and outputs between host and device: the one upload, the launched records.
 
-A step sends one int32 buffer: the forward pass's row arrays (host.batch.step_layout), then the
+A step sends one int32 buffer: the forward pass's row arrays (step_format.step_layout), then the
 sampling's (sample_layout), then the bits of the float32 sampling parameters. The forward pass
 takes it in its launch and returns the sampling's part, on the device, for the sampling
 program. On the H200's host each array copied in a launch added 60 to 130 us to it, and there
@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..host.batch import layout_size, pack, sample_layout, unpack
-from ..host.slots import FLOAT_FIELDS
+from ..step_format import FLOAT_FIELDS, layout_size, pack, sample_layout, unpack
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import EngineConfig
-from .batch import (
+from ..step_format import (
     FROM_DEVICE,
     SMALLEST_TOKEN_BUCKET,
     Rows,

@@ -23,6 +23,8 @@ import re
 
 import numpy as np
 
+from ..step_format import mask_words
+
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "structured output needs the xgrammar package (pip install 'luce-jax[structured]')"
@@ -51,11 +53,6 @@ def _invalid(e: Exception) -> ValueError:
     """xgrammar's reason, without its "[time] file.cc:line:" prefix."""
     reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(e).strip().splitlines()[-1])
     return ValueError(f"unsupported or invalid JSON schema: {reason}")
-
-
-def words(vocab_size: int) -> int:
-    """int32 words of one row's bitmask."""
-    return (vocab_size + 31) // 32
 
 
 class Grammars:
@@ -128,7 +125,7 @@ class Grammars:
                 if smp and s in self._matchers]  # fmt: skip
         if not rows:
             return None
-        out = np.full((S, words(self.vocab_size)), -1, np.int32)
+        out = np.full((S, mask_words(self.vocab_size)), -1, np.int32)
         filling, at = [], []
         for i in rows:
             m = self._matchers[int(slots[i])]
@@ -156,7 +153,7 @@ class Grammars:
         them an escape is printable. Only where a grammar allows nothing printable (the
         newline of a literal around a tool call) do its control-character tokens stay."""
         if self._printable is None:
-            ok = np.zeros(words(self.vocab_size) * 32, bool)
+            ok = np.zeros(mask_words(self.vocab_size) * 32, bool)
             ok[: len(self._token_bytes)] = [all(c >= 0x20 for c in b) for b in self._token_bytes]
             self._printable = np.packbits(ok, bitorder="little").view(np.int32)
         return self._printable

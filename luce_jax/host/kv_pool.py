@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .batch import SINK_BLOCK
+from ..step_format import SINK_BLOCK
 from .prefix_cache import ROOT, PrefixCache
 
 

@@ -19,11 +19,7 @@ import random
 import numpy as np
 
 from ..sampling_params import SamplingParams
-
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
-# A row that samples nothing (padding, a prompt slice that does not complete): greedy, no
-# penalties, so it never switches on the step's penalty or filter branches.
-NEUTRAL = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0], np.float32)
+from ..step_format import FLOAT_FIELDS, NEUTRAL, padding_inputs
 
 
 def sampling_arrays(params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
@@ -129,16 +125,3 @@ class SlotTable:
         out["steps"][:n] = self.generated[slots]
         out["want_logprobs"][0] = self.logprobs[slots[sample]].any()
         return out
-
-
-def padding_inputs(S: int) -> dict[str, np.ndarray]:
-    """Sampling inputs of S padding rows: floats [6, S] (FLOAT_FIELDS, NEUTRAL), and int32
-    top_k, seeds (the uint32 seed's bits), steps (tokens generated before the row's first
-    sample, which with the seed fixes its noise), fresh (1: the slot's first row, whose
-    sampler state is reset for a new request), behind (1: the row's slot has a step in flight
-    whose accepted proposals the host has not counted; the device shifts the row by them,
-    host/engine.py) [S], want_logprobs [1]."""
-    out = {k: np.zeros(S, np.int32) for k in ("top_k", "seeds", "steps", "fresh", "behind")}
-    out["floats"] = np.repeat(NEUTRAL[:, None], S, axis=1)
-    out["want_logprobs"] = np.zeros(1, np.int32)
-    return out

@@ -43,12 +43,12 @@ class QuantMatmul(NamedTuple):
     # vs 177 at 256.
     max_pairs: int = 256
     # The smallest token bucket: the only one whose steps can hold as few live rows as the
-    # kernel's vector path takes (2). Buckets double (host/batch.buckets) and a step takes the
+    # kernel's vector path takes (2). Buckets double (step_format.buckets) and a step takes the
     # smallest that fits, so a larger bucket's steps are more than half live; their calls get
     # no `live` and compile without that path, which cut a Q4_K call's Triton compile from 3.4
     # to 1.4 s and Q6_K's from 7.8 to 2.8 s (bench/kernel_ptx.py's modules, this CPU). The
     # logits head lifts the limit (dense.head): a row bucket of any size can hold one live row.
-    live_rows_max: int = 8  # build.py passes host.batch.SMALLEST_TOKEN_BUCKET
+    live_rows_max: int = 8  # build.py passes step_format.SMALLEST_TOKEN_BUCKET
     prefill: object = None  # (x [T, K], w) -> [T, N] float32; None: XLA's dequantize-then-dot
     # (x [T, K], w [K], eps=, dtype=) -> (h, x8): the norm of a Normed input and the int8 rows
     # the kernel rounds h to, in one kernel (pallas_kernels/int8_rows.norm_int8_rows), where

@@ -23,8 +23,8 @@ import logging
 
 import numpy as np
 
-from ..host.batch import Row, pick_bucket
 from ..host.kv_pool import KVPool
+from ..step_format import Row, pick_bucket
 
 log = logging.getLogger(__name__)
 

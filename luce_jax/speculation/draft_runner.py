@@ -26,9 +26,16 @@ import numpy as np
 
 from ..device import sampling
 from ..device.programs import BucketPrograms, best_of_3
-from ..host.batch import layout_size, lower, pack, step_layout, unpack
-from ..host.slots import FLOAT_FIELDS, padding_inputs
 from ..models import dense
+from ..step_format import (
+    FLOAT_FIELDS,
+    layout_size,
+    lower,
+    pack,
+    padding_inputs,
+    step_layout,
+    unpack,
+)
 
 # The step inputs a propose program reads (one logits row each; no penalty state).
 _KEYS = ("tokens", "positions", "seg_ids", "write_idx", "block_tables", "kv_lens", "cu_q_lens",

@@ -7,14 +7,14 @@ keeps them per slot on the device beside how many proposals the row kept (device
 the head from the row's hidden state (models/draft_head.py), the draft model with K decode
 steps over its own KV, which the forward pass fed with the step's tokens, the lookup from a
 token cache the forward pass wrote (device/ngram_lookup.py). A verify row then carries markers,
-not tokens (host.batch.proposal_from_device): the device feeds the slot's proposals and shifts
+not tokens (step_format.proposal_from_device): the device feeds the slot's proposals and shifts
 the row past the proposals its last step kept (sampling.catch_up). So proposing needs nothing
 from the host, and steps overlap as without speculation: the host dispatches step N+1 before it
 reads step N's tokens, and learns what was kept one step later."""
 
 from __future__ import annotations
 
-from ..host.batch import proposal_from_device
+from ..step_format import proposal_from_device
 
 
 class OnDeviceProposer:

@@ -84,7 +84,7 @@ class Speculator:
             still emit past its next one; prompt_tokens: tokens the step carries besides.
         Returns:
           (n_draft int32 [n], the proposals per row as lists, or None where the device holds
-          them: the rows then carry markers, host.batch.marker_rows).
+          them: the rows then carry markers, step_format.marker_rows).
         """
         if not len(dec):
             self.choose({}, prompt_tokens)  # keeps the policy's plans and steps in step

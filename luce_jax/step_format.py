@@ -1,8 +1,10 @@
-"""Lower one step's rows to fixed-width packed arrays (bucketed), with segment metadata.
+"""The step format: what the host sends the device each step, and what both read of it.
 
-Pure NumPy: the runner hands the result to the jitted step. Shapes: T tokens (bucket),
-S segment rows (bucket), MB blocks per sequence, R logits rows (>= S: one per sampling row,
-plus one per speculative proposal a verify row carries).
+The host lowers one step's rows to fixed-width arrays (bucketed), with segment metadata, and
+packs them into one int32 buffer; the device's programs unpack that buffer by the same layout.
+Both packages import this module and nothing of each other's (docs/architecture.md). Pure
+NumPy. Shapes: T tokens (bucket), S segment rows (bucket), MB blocks per sequence, R logits rows
+(>= S: one per sampling row, plus one per speculative proposal a verify row carries).
 """
 
 from __future__ import annotations
@@ -235,3 +237,28 @@ def unpack(buf, layout: Layout) -> dict:
         out[name] = buf[off : off + n].reshape(shape)
         off += n
     return out
+
+
+# -- sampling inputs ------------------------------------------------------------------------
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
+# A row that samples nothing (padding, a prompt slice that does not complete): greedy, no
+# penalties, so it never switches on the step's penalty or filter branches.
+NEUTRAL = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0], np.float32)
+
+
+def padding_inputs(S: int) -> dict[str, np.ndarray]:
+    """Sampling inputs of S padding rows: floats [6, S] (FLOAT_FIELDS, NEUTRAL), and int32
+    top_k, seeds (the uint32 seed's bits), steps (tokens generated before the row's first
+    sample, which with the seed fixes its noise), fresh (1: the slot's first row, whose
+    sampler state is reset for a new request), behind (1: the row's slot has a step in flight
+    whose accepted proposals the host has not counted; the device shifts the row by them,
+    host/engine.py) [S], want_logprobs [1]."""
+    out = {k: np.zeros(S, np.int32) for k in ("top_k", "seeds", "steps", "fresh", "behind")}
+    out["floats"] = np.repeat(NEUTRAL[:, None], S, axis=1)
+    out["want_logprobs"] = np.zeros(1, np.int32)
+    return out
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's allowed-token bitmask (a structured output's grammar)."""
+    return (vocab_size + 31) // 32

@@ -1,0 +1,62 @@
+"""The layers docs/architecture.md draws, read from the source: which package may import which."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imported(path: Path) -> set[str]:
+    """Absolute names of the modules a file imports (relative imports resolved)."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else ()
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            out.add(module)
+            out.update(f"{module}.{a.name}" for a in node.names)
+    return out
+
+
+def modules(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def offenders(folder: str, banned) -> dict[str, list[str]]:
+    out = {}
+    for path in modules(folder):
+        bad = sorted(m for m in imported(path) if banned(m))
+        if bad:
+            out[str(path.relative_to(ROOT))] = bad
+    return out
+
+
+def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):
+    """The checks below can fail: the reader finds a host import however it is written."""
+    got = imported(ROOT / "luce_jax" / "host" / "slots.py")
+    assert "luce_jax.step_format.padding_inputs" in got and "numpy" in got
+    assert "luce_jax.host.slots" in imported(ROOT / "luce_jax" / "host" / "engine.py")
+
+
+@pytest.mark.parametrize(
+    "folder, banned, why",
+    [
+        ("luce_jax/device", "luce_jax.host", "the device package imports nothing of the host's"),
+        ("luce_jax/host", "jax", "host bookkeeping is pure Python and NumPy"),
+        ("server", "jax", "the server never imports jax"),
+        ("pallas_kernels", "luce_jax", "kernels stand alone"),
+    ],
+)
+def test_a_layer_imports_nothing_it_must_not(folder, banned, why):
+    bad = offenders(folder, lambda m: m == banned or m.startswith(banned + "."))
+    assert not bad, f"{why}: {bad}"
+
+
+def test_the_step_format_imports_only_numpy_and_the_standard_library():
+    got = {m.split(".")[0] for m in imported(ROOT / "luce_jax" / "step_format.py")}
+    assert got <= {"__future__", "dataclasses", "numpy"}, got
