@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from luce_jax.loading.gguf import GGUFFile, model_config
+from luce_jax.loading.gguf import GGUFFile, model_config, open_gguf
 from luce_jax.loading.params import load_params
 from luce_jax.models import dense, hybrid
 from luce_jax.step_format import Row, lower
@@ -52,7 +52,7 @@ def greedy_logits(cfg, params, prompt, n=converted.GREEDY) -> np.ndarray:
 
 
 def load(path, dtype="float32", quantized=False):
-    f = GGUFFile(path)
+    f = open_gguf(path)  # parsed once a file: the 151k-token vocabulary takes a second
     return f, *load_params(f, model_config(f.metadata), dtype, quantized)
 
 
