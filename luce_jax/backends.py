@@ -100,3 +100,19 @@ def served_quant_matmul(x, w, live=None, *, int8_x: bool, **kw):
 
     dots = int8_x and w.qtype in SERVED_INT8_DOTS
     return quant_matmul(x, w, live, int8_x=int8_x, int8_dots=dots, **kw)
+
+
+def kernels(config, model_cfg):
+    """The Kernels a model's forward pass runs with under a resolved EngineConfig (its
+    attention, MoE and quant backends; quantized projections' activations by the model)."""
+    from .models.family import Kernels
+
+    return Kernels(
+        attention=attention_fn(config.attention_backend),
+        grouped_matmul=grouped_matmul_fn(config.moe_backend),
+        quant_matmul=quant_matmul_fn(
+            config.quant_backend, quant_activations_for(config.quant_activations, model_cfg)
+        ),
+        rope_write=rope_write_fn(config.attention_backend),
+        gated_delta=gated_delta_fn(config.attention_backend),
+    )

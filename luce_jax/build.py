@@ -40,14 +40,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     """load_engine's steps, each timed as a phase of `clock`."""
     import jax
 
-    from .backends import (
-        attention_fn,
-        gated_delta_fn,
-        grouped_matmul_fn,
-        quant_activations_for,
-        quant_matmul_fn,
-        rope_write_fn,
-    )
+    from .backends import kernels, quant_activations_for, quant_matmul_fn
     from .device import bucket_runs
     from .device.programs import enable_compile_cache
     from .device.runner import Runner
@@ -56,6 +49,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     from .loading.gguf import model_config, open_gguf
     from .loading.params import abstract_params, load_params, weight_bytes
     from .loading.tokenizer import GGUFTokenizer, GGUFVocab
+    from .models.family import family_of
     from .speculation.build import enable_speculation
 
     with clock.phase("model file, device and tokenizer"):
@@ -75,8 +69,9 @@ def _load(config: EngineConfig, clock: StartupClock):
         file_cfg = model_config(f.metadata)
         mc, shapes = abstract_params(f, file_cfg, config.dtype, quantized)
     config = fit_to_model(config, mc)
-    if mc.recurrent:
-        config = hybrid_limits(config)
+    family = family_of(mc)
+    if not family.prefix_cacheable:
+        config = prefix_cache_off(config, family)
     per_token = kv_cache_types(config, mc)[1]
     draft = None
     if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
@@ -85,8 +80,11 @@ def _load(config: EngineConfig, clock: StartupClock):
         per_token += kv_cache_types(config, draft[0])[1]
     head = None
     if config.spec_mode == "head":
-        if mc.recurrent:
-            raise ValueError("spec_mode='head': a draft head needs a dense model, not a hybrid one")
+        if "head" not in family.device_proposers:
+            raise ValueError(
+                f"spec_mode='head': a draft head runs on the device, which the {family.name} "
+                "family's models do not take"
+            )
         from .models import draft_head
 
         head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
@@ -112,31 +110,26 @@ def _load(config: EngineConfig, clock: StartupClock):
             config.max_concurrency,
             config.max_blocks_per_seq,
             kv_cache_types(config, model_cfg)[0],
-            attention_fn(config.attention_backend),
-            grouped_matmul_fn(config.moe_backend),
-            quant_matmul_fn(
-                config.quant_backend, quant_activations_for(config.quant_activations, model_cfg)
-            ),
+            kernels(config, model_cfg),
             **kw,
         )
 
     spec_k = config.draft_tokens if config.spec_mode != "off" else 0
-    # A dense target runs its draft or prompt lookup on the device, in its own step
-    # (device/proposals.py); a hybrid one on the host, the draft in a program of its own
-    # (speculation/draft.py): a hybrid slot's state is fed the proposals it kept again, which
-    # the host must know.
+    # A draft model or prompt lookup runs on the device, in the target's step
+    # (device/proposals.py), where the family takes it; else on the host, the draft in a
+    # program of its own (speculation/draft.py): a slot whose state cannot be rolled back is
+    # fed the proposals it kept again, which the host must know.
     on_device = None
-    if draft is not None and not mc.recurrent:
+    if draft is not None and "draft" in family.device_proposers:
         dcfg, dparams = draft
         qm = quant_matmul_fn(
             config.quant_backend, quant_activations_for(config.quant_activations, dcfg)
         )
         on_device, draft = (dcfg, dparams, kv_cache_types(config, dcfg)[0], qm), None
     runner = runner_for(
-        Runner, mc, shapes, max_proposals=spec_k, delta_fn=gated_delta_fn(config.attention_backend),
-        rope_write_fn=rope_write_fn(config.attention_backend),
-        graph_max_tokens=config.cuda_graph_max_tokens, head=head, draft=on_device,
-        ngram=config.spec_mode == "ngram" and not mc.recurrent, head_lookup=config.head_lookup,
+        Runner, mc, shapes, max_proposals=spec_k, graph_max_tokens=config.cuda_graph_max_tokens,
+        head=head, draft=on_device, head_lookup=config.head_lookup,
+        ngram=config.spec_mode == "ngram" and "ngram" in family.device_proposers,
     )  # fmt: skip
     engine = DenseEngine(config, runner, num_blocks)
     # structured output: xgrammar loads on the first request that asks for it
@@ -238,32 +231,35 @@ def kv_cache_types(config: EngineConfig, mc):
             f"cache_type_k={names[0]!r}, cache_type_v={names[1]!r}: quantized KV needs a head "
             f"dim divisible by {kv_cache.GROUP}; the model's is {mc.head_dim}"
         )
+    from .models.family import family_of
+
     types = tuple(jnp.dtype(FLOAT_CACHE_TYPES[n]) if n in FLOAT_CACHE_TYPES else n for n in names)
-    layers = mc.attention_layers  # a hybrid model's linear layers keep no KV
-    per_token = layers * mc.kv_size * sum(kv_cache.bytes_per_value(t) for t in types)
-    return types, per_token
+    per_entry = mc.kv_size * sum(kv_cache.bytes_per_value(t) for t in types)  # one layer's
+    groups = family_of(mc).cache_groups(mc, per_entry)
+    # the pool holds one full-attention block space: no family declares groups of other kinds
+    assert [g.kind for g in groups] == ["full"], groups
+    return types, sum(g.bytes_per_token for g in groups)
 
 
 def state_bytes(mc, config: EngineConfig) -> int:
-    """Device bytes of the per-slot recurrent state of a hybrid model's linear layers
-    (models/hybrid.init_state's arrays, sized without allocating them); 0 for others."""
-    if not mc.recurrent:
-        return 0
+    """Device bytes of the model family's per-slot state (its init_slot_state's arrays, sized
+    without allocating them); 0 for a family that keeps none."""
     import functools
 
     import jax
 
-    from .models.hybrid import init_state
+    from .models.family import family_of
 
-    shapes = jax.eval_shape(functools.partial(init_state, mc, config.max_concurrency))
+    init = functools.partial(family_of(mc).init_slot_state, mc, config.max_concurrency)
+    shapes = jax.eval_shape(init)
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
-def hybrid_limits(config: EngineConfig) -> EngineConfig:
-    """What a hybrid model (recurrent state in the slot) cannot do yet: the prefix cache (it
-    holds KV blocks, not the state after them) is turned off."""
+def prefix_cache_off(config: EngineConfig, family) -> EngineConfig:
+    """The prefix cache shares KV blocks only: a family whose slots hold other state after
+    their blocks (a recurrent state, say) is served without it."""
     if config.prefix_cache:
-        log.info("prefix cache off: a hybrid model's recurrent state is not cached")
+        log.info("prefix cache off: the %s family's per-slot state is not cached", family.name)
     return config.replace(prefix_cache=False)
 
 

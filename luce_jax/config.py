@@ -95,11 +95,6 @@ class ModelConfig:
     ssm_v_dim: int = 0  # Dv
 
     @property
-    def attention_layers(self) -> int:
-        """Layers with a KV cache."""
-        return self.n_layers - sum(self.recurrent)
-
-    @property
     def conv_dim(self) -> int:
         """C: channels of a linear layer's convolution (q, k and v)."""
         return 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim

@@ -10,9 +10,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # it and change no float semantics (no fast-math either way; tokens and logits are the same):
 # without LLVM's optimizations the speculation tests' three engines started in 76 s, not 126,
 # and XLA:CPU's older elemental emitters in place of its MLIR fusion emitters took the draft
-# head tests from 72 to 49 s (2 cores). Subprocesses (servers, the notebook's kernel) inherit
-# the flags.
-for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+# head tests from 72 to 49 s (2 cores). Codegen in one LLVM module rather than split for
+# threads the busy cores do not have took 5-10% off again (a quant_matmul subset 56.7 -> 53.5
+# s, the kernel engine of the embedded model 30.9 -> 27.8 s). Subprocesses (servers, the
+# notebook's kernel) inherit the flags.
+FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+         "--xla_cpu_parallel_codegen_split_count=1")  # fmt: skip
+for _flag in FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 # One persistent compilation cache for the whole run, shared by the pytest-xdist workers and

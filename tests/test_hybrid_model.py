@@ -65,7 +65,7 @@ def test_the_file_describes_the_layers_and_the_state(qwen35):
     _, cfg, params, _ = qwen35
     assert cfg.arch == "qwen35" and cfg.recurrent == (True, True, True, False)
     assert (cfg.ssm_conv, cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim) == (4, 2, 4, 16)
-    assert cfg.rope_dim == 8 and cfg.attention_layers == 1
+    assert cfg.rope_dim == 8 and hybrid.attention_layers(cfg) == 1
     assert params["layers"][0]["w_in"].shape == (64, 2 * 2 * 16 + 4 * 16 + 4 * 16 + 2 * 4)
     assert params["layers"][3]["wqkv"].shape == (64, 2 * 4 * 32 + 2 * 2 * 32)
 
@@ -438,7 +438,9 @@ def test_the_pool_is_sized_for_attention_layers_and_the_state_is_reserved(engine
     mc = eng.runner.cfg
     resolved = config.resolved("cpu")
     per_token = kv_cache_types(resolved, mc)[1]
-    assert per_token == mc.attention_layers * mc.kv_size * 2 * 4  # f32 K and V, 1 layer of 4
+    assert (
+        per_token == hybrid.attention_layers(mc) * mc.kv_size * 2 * 4
+    )  # f32 K and V, 1 layer of 4
     held = sum(x.nbytes for x in jax.tree.leaves(eng.runner.state["model"]))
     assert state_bytes(mc, resolved) == held > 0
-    assert len(eng.runner.kv) == mc.attention_layers == 1
+    assert len(eng.runner.kv) == hybrid.attention_layers(mc) == 1

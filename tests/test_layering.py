@@ -60,3 +60,31 @@ def test_a_layer_imports_nothing_it_must_not(folder, banned, why):
 def test_the_step_format_imports_only_numpy_and_the_standard_library():
     got = {m.split(".")[0] for m in imported(ROOT / "luce_jax" / "step_format.py")}
     assert got <= {"__future__", "dataclasses", "numpy"}, got
+
+
+# (models/moe.py is the experts' FFN that families share, not a family)
+FAMILY_MODULES = ("luce_jax.models.dense", "luce_jax.models.hybrid")
+
+
+def names_a_family(path: Path) -> list[str]:
+    """A family module imported, or a family's own config field read (`recurrent`: the
+    hybrid family's layer pattern)."""
+    out = sorted(m for m in imported(path) if m.startswith(FAMILY_MODULES))
+    tree = ast.parse(path.read_text())
+    out += [f"line {n.lineno}: .recurrent" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr == "recurrent"]  # fmt: skip
+    return out
+
+
+def test_no_module_outside_models_and_the_loader_names_a_family():
+    """The runner, the builder, the engine and speculation read a model through
+    models/family.py's capabilities only: a new family is a new module under models/."""
+    inside = ("luce_jax/models/", "luce_jax/loading/")
+    bad = {}
+    for path in [*modules("luce_jax"), *modules("server")]:
+        rel = str(path.relative_to(ROOT))
+        if not rel.startswith(inside) and (found := names_a_family(path)):
+            bad[rel] = found
+    assert not bad, bad
+    # and the check sees one where there is one
+    assert names_a_family(ROOT / "luce_jax" / "models" / "hybrid.py")

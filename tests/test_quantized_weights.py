@@ -16,6 +16,7 @@ from luce_jax.config import EngineConfig
 from luce_jax.loading.gguf import GGUFFile, model_config
 from luce_jax.loading.params import load_params, weight_bytes
 from luce_jax.models import dense
+from luce_jax.models.family import Kernels
 from luce_jax.models.linear import QuantMatmul, embed, linear, unembed
 from luce_jax.step_format import Row
 from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
@@ -269,7 +270,7 @@ def test_the_logits_rows_always_pass_their_live_count():
     bucket of 16, and the head's projection still gets the live count (the few-rows path)."""
     from types import SimpleNamespace
 
-    from luce_jax.models.dense import head
+    from luce_jax.models.logits import head
 
     seen = []
 
@@ -414,11 +415,11 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     gpu = functools.partial  # the kernels as on a GPU: Triton, not interpret mode
     runner = Runner(
         cfg, params, 9, 16, 4, 8, (jnp.bfloat16, jnp.bfloat16),
-        gpu(paged_attention, interpret=False), gpu(grouped_matmul, interpret=False),
-        QuantMatmul(gpu(served_quant_matmul, interpret=False, int8_x=True),
-                    norm_int8=gpu(norm_int8_rows, interpret=False),
-                    glu_int8=gpu(glu_int8_rows, interpret=False)),
-        rope_write_fn=gpu(rope_write, interpret=False),
+        Kernels(gpu(paged_attention, interpret=False), gpu(grouped_matmul, interpret=False),
+                QuantMatmul(gpu(served_quant_matmul, interpret=False, int8_x=True),
+                            norm_int8=gpu(norm_int8_rows, interpret=False),
+                            glu_int8=gpu(glu_int8_rows, interpret=False)),
+                rope_write=gpu(rope_write, interpret=False)),
     )  # fmt: skip
     fn, args = runner.step_function(8, 4)
     triton = "__gpu$xla.gpu.triton"
@@ -470,9 +471,9 @@ def test_the_hybrid_step_exports_for_rocm_with_its_state_updated_in_place(
     gpu = functools.partial  # the kernels as on a GPU: Triton, not interpret mode
     runner = Runner(
         cfg, params, 9, 16, 4, 8, (jnp.bfloat16, jnp.bfloat16),
-        gpu(paged_attention, interpret=False), None,
-        QuantMatmul(gpu(served_quant_matmul, interpret=False, int8_x=True)),
-        delta_fn=gpu(gated_delta_in_place, chunk=16, interpret=False),
+        Kernels(gpu(paged_attention, interpret=False), None,
+                QuantMatmul(gpu(served_quant_matmul, interpret=False, int8_x=True)),
+                gated_delta=gpu(gated_delta_in_place, chunk=16, interpret=False)),
     )  # fmt: skip
     triton = "__gpu$xla.gpu.triton"
     for T in (8, 64):

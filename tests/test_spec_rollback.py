@@ -49,6 +49,8 @@ class FakeRunner:
     def __init__(self, num_blocks, block_size, max_slots, k, rng, recurrent=False, head=False,
                  draft=False, lookup=False):  # fmt: skip
         self.cfg = SimpleNamespace(recurrent=(True,) if recurrent else ())
+        # as models/family.py declares it: a recurrent state is rolled back by feeding again
+        self.family = SimpleNamespace(rollback="refeed" if recurrent else "kv_length")
         # A draft head: each sampled row leaves K proposals and its kept count on the device,
         # and later rows read them (markers) and move on by them (behind), as sampling.py does.
         # A draft model on the device does the same, and writes its own cache (dkv).
@@ -206,7 +208,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
         prefill_token_budget=16,
         draft_tokens=3,
         spec_mode={"device-draft": "draft", "device-ngram": "ngram"}.get(mode, mode),
-        prefix_cache=not hybrid,  # as build.hybrid_limits: a hybrid's state is not cached
+        prefix_cache=not hybrid,  # as build.prefix_cache_off: a hybrid's state is not cached
     )
     blocks = 40
     k = 0 if mode == "off" else 3

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..models import dense
+from ..models.family import Kernels, family_of
 from . import packed_params, proposals
 
 # A decode step pads its S rows to at least this many tokens, as the step's smallest token
@@ -34,12 +34,12 @@ class DraftModel:
     tensor) and kernels; the runner owns its caches.
 
     Args: cfg, params: the draft (loading.params.load_params; its vocabulary the target's or a
-      prefix of it); kv_types: its cache types; quant_matmul, attention_fn, grouped_matmul_fn,
-      rope_write_fn: as the runner's; k: K; block_size: P; vocab: V, the target's.
+      prefix of it; a family with no per-slot state); kv_types: its cache types; kernels: the
+      runner's, with the draft's quant_matmul; k: K; block_size: P; vocab: V, the target's.
     """
 
-    def __init__(self, cfg, params, kv_types, quant_matmul, attention_fn, grouped_matmul_fn,
-                 rope_write_fn, *, k: int, block_size: int, vocab: int):  # fmt: skip
+    def __init__(self, cfg, params, kv_types, kernels: Kernels, *, k: int, block_size: int,
+                 vocab: int):  # fmt: skip
         self.cfg, self.kv_types, self.k, self.block_size, self.vocab = (
             cfg,
             kv_types,
@@ -50,17 +50,18 @@ class DraftModel:
         self.writes_ahead = k  # its decodes write K positions past a row's last token
         self.wants_hidden, self.feeds_params = False, True
         self.bufs, self._layout = packed_params.pack(params)
-        self._kernels = (attention_fn, grouped_matmul_fn, quant_matmul, rope_write_fn)
+        self.family, self._kernels = family_of(cfg), kernels
 
     def init_kv(self, num_blocks: int):
         """Zeroed caches of num_blocks blocks (the target pool's count)."""
-        return dense.init_kv(self.cfg, num_blocks, self.block_size, *self.kv_types)
+        return self.family.init_caches(self.cfg, num_blocks, self.block_size, *self.kv_types)
 
     def forward(self, bufs, dkv, batch: dict):
-        """dense.forward of the draft over a batch: (logits, dkv, stats)."""
-        attn, grouped, quant, rope = self._kernels
+        """The draft's forward pass over a batch: (logits, dkv, stats)."""
         params = packed_params.unpack(bufs, self._layout)
-        return dense.forward(params, dkv, batch, self.cfg, attn, grouped, quant, rope)
+        logits, dkv, _, stats = self.family.forward(params, dkv, None, batch, self.cfg,
+                                                    self._kernels)  # fmt: skip
+        return logits, dkv, stats
 
     def propose_bufs(self, target_params: dict):
         return self.bufs

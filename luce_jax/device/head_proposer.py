@@ -27,8 +27,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..models import dense, draft_head
+from ..models import draft_head
 from ..models.linear import embed
+from ..models.logits import logits_of
 from . import packed_params, proposals
 from .ngram_lookup import NgramLookup
 
@@ -98,7 +99,7 @@ class HeadProposer:
         with jax.named_scope("draft_head"):
             props = draft_head.propose(
                 hp, hidden[last], packed[last], self.k, lambda t: embed(lm["embed"], t),
-                lambda f: dense.logits_of(lm, f, self.cfg, self._quant_matmul), pick,
+                lambda f: logits_of(lm, f, self.cfg, self._quant_matmul), pick,
                 self.hcfg.eps,
             )  # fmt: skip
         if self.lookup is not None:

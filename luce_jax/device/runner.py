@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..models import dense, hybrid
+from ..models.family import XLA, Kernels, family_of
 from ..step_format import layout_size, mask_words, step_layout, unpack
 from . import proposals, sampling
 from .draft_model import DraftModel
@@ -47,27 +47,23 @@ class Runner:
       cfg, params: the model (loading.params.load_params).
       num_blocks, block_size, max_slots, max_blocks_per_seq: the KV pool's shape.
       kv_types: (k, v) cache types (a dtype, or "q8_0" / "q4_0").
-      attention_fn, grouped_matmul_fn: the attention and MoE matmul backends.
-      quant_matmul: how quantized projections run (models.linear.QuantMatmul).
+      kernels: the ops' implementations (models.family.Kernels, backends.kernels).
       max_proposals: K, the most speculative proposals a verify row carries (0: no
         speculation, one logits row per row).
-      delta_fn: a hybrid model's gated delta rule (pallas_kernels/gated_delta.py).
-      rope_write_fn: a dense model's q, k norms, rope and KV write in one kernel
-        (pallas_kernels/rope_write.py), or None (XLA's ops).
       graph_max_tokens: step buckets of more tokens compile without CUDA graphs
         (graph_options; 0: all use them).
-      head: (draft_head.HeadConfig, params) of a draft head (dense models;
-        device/head_proposer.py): every sampling program that proposes runs it for K tokens
+      head: (draft_head.HeadConfig, params) of a draft head (families that run it on the
+        device; device/head_proposer.py): every sampling program that proposes runs it for K tokens
         per sampled row, for the slot's next verify row, and keeps them on the device with
         the proposals each row kept (device/proposals.py); a later step's verify rows read
         both, so the host never waits for them (speculation/on_device.py).
       head_lookup: the head takes prompt lookup's proposals where a row's text repeats.
-      draft: (ModelConfig, params, kv_types, quant_matmul) of a dense draft model with the
-        target's vocabulary, run on the device (dense targets): every forward pass also
+      draft: (ModelConfig, params, kv_types, quant_matmul) of a draft model with the
+        target's vocabulary, run on the device (families that run it there): every forward pass also
         feeds it the step's tokens, into its own caches on the target's block ids, and the
         sampling programs that propose run its K decode steps after verification, keeping
         the proposals as a head's (device/draft_model.py).
-      ngram: prompt lookup on the device (dense targets; device/ngram_lookup.py): a token
+      ngram: prompt lookup on the device (device/ngram_lookup.py): a token
         cache on the target's block ids, proposals found in it.
     """
 
@@ -80,32 +76,29 @@ class Runner:
         max_slots: int,
         max_blocks_per_seq: int,
         kv_types,
-        attention_fn=None,
-        grouped_matmul_fn=None,
-        quant_matmul=None,
+        kernels: Kernels = XLA,
         max_proposals: int = 0,
-        delta_fn=None,
-        rope_write_fn=None,
         graph_max_tokens: int = 0,
         head=None,
         draft=None,
         ngram: bool = False,
         head_lookup: bool = False,
     ):
-        # build.py refuses a head on a hybrid model and runs its draft and lookup on the host
-        for x in (head, draft, ngram or None):
-            assert x is None or (not cfg.recurrent and max_proposals), "dense, K > 0"
-        assert sum(x is not None for x in (head, draft, ngram or None)) <= 1, "one proposer"
-        self.cfg = cfg
+        self.cfg, self.family, self.kernels = cfg, family_of(cfg), kernels
+        # build.py runs a proposer here only where the family runs it on the device
+        proposers = {"head": head, "draft": draft, "ngram": ngram or None}
+        for name, x in proposers.items():
+            assert x is None or (name in self.family.device_proposers and max_proposals), name
+        assert sum(x is not None for x in proposers.values()) <= 1, "one proposer"
         # self.draft: the proposer (a draft head, a draft model or the lookup), whose caches
         # (if any) mirror the pool
         self.draft = None
         if head is not None:
-            self.draft = HeadProposer(cfg, *head, quant_matmul, k=max_proposals,
+            self.draft = HeadProposer(cfg, *head, kernels.quant_matmul, k=max_proposals,
                                       block_size=block_size, lookup=head_lookup)  # fmt: skip
         elif draft is not None:
-            self.draft = DraftModel(*draft[:3], draft[3], attention_fn, grouped_matmul_fn,
-                                    rope_write_fn, k=max_proposals, block_size=block_size,
+            self.draft = DraftModel(*draft[:3], kernels._replace(quant_matmul=draft[3]),
+                                    k=max_proposals, block_size=block_size,
                                     vocab=cfg.vocab_size)  # fmt: skip
         elif ngram:
             self.draft = NgramLookup(k=max_proposals, block_size=block_size)
@@ -118,13 +111,14 @@ class Runner:
         self.block_size = block_size
         self.max_slots = max_slots
         self.max_blocks = max_blocks_per_seq
-        model = hybrid if cfg.recurrent else dense
+        family = self.family
 
         def allocate():
-            kv = model.init_kv(cfg, num_blocks, block_size, *kv_types)
+            kv = family.init_caches(cfg, num_blocks, block_size, *kv_types)
             state = sampling.init_state(max_slots, cfg.vocab_size)
-            if cfg.recurrent:  # the linear layers' per-slot state rides with the sampler's
-                state["model"] = hybrid.init_state(cfg, max_slots)
+            model_state = family.init_slot_state(cfg, max_slots)
+            if model_state is not None:  # the family's per-slot state rides with the sampler's
+                state["model"] = model_state
             if self.ahead:  # per slot: proposals kept by its last row, and the next ones
                 state.update(proposals.init(max_slots, max_proposals))
             dkv = self.draft.init_kv(num_blocks) if self.draft is not None else None
@@ -140,11 +134,6 @@ class Runner:
         # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
         # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
         self.last_stats: dict = {}
-        self._attention = attention_fn
-        self._grouped_matmul = grouped_matmul_fn
-        self._quant_matmul = quant_matmul
-        self._delta = delta_fn
-        self._rope_write = rope_write_fn
         self.programs = BucketPrograms(
             self.step_function, donate=(1, 2, 3, 4), name="step",
             options=functools.partial(graph_options, graph_max_tokens),
@@ -178,14 +167,14 @@ class Runner:
                  T: int, S: int):  # fmt: skip
         """One model forward pass and the fed-token bookkeeping; T, S static.
 
-        Args: params; kv, model_state (a hybrid model's per-slot state, else None),
+        Args: params; kv, model_state (the family's per-slot state, else None),
           prompt_mask [S_max, V] (the tokens each slot has seen) and dkv (self.draft's caches,
           else None), all four donated; last [S_max]: each slot's last sampled token, fed to
           its decode row; ahead: with proposals kept on the device, their state
           (device/proposals.py; read), else None; dparams: a draft model's params, else None;
           ints: int32, packed per `layout`, then the sampling's (step_io.upload).
         Returns: (logits float32 [R, V], row tokens int32 [R, K + 1] (sampling.mark_fed's),
-          kv, model_state, prompt_mask, dkv, model stats (dense.forward's), what the
+          kv, model_state, prompt_mask, dkv, model stats (the family's forward's), what the
           sampling program's proposing reads (Forward.reads), and the sampling's inputs).
         """
         layout = self.layout(T, S)
@@ -194,18 +183,10 @@ class Runner:
         if ahead is not None:
             off = proposals.offsets(ahead["acc"], batch)
             batch = sampling.catch_up(batch, off, self.block_size)
-        if model_state is None:
-            logits, kv, stats = dense.forward(
-                params, kv, batch, self.cfg, self._attention, self._grouped_matmul,
-                self._quant_matmul, self._rope_write,
-                hidden=self.draft is not None and self.draft.wants_hidden,
-            )  # fmt: skip
-        else:
-            logits, kv, model_state = hybrid.forward(
-                params, kv, model_state, batch, self.cfg, self._attention, self._quant_matmul,
-                self._delta, self._grouped_matmul,
-            )  # fmt: skip
-            stats = {}
+        hidden = self.draft is not None and self.draft.wants_hidden
+        logits, kv, model_state, stats = self.family.forward(
+            params, kv, model_state, batch, self.cfg, self.kernels, hidden
+        )
         with jax.named_scope("sampling"):
             prompt_mask, row_tokens = sampling.mark_fed(prompt_mask, batch, self.k)
         reads = stats.pop("hidden", None)

@@ -86,8 +86,8 @@ class DenseEngine:
         )
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
         self._outputs: dict[int, list[int]] = {}  # slot -> tokens collected for it
-        # A hybrid model's slot state stays before a verify row's proposals (models/hybrid.py):
-        # the proposals it accepted are fed again at the start of the slot's next row.
+        # A slot state rolled back by feeding again (models/family.py's "refeed") stays before a
+        # verify row's proposals: those it accepted are fed again at the start of its next row.
         self._lag = np.zeros(self.slot_count, np.int32)
         self.slots = SlotTable(self.slot_count, config.seed)
         # The step token budget counts decode rows too (as vLLM's max_num_batched_tokens).
@@ -101,7 +101,7 @@ class DenseEngine:
         self._max_rows = buckets(self.slot_count, 1)[-1]
         self.spec = None  # speculation.Speculator once enable_speculation is called
         self.grammars = None  # grammar.Grammars: structured output, when the builder sets it
-        self.refeed = bool(runner.cfg.recurrent)
+        self.refeed = runner.family.rollback == "refeed"
         self.last_bucket = (0, 0)  # (T, S) of the last dispatched step, for the trace
         self._last_collect = 0.0  # perf_counter when the last step's results came
         self._launched: deque[_Launched] = deque()

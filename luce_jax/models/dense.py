@@ -19,7 +19,9 @@ from pallas_kernels.rope_write import fits as fits_rope_write
 from ..config import ModelConfig
 from . import moe
 from .attention import paged_attention_xla
-from .linear import Gated, Normed, QuantMatmul, embed, linear, summed, unembed, weight_dtype
+from .family import CacheGroup, Kernels, register
+from .linear import Gated, Normed, QuantMatmul, embed, linear, summed, weight_dtype
+from .logits import head
 
 KV = list[tuple]  # per layer (k, v): [NB, P, K, D] arrays or kv_cache.Quantized
 
@@ -90,7 +92,7 @@ def forward(
         cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
     new_kv, pairs = [], []
     live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
-    kernels = (attn, grouped_matmul, quant_matmul, rope_write)
+    kernels = Kernels(attn, grouped_matmul, quant_matmul, rope_write)
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
         x, kc, vc, routed = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
         if routed is not None:
@@ -109,18 +111,20 @@ def forward(
 # took 1.7 s to trace and lower per bucket (Triton modules included) and a warm start's
 # compile-cache lookups waited on it: 22 s of the H200's 30 s warm start for 6 buckets.
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels"))
-def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig, kernels):
+def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
+          kernels: Kernels):  # fmt: skip
     """One decoder layer: attention (writing this step's K/V) then the FFN, both residual.
 
     Args:
       lp: the layer's params; x: residual stream [T, d] float32; kc, vc: its caches;
-      cos, sin: rope tables; batch, live: forward's; kernels: (attention_fn, grouped_matmul,
-      quant_matmul, rope_write) as forward takes them (hashable: they are static).
+      cos, sin: rope tables; batch, live: forward's; kernels: forward's attention_fn,
+      grouped_matmul, quant_matmul and rope_write (hashable: they are static).
     Returns:
       (x, kc, vc, the experts of its (token, expert) pairs [T*k] int32 for an MoE layer (moe.ffn)
        or None).
     """
-    attn, grouped_matmul, quant_matmul, rope_write = kernels
+    attn, grouped_matmul = kernels.attention, kernels.grouped_matmul
+    quant_matmul, rope_write = kernels.quant_matmul, kernels.rope_write
     T = x.shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     # Named scopes label the HLO ops, so a profile attributes kernel time to these parts
@@ -203,26 +207,6 @@ def swiglu(lp: dict, h, quant_matmul, live, splits=False):
     return linear(Gated(gu), lp["w_down"], quant_matmul, live, splits=splits)
 
 
-def head(params: dict, x, batch: dict, cfg: ModelConfig, quant_matmul):
-    """Logits [R, V] of the wanted rows (batch logit_rows) of the residual stream x [T, d]."""
-    with jax.named_scope("lm_head"):
-        # padding logits rows (offset -1) trail the real ones
-        live_logits = jnp.sum(batch["logit_off"] >= 0) if "logit_off" in batch else None
-        return logits_of(params, x[batch["logit_rows"]], cfg, quant_matmul, live_logits)
-
-
-def logits_of(params: dict, rows, cfg: ModelConfig, quant_matmul, live=None):
-    """Logits [R, V] float32 of residual-stream rows [R, d]: the final norm and the lm_head
-    (live: how many leading rows are real, for the quantized kernel; None: all)."""
-    h = Normed(rows, params["final_norm"], cfg.rms_eps)
-    if quant_matmul is not None:  # unlike token buckets, any row bucket can hold one live
-        # row (a lone prompt's last token), so the kernel always gets the live count
-        quant_matmul = quant_matmul._replace(live_rows_max=quant_matmul.max_rows)
-    if "lm_head" in params:
-        return linear(h, params["lm_head"], quant_matmul, live)
-    return unembed(h, params["embed"], quant_matmul, live)
-
-
 def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=None) -> KV:
     """Zeroed per-layer (k, v) caches [NB, P, K, D]; a type is a dtype or "q8_0" / "q4_0",
     and V may have its own."""
@@ -231,3 +215,32 @@ def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=N
     return [
         (kv_cache.init(shape, k_type), kv_cache.init(shape, v_type)) for _ in range(cfg.n_layers)
     ]
+
+
+class DenseFamily:
+    """llama, qwen2, qwen3 and qwen3moe (models/family.py): one full-attention cache group,
+    no per-slot model state, every proposer on the device."""
+
+    name = "dense"
+    archs = ("llama", "qwen2", "qwen3", "qwen3moe")
+    rollback = "kv_length"
+    prefix_cacheable = True
+    device_proposers = frozenset({"head", "draft", "ngram"})
+
+    def cache_groups(self, cfg: ModelConfig, kv_bytes_per_entry: float) -> list[CacheGroup]:
+        return [CacheGroup("full", cfg.n_layers, cfg.n_layers * kv_bytes_per_entry)]
+
+    def init_caches(self, cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type):
+        return init_kv(cfg, num_blocks, block_size, k_type, v_type)
+
+    def init_slot_state(self, cfg: ModelConfig, max_slots: int) -> None:
+        return None
+
+    def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
+        logits, caches, stats = forward(params, caches, batch, cfg, kernels.attention,
+                                        kernels.grouped_matmul, kernels.quant_matmul,
+                                        kernels.rope_write, hidden)  # fmt: skip
+        return logits, caches, slot_state, stats
+
+
+FAMILY = register(DenseFamily())

@@ -26,8 +26,10 @@ from pallas_kernels.gated_delta import gated_delta_in_place_reference
 from ..config import ModelConfig
 from . import moe
 from .attention import paged_attention_xla
-from .dense import apply_rope, head, rms_norm, rope_tables, swiglu, write_and_attend
+from .dense import apply_rope, rms_norm, rope_tables, swiglu, write_and_attend
+from .family import CacheGroup, Kernels, register
 from .linear import Normed, QuantMatmul, embed, linear, weight_dtype
+from .logits import head
 
 
 def init_state(cfg: ModelConfig, max_slots: int) -> dict:
@@ -42,13 +44,18 @@ def init_state(cfg: ModelConfig, max_slots: int) -> dict:
     }
 
 
+def attention_layers(cfg: ModelConfig) -> int:
+    """The gated attention layers: those with a KV cache."""
+    return cfg.n_layers - sum(cfg.recurrent)
+
+
 def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=None) -> list:
     """Paged (k, v) caches [NB, P, K, D] of the full-attention layers only."""
     shape = (num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
     v_type = k_type if v_type is None else v_type
     return [
         (kv_cache.init(shape, k_type), kv_cache.init(shape, v_type))
-        for _ in range(cfg.attention_layers)
+        for _ in range(attention_layers(cfg))
     ]
 
 
@@ -132,7 +139,8 @@ def gated_attention(lp, h, kc, vc, cos, sin, batch, cfg: ModelConfig, attn, qmm,
 # Jitted as dense.layer is, and for the same reason: a step traces and lowers each distinct
 # layer once (two kinds here, times the weight-type mixes), and XLA inlines the calls.
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "recurrent"))
-def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, kernels, recurrent):
+def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, kernels: Kernels,
+          recurrent: bool):  # fmt: skip
     """One hybrid layer: its sequence mixer, then the FFN, both residual.
 
     Args:
@@ -143,7 +151,8 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
     Returns:
       (x, the mixer's new (history, states) or (k, v) caches).
     """
-    attn, qmm, delta, grouped_matmul = kernels
+    attn, qmm, delta = kernels.attention, kernels.quant_matmul, kernels.gated_delta
+    grouped_matmul = kernels.grouped_matmul
     h = Normed(x, lp["attn_norm"], cfg.rms_eps)  # its projection's kernel may norm it
     if recurrent:
         y, hist, ssm = linear_attention(lp, h, *mix, batch, cfg, qmm, live, delta)
@@ -198,7 +207,7 @@ def forward(
     conv, ssm = state["conv"], state["ssm"]
     new_kv = []
     li = ai = 0
-    kernels = (attn, quant_matmul, delta, grouped_matmul)
+    kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta)
     for lp, recurrent in zip(params["layers"], cfg.recurrent, strict=True):
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
@@ -213,3 +222,38 @@ def forward(
             ai += 1
     logits = head(params, x, batch, cfg, quant_matmul)
     return logits, new_kv, {"conv": conv, "ssm": ssm}
+
+
+class HybridFamily:
+    """qwen35 and qwen35moe (models/family.py): a full-attention cache group for the gated
+    attention layers, the linear layers' state in the slot. That state holds no earlier
+    position, so a verify row's accepted proposals are fed again ("refeed"), the prefix cache
+    (which shares KV blocks only) is off, and proposers run on the host."""
+
+    name = "hybrid"
+    archs = ("qwen35", "qwen35moe")
+    rollback = "refeed"
+    prefix_cacheable = False
+    device_proposers = frozenset()
+
+    def cache_groups(self, cfg: ModelConfig, kv_bytes_per_entry: float) -> list[CacheGroup]:
+        n = attention_layers(cfg)
+        return [CacheGroup("full", n, n * kv_bytes_per_entry)]
+
+    def init_caches(self, cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type):
+        return init_kv(cfg, num_blocks, block_size, k_type, v_type)
+
+    def init_slot_state(self, cfg: ModelConfig, max_slots: int) -> dict:
+        return init_state(cfg, max_slots)
+
+    def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
+        assert not hidden, "no device proposer reads a hybrid model's hidden states"
+        k = kernels
+        logits, caches, slot_state = forward(
+            params, caches, slot_state, batch, cfg, k.attention, k.quant_matmul, k.gated_delta,
+            k.grouped_matmul,
+        )  # fmt: skip
+        return logits, caches, slot_state, {}
+
+
+FAMILY = register(HybridFamily())

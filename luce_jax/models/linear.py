@@ -47,7 +47,7 @@ class QuantMatmul(NamedTuple):
     # smallest that fits, so a larger bucket's steps are more than half live; their calls get
     # no `live` and compile without that path, which cut a Q4_K call's Triton compile from 3.4
     # to 1.4 s and Q6_K's from 7.8 to 2.8 s (bench/kernel_ptx.py's modules, this CPU). The
-    # logits head lifts the limit (dense.head): a row bucket of any size can hold one live row.
+    # logits head lifts the limit (logits.head): a row bucket of any size can hold one live row.
     live_rows_max: int = 8  # build.py passes step_format.SMALLEST_TOKEN_BUCKET
     prefill: object = None  # (x [T, K], w) -> [T, N] float32; None: XLA's dequantize-then-dot
     # (x [T, K], w [K], eps=, dtype=) -> (h, x8): the norm of a Normed input and the int8 rows

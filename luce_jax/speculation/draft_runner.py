@@ -26,7 +26,7 @@ import numpy as np
 
 from ..device import sampling
 from ..device.programs import BucketPrograms, best_of_3
-from ..models import dense
+from ..models.family import XLA, Kernels, family_of
 from ..step_format import (
     FLOAT_FIELDS,
     layout_size,
@@ -52,20 +52,19 @@ class DraftRunner:
 
     def __init__(
         self, cfg, params, num_blocks, block_size, max_slots, max_blocks_per_seq, kv_types,
-        attention_fn=None, grouped_matmul_fn=None, quant_matmul=None, *, depth: int,
-        vocab: int | None = None,
+        kernels: Kernels = XLA, *, depth: int, vocab: int | None = None,
     ):  # fmt: skip
         self.cfg, self.params, self.depth = cfg, params, depth
         self.vocab = vocab or cfg.vocab_size
         self.block_size, self.max_slots, self.max_blocks = block_size, max_slots, max_blocks_per_seq
-        self.kv = dense.init_kv(cfg, num_blocks, block_size, *kv_types)
-        self._forward = functools.partial(
-            dense.forward,
-            cfg=cfg,
-            attention_fn=attention_fn,
-            grouped_matmul=grouped_matmul_fn,
-            quant_matmul=quant_matmul,
-        )
+        family = family_of(cfg)  # one without per-slot state: the draft keeps only its KV
+        self.kv = family.init_caches(cfg, num_blocks, block_size, *kv_types)
+
+        def forward(params, kv, batch):
+            logits, kv, _, stats = family.forward(params, kv, None, batch, cfg, kernels)
+            return logits, kv, stats
+
+        self._forward = forward
         self.programs = BucketPrograms(self.step_function, donate=(1,), name="draft")
         self.propose_time: dict[int, float] = {}  # depth -> seconds (smallest bucket)
 
