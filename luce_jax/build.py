@@ -28,7 +28,7 @@ def load_engine(config: EngineConfig):
     """Load the GGUF, size the KV pool, build the engine and compile every step bucket.
 
     Returns:
-      (GGUFTokenizer, DenseEngine), ready to be driven by a Scheduler.
+      (GGUFTokenizer, StepEngine), ready to be driven by a Scheduler.
     """
     with StartupClock() as clock:
         tokenizer, engine = _load(config, clock)
@@ -44,7 +44,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     from .device import bucket_runs
     from .device.programs import enable_compile_cache
     from .device.runner import Runner
-    from .host.engine import DenseEngine
+    from .host.engine import StepEngine
     from .host.grammar import Grammars
     from .loading.gguf import model_config, open_gguf
     from .loading.params import abstract_params, load_params, weight_bytes
@@ -131,7 +131,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         head=head, draft=on_device, head_lookup=config.head_lookup,
         ngram=config.spec_mode == "ngram" and "ngram" in family.device_proposers,
     )  # fmt: skip
-    engine = DenseEngine(config, runner, num_blocks)
+    engine = StepEngine(config, runner, num_blocks)
     # structured output: xgrammar loads on the first request that asks for it
     engine.grammars = Grammars(tokenizer.token_bytes, tokenizer.eog_ids, mc.vocab_size)
     pairs = engine.bucket_pairs()

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from luce_jax.config import EngineConfig
-from luce_jax.host.engine import DenseEngine
+from luce_jax.host.engine import StepEngine
 from luce_jax.host.request import Request
 from luce_jax.host.scheduler import Scheduler
 from luce_jax.sampling_params import SamplingParams
@@ -177,7 +177,9 @@ def check_caches(sched, engine, draft):
             assert dcached.tolist() == seq[:kv_len], f"slot {req.slot} draft cache corrupted"
         if engine.refeed and sched.decoding(req):
             state = engine.runner.state[req.slot]
-            assert len(state) == kv_len - engine._lag[req.slot] and state == seq[: len(state)]
+            assert (
+                len(state) == kv_len - engine.outputs.lag[req.slot] and state == seq[: len(state)]
+            )
         if draft is not None and req.slot in draft.seq:
             assert draft.seq[req.slot] == seq
             fed = draft.fed[req.slot]
@@ -192,6 +194,41 @@ MODES = [
     for h in (False, True)
     if m not in ("head", "device-draft", "device-ngram") or not h
 ]
+
+
+def record_owners(engine) -> list[tuple[int, str, int]]:
+    """(owner index, "start" / "release", slot) of every call the engine makes to its slot
+    owners (host/slot_owner.py), in order."""
+    events = []
+    for i, owner in enumerate(engine.owners):
+        for name in ("start", "release"):
+            call = getattr(owner, name)
+            setattr(owner, name, lambda slot, *a, i=i, name=name, call=call: (
+                events.append((i, name, slot)), call(slot, *a))[1])  # fmt: skip
+    return events
+
+
+def check_owner_events(owners, events, admitted):
+    """Every admission starts its slot in each owner, in list order; every retirement releases
+    it in each, in reverse order; each owner's starts and releases of a slot alternate."""
+    n = len(owners)
+    assert len(events) % n == 0
+    groups = [events[i : i + n] for i in range(0, len(events), n)]
+    for g in groups:
+        kinds, slots = {e[1] for e in g}, {e[2] for e in g}
+        assert len(kinds) == 1 and len(slots) == 1, g
+        order = [e[0] for e in g]
+        assert order == (list(range(n)) if "start" in kinds else list(range(n))[::-1]), g
+    assert sum(g[0][1] == "start" for g in groups) == admitted
+    for i in range(n):
+        held = set()
+        for _, kind, slot in (e for e in events if e[0] == i):
+            if kind == "start":
+                assert slot not in held
+                held.add(slot)
+            else:
+                held.discard(slot)  # a retired slot; releasing a free one changes nothing
+        assert not held  # every slot released in the end
 
 
 @pytest.mark.parametrize(
@@ -214,7 +251,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
     k = 0 if mode == "off" else 3
     runner = FakeRunner(blocks, 4, 4, k, rng, recurrent=hybrid, head=mode == "head",
                         draft=mode == "device-draft", lookup=mode == "device-ngram")  # fmt: skip
-    engine = DenseEngine(cfg, runner, blocks)
+    engine = StepEngine(cfg, runner, blocks)
     runner.slots = engine.slots
     assert engine.refeed == hybrid
     draft = None
@@ -236,6 +273,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
         pol.observe_step = lambda seconds: None  # keep it proposing whatever the host takes
         engine.enable_speculation(Speculator(proposer, pol, mode))
     sched = Scheduler(engine)
+    owners, events = engine.owners, record_owners(engine)
     retire, early = engine.retire, []
 
     def retire_counting(slot):  # retired while a step that computes for it is still in flight
@@ -274,6 +312,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
         assert engine.spec.accepted > 0 and max(engine.spec.accept_lengths) >= 2
     if draft is not None:
         assert draft.pool.available == draft.pool.capacity and not draft.seq
+    check_owner_events(owners, events, admitted=len(reqs))  # cancels pick running requests
     for r in reqs:  # tokens after the one that ends a request are never delivered
         assert r.done and r.finish_reason in ("stop", "length", "cancelled"), r.finish_reason
         assert len(r.output_ids) <= r.sampling.max_tokens

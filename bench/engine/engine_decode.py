@@ -1,6 +1,6 @@
 """Offline engine decode throughput at C concurrent sequences, against the HBM roofline.
 
-Drives the real scheduler and DenseEngine (no HTTP): C requests with `--ctx`-token prompts are
+Drives the real scheduler and StepEngine (no HTTP): C requests with `--ctx`-token prompts are
 prefilled, then `--steps` decode steps are timed. The copy bandwidth measured in the same run
 gives the roofline: bytes a decode step must move (all weights + every row's KV) / bandwidth.
 

@@ -1,4 +1,5 @@
-"""DenseEngine: the model-specific half behind the scheduler (the SeqEngine of seq_engine.py).
+"""StepEngine: the half behind the scheduler that runs packed steps of any model family (the
+SeqEngine of seq_engine.py).
 
 The scheduler speaks only in slots and token counts; an engine owns slots (slots.SlotTable),
 KV blocks (kv_pool.KVPool) and the device (a Runner). A slot id is stable for a request's
@@ -38,6 +39,7 @@ from ..step_format import (
 )
 from .kv_pool import KVPool
 from .seq_engine import AdmitResult, StepFailed, StepLimits, StepPlan, StepResult, TokenOut
+from .slot_owner import Admission, SlotOutputs, SlotOwner
 from .slots import SlotTable
 
 log = logging.getLogger(__name__)
@@ -55,8 +57,9 @@ class _Launched:
     failed: BaseException | None = None  # its sampling's launch raised (at a later dispatch)
 
 
-class DenseEngine:
-    """SeqEngine over a Runner; reserves prompt + max_tokens at admission.
+class StepEngine:
+    """SeqEngine over a Runner, for any model family (models/family.py); reserves prompt +
+    max_tokens at admission and starts the slot in each of its owners (host/slot_owner.py).
 
     Reserving the worst case means a decoding slot never runs out of blocks, so there is no
     preemption: a request waits in the queue until its whole reservation fits.
@@ -85,11 +88,11 @@ class DenseEngine:
             prefix_cache=config.prefix_cache,
         )
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
-        self._outputs: dict[int, list[int]] = {}  # slot -> tokens collected for it
-        # A slot state rolled back by feeding again (models/family.py's "refeed") stays before a
-        # verify row's proposals: those it accepted are fed again at the start of its next row.
-        self._lag = np.zeros(self.slot_count, np.int32)
         self.slots = SlotTable(self.slot_count, config.seed)
+        # A slot state rolled back by feeding again (models/family.py's "refeed") stays before a
+        # verify row's proposals: those it accepted are fed again at the start of its next row
+        # (outputs.lag).
+        self.outputs = SlotOutputs(self.slot_count)
         # The step token budget counts decode rows too (as vLLM's max_num_batched_tokens).
         # One row width per token bucket, S(T) = min(T, slots): a decode-only step of C rows
         # pads to the next power of two and no further, and the buckets to compile are few.
@@ -167,18 +170,20 @@ class DenseEngine:
         cached = len(shared) * self.block_size
         self.prefix_queries += len(prompt)
         self.prefix_hits += cached
-        self.slots.claim(slot, prompt, sampling, cached)
-        if sampling.json_schema is not None:
-            self.grammars.start(slot, sampling)
-        self._outputs[slot] = []
-        self._lag[slot] = 0
-        if self.spec is not None:
-            self.spec.start(slot, list(prompt), need)
+        req = Admission(list(prompt), sampling, cached, need)
+        for owner in self.owners:
+            owner.start(slot, req)
         return AdmitResult("admitted", slot, cached_tokens=cached)
+
+    @property
+    def owners(self) -> list[SlotOwner]:
+        """Every owner of per-slot host state (host/slot_owner.py), in the order a slot starts;
+        the grammars and speculation once the builder has set them."""
+        return [self.slots, self.outputs, *(x for x in (self.grammars, self.spec) if x is not None)]
 
     def step_limits(self, num_decode_rows: int) -> StepLimits:
         c = self.config
-        room = self.token_buckets[-1] - num_decode_rows - int(self._lag.sum())
+        room = self.token_buckets[-1] - num_decode_rows - int(self.outputs.lag.sum())
         return StepLimits(
             max_prefill_seqs=c.max_concurrent_prefills,
             max_prefill_tokens_per_seq=c.prefill_chunk,
@@ -197,7 +202,7 @@ class DenseEngine:
         t0 = time.perf_counter()
         sl = self.slots
         dec = np.asarray(plan.decode, np.int32)
-        lag = self._lag[dec]
+        lag = self.outputs.lag[dec]
         # Slots whose step in flight may keep proposals the host has not counted: their rows
         # are lowered where the host knows they start, and the device moves them on
         # (sampling.catch_up); their blocks and proposals leave room for the largest move.
@@ -211,7 +216,7 @@ class DenseEngine:
         if props is None and n_draft.any():  # the device's proposals: markers, made at once
             tokens = marker_rows(n_draft)
         elif props is not None and (n_draft.any() or lag.any()):
-            out = self._outputs
+            out = self.outputs.tokens
             tokens = np.concatenate(
                 [
                     np.asarray([*out[s][len(out[s]) - 1 - n : -1], FROM_DEVICE, *p], np.int32)
@@ -330,11 +335,11 @@ class DenseEngine:
                 for j in range(first, first + kept + 1)
             ]
             sl.generated[slot] += kept
-            self._outputs[slot].extend(t.token for t in result.tokens[slot])
+            self.outputs.tokens[slot].extend(t.token for t in result.tokens[slot])
             if self.grammars is not None:
                 self.grammars.accept(slot, [t.token for t in result.tokens[slot]])
             if self.refeed:
-                self._lag[slot] = kept
+                self.outputs.lag[slot] = kept
             if self.spec is not None:
                 n_draft = int(rows.n_draft[i])
                 self.spec.record(slot, n_draft, kept, [t.token for t in result.tokens[slot]])
@@ -382,19 +387,14 @@ class DenseEngine:
         step's KV writes for it stay inside blocks it held, and every step launched later runs
         after them on the device, so a new tenant of those blocks overwrites them before it
         reads them."""
-        if self.slots.live(slot):
+        if self.slots.live(slot) and self.pool.cache is not None:
             # Output blocks join the cache too (a chat's next turn repeats this one): every
             # position below kv_len is written by a launched step, and its token is known once
             # collected.
-            out = np.asarray(self._outputs.pop(slot, []), np.int32)
-            if self.pool.cache is not None:
-                seq = np.concatenate([self.slots.prompt[slot], out])
-                written = int(self.slots.kv_len(np.array([slot]))[0])
-                self.pool.cache_blocks(slot, seq, min(written, len(seq)))
-            self.slots.release(slot)
-            self._lag[slot] = 0
+            out = np.asarray(self.outputs.tokens.get(slot, []), np.int32)
+            seq = np.concatenate([self.slots.prompt[slot], out])
+            written = int(self.slots.kv_len(np.array([slot]))[0])
+            self.pool.cache_blocks(slot, seq, min(written, len(seq)))
+        for owner in reversed(self.owners):
+            owner.release(slot)
         self.pool.release(slot)
-        if self.spec is not None:
-            self.spec.drop(slot)
-        if self.grammars is not None:
-            self.grammars.drop(slot)

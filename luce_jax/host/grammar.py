@@ -111,9 +111,13 @@ class Grammars:
             self._compiled[key] = self._compiler.compile_grammar(g)
         return self._compiled[key]
 
-    def start(self, slot: int, sampling) -> None:
-        """Constrain `slot` (just claimed) by a SamplingParams' json_schema (and its prefix
-        and suffix). Raises ValueError as compile does."""
+    def start(self, slot: int, req) -> None:
+        """Constrain `slot` (just claimed) by its request's json_schema (and its prefix and
+        suffix), if it has one (req: host/slot_owner.Admission). Raises ValueError as compile
+        does."""
+        sampling = req.sampling
+        if sampling.json_schema is None:
+            return
         g = self.compile(sampling.json_schema, sampling.json_prefix, sampling.json_suffix)
         self._matchers[slot] = _xgrammar().GrammarMatcher(g)
 
@@ -169,5 +173,5 @@ class Grammars:
             if not m.accept_token(t):
                 log.warning("slot %d: token %d outside its grammar", slot, t)
 
-    def drop(self, slot: int) -> None:
+    def release(self, slot: int) -> None:
         self._matchers.pop(slot, None)

@@ -1,5 +1,5 @@
 """SeqEngine: the interface the scheduler speaks to an engine, in slots and token counts, and
-the dataclasses that cross it (host/engine.py's DenseEngine implements it)."""
+the dataclasses that cross it (host/engine.py's StepEngine implements it)."""
 
 from __future__ import annotations
 

@@ -87,8 +87,15 @@ class SlotTable:
         self.floats[:, slot], self.top_k[slot] = floats[:, 0], top_k[0]
         self.logprobs[slot] = sp.logprobs is not None
 
+    def start(self, slot: int, req) -> None:
+        """claim for an admitted request (host/slot_owner.Admission)."""
+        self.claim(slot, req.prompt, req.sampling, req.cached)
+
     def release(self, slot: int) -> None:
-        """Free the slot; rows of steps still in flight for it become stale."""
+        """Free the slot; rows of steps still in flight for it become stale. A free slot stays
+        as it is."""
+        if self.prompt[slot] is None:
+            return
         self.prompt[slot] = None
         self.epoch[slot] += 1
 

@@ -21,7 +21,7 @@ def enable_speculation(config, engine, draft, runner_for, pairs, clock) -> None:
     """Build the engine's Speculator and enable it.
 
     Args:
-      config: the EngineConfig (spec_mode not off); engine: the warmed DenseEngine.
+      config: the EngineConfig (spec_mode not off); engine: the warmed StepEngine.
       draft: (ModelConfig, params) of a draft model run on the host (hybrid targets), else
         None (no draft, or one inside the target's step).
       runner_for: (runner class, model config, params, **kw) -> a runner on the engine's pool.

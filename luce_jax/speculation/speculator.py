@@ -46,11 +46,12 @@ class Speculator:
         self.last: dict[int, tuple[int, int]] = {}  # slot -> (proposed, accepted), last step
         self.proposing = False  # the last step verified proposals
 
-    def start(self, slot: int, prompt: list[int], max_len: int) -> None:
-        self.proposer.start(slot, prompt, max_len)
+    def start(self, slot: int, req) -> None:
+        """A request admitted to `slot` (host/slot_owner.Admission)."""
+        self.proposer.start(slot, req.prompt, req.need)
         self.policy.start(slot)
 
-    def drop(self, slot: int) -> None:
+    def release(self, slot: int) -> None:
         self.proposer.drop(slot)
         self.policy.drop(slot)
 
