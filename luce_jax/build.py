@@ -3,12 +3,14 @@ its scheduler and the engine thread (`start_engine`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .config import DEFAULT_MODEL, FLOAT_CACHE_TYPES, EngineConfig
 from .startup import StartupClock
+from .step_format import GroupShape
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +72,18 @@ def _load(config: EngineConfig, clock: StartupClock):
         mc, shapes = abstract_params(f, file_cfg, config.dtype, quantized)
     config = fit_to_model(config, mc)
     family = family_of(mc)
-    if not family.prefix_cacheable:
+    groups = kv_cache_types(config, mc)[1]
+    if not family.prefix_cacheable or not all(g.shareable for g in groups):
         config = prefix_cache_off(config, family)
-    per_token = kv_cache_types(config, mc)[1]
     draft = None
     if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
         with clock.phase("draft weights"):
             draft = _load_draft(config, vocab, quantized)
-        per_token += kv_cache_types(config, draft[0])[1]
+        # its caches are on the first group's block ids (device/draft_model.py)
+        extra = sum(g.bytes_per_token for g in kv_cache_types(config, draft[0])[1])
+        groups[0] = dataclasses.replace(
+            groups[0], bytes_per_token=groups[0].bytes_per_token + extra
+        )
     head = None
     if config.spec_mode == "head":
         if "head" not in family.device_proposers:
@@ -89,26 +95,25 @@ def _load(config: EngineConfig, clock: StartupClock):
 
         head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
     weights = weight_bytes(shapes) + (weight_bytes(draft[1]) if draft else 0)
-    num_blocks = kv_pool_blocks(
-        config, jax.devices()[0], per_token, state_bytes(mc, config), weights
-    )
+    spaces = kv_spaces(config, groups, jax.devices()[0], state_bytes(mc, config), weights)
     # started after the pool is sized: a load in progress would move the allocator's figures
     loading = _in_background(load_params, f, file_cfg, config.dtype, quantized)
-    log.info(
-        "KV pool: %d blocks of %d tokens (%.2f GiB)",
-        num_blocks - 1,
-        config.kv_block_size,
-        num_blocks * config.kv_block_size * per_token / 2**30,
-    )
+    for g, s in zip(groups, spaces, strict=True):
+        per_block = s.block_size * s.tokens_per_entry
+        log.info(
+            "KV pool, %s group: %d blocks of %d tokens (%.2f GiB)",
+            g.kind,
+            s.num_blocks - 1,
+            per_block,
+            s.num_blocks * per_block * g.bytes_per_token / 2**30,
+        )
 
     def runner_for(cls, model_cfg, model_params, **kw):
         return cls(
             model_cfg,
             model_params,
-            num_blocks,
-            config.kv_block_size,
+            spaces,
             config.max_concurrency,
-            config.max_blocks_per_seq,
             kv_cache_types(config, model_cfg)[0],
             kernels(config, model_cfg),
             **kw,
@@ -131,7 +136,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         head=head, draft=on_device, head_lookup=config.head_lookup,
         ngram=config.spec_mode == "ngram" and "ngram" in family.device_proposers,
     )  # fmt: skip
-    engine = StepEngine(config, runner, num_blocks)
+    engine = StepEngine(config, runner)
     # structured output: xgrammar loads on the first request that asks for it
     engine.grammars = Grammars(tokenizer.token_bytes, tokenizer.eog_ids, mc.vocab_size)
     pairs = engine.bucket_pairs()
@@ -215,7 +220,8 @@ def keep_quantized(dtype: str, f, device) -> bool:
 
 
 def kv_cache_types(config: EngineConfig, mc):
-    """The runner's (k, v) cache types and the KV bytes one token takes over all layers.
+    """The runner's (k, v) cache types and the family's cache groups (models.family.CacheGroup,
+    each with the KV bytes one token takes over its layers).
 
     Float types become dtypes; q8_0 / q4_0 stay names (pallas_kernels/kv_cache.py) and count their
     scales, so kv_pool_tokens=0 fits about 1.9x (q8_0) or 3.6x (q4_0) the bf16 tokens.
@@ -235,10 +241,7 @@ def kv_cache_types(config: EngineConfig, mc):
 
     types = tuple(jnp.dtype(FLOAT_CACHE_TYPES[n]) if n in FLOAT_CACHE_TYPES else n for n in names)
     per_entry = mc.kv_size * sum(kv_cache.bytes_per_value(t) for t in types)  # one layer's
-    groups = family_of(mc).cache_groups(mc, per_entry)
-    # the pool holds one full-attention block space: no family declares groups of other kinds
-    assert [g.kind for g in groups] == ["full"], groups
-    return types, sum(g.bytes_per_token for g in groups)
+    return types, family_of(mc).cache_groups(mc, per_entry)
 
 
 def state_bytes(mc, config: EngineConfig) -> int:
@@ -256,10 +259,11 @@ def state_bytes(mc, config: EngineConfig) -> int:
 
 
 def prefix_cache_off(config: EngineConfig, family) -> EngineConfig:
-    """The prefix cache shares KV blocks only: a family whose slots hold other state after
-    their blocks (a recurrent state, say) is served without it."""
+    """The prefix cache shares full KV blocks only: a family whose slots hold other state after
+    their blocks (a recurrent state, say), or whose caches keep only a window or compressed
+    entries, is served without it."""
     if config.prefix_cache:
-        log.info("prefix cache off: the %s family's per-slot state is not cached", family.name)
+        log.info("prefix cache off: the %s family's caches cannot be shared", family.name)
     return config.replace(prefix_cache=False)
 
 
@@ -280,19 +284,34 @@ def fit_to_model(config: EngineConfig, mc) -> EngineConfig:
     return config.replace(max_ctx=mc.context_length)
 
 
-def kv_pool_blocks(
-    c: EngineConfig, device, bytes_per_token: int, reserved: int = 0, weights: int = 0
-) -> int:
-    """Blocks in the pool, the sink included: kv_pool_tokens, or what device memory holds
-    after the workspace, `reserved` bytes (per-slot state allocated later) and what is in use.
+def kv_spaces(
+    c: EngineConfig, groups, device, reserved: int = 0, weights: int = 0
+) -> list[GroupShape]:
+    """Each cache group's block space (the sink block included): room for kv_pool_tokens tokens,
+    or for what device memory holds after the workspace, `reserved` bytes (per-slot state
+    allocated later) and what is in use. A sliding-window group needs no more than a window's
+    blocks per slot (GroupShape.cap), whatever the others hold.
 
     In use is `weights` + ALLOCATOR_SLACK, the same on every start, so a restart builds the
     same programs and hits the compile cache; only where the allocator holds more than that
     does its bytes_in_use count, rounded up to a GiB (and a warning says so).
+
+    Args: groups: the family's models.family.CacheGroup list (build.cache_groups).
     """
-    P = c.kv_block_size
+    shapes = []
+    for g in groups:
+        P = g.block_size or c.kv_block_size
+        s = GroupShape(0, P, 0, g.tokens_per_entry, g.window)
+        shapes.append(dataclasses.replace(s, max_blocks=s.blocks_for(c.max_ctx)))
+    windowed = [s.window > 0 for s in shapes]
+    # what one block of each group costs, and the fixed cost of the windowed groups
+    block_bytes = [s.block_size * s.tokens_per_entry * g.bytes_per_token
+                   for g, s in zip(groups, shapes, strict=True)]  # fmt: skip
+    fixed = [c.max_concurrency * s.cap(c.max_ctx, c.step_span) if w else 0
+             for s, w in zip(shapes, windowed, strict=True)]  # fmt: skip
+    per_token = sum(g.bytes_per_token for g, w in zip(groups, windowed, strict=True) if not w)
     if c.kv_pool_tokens:
-        blocks = -(-c.kv_pool_tokens // P)
+        tokens, whole = c.kv_pool_tokens, False
     else:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if stats and "bytes_limit" in stats:
@@ -302,15 +321,23 @@ def kv_pool_blocks(
                 log.warning("%.1f GiB in use besides the weights: the KV pool's size may differ "
                             "between starts", (in_use - weights) / 2**30)  # fmt: skip
             free = stats["bytes_limit"] * (1 - WORKSPACE_FRACTION) - in_use - reserved
-            blocks = int(free // (bytes_per_token * P))
+            free -= sum(f * b for f, b in zip(fixed, block_bytes, strict=True))
+            tokens, whole = (int(free // per_token) if per_token else c.max_ctx), True
         else:  # no allocator statistics (CPU): room for every slot at full context
-            blocks = c.max_concurrency * c.max_blocks_per_seq
-    if blocks < c.max_blocks_per_seq:
+            tokens, whole = c.max_concurrency * c.max_ctx, False
+    if tokens < c.max_ctx:
         raise ValueError(
-            f"kv_pool_tokens: the KV pool holds {blocks * P} tokens, less than one "
+            f"kv_pool_tokens: the KV pool holds {max(tokens, 0)} tokens, less than one "
             f"max_ctx={c.max_ctx} sequence; lower max_ctx or free device memory"
         )
-    return blocks + 1
+    out = []
+    for s, f in zip(shapes, fixed, strict=True):
+        # from memory: whole blocks that fit; asked for: blocks that hold them all
+        blocks = f or (
+            tokens // (s.block_size * s.tokens_per_entry) if whole else s.blocks_for(tokens)
+        )
+        out.append(dataclasses.replace(s, num_blocks=blocks + 1))
+    return out
 
 
 class EngineHandle:

@@ -262,3 +262,12 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_ctx // self.kv_block_size)
+
+    @property
+    def step_span(self) -> int:
+        """The most positions one step claims for a slot past the first it queries: a prompt
+        slice, or a verify row (accepted proposals fed again, the token, K proposals, K more
+        where the device may move the row on), then a device draft's K writes ahead
+        (host/engine.py's dispatch). A sliding-window cache group holds its window plus this."""
+        k = self.draft_tokens if self.spec_mode != "off" else 0
+        return max(self.prefill_chunk, 3 * k + 1) + k

@@ -87,6 +87,41 @@ class Rows:
         return len(self.slots) + int(self.n_draft.sum())
 
 
+@dataclass(frozen=True)
+class GroupShape:
+    """One KV cache group's block space, as the host's pool hands it out and the device's
+    caches hold it: `num_blocks` blocks (the sink included) of `block_size` entries, a table of
+    `max_blocks` blocks per slot; an entry stands for `tokens_per_entry` tokens; a group with a
+    `window` keeps only the entries of a sequence's last `window` tokens (a table's blocks
+    behind it are the sink)."""
+
+    num_blocks: int
+    block_size: int
+    max_blocks: int
+    tokens_per_entry: int = 1
+    window: int = 0
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that cover `tokens` tokens' entries (a partial entry counts)."""
+        entries = -(-tokens // self.tokens_per_entry)
+        return -(-entries // self.block_size)
+
+    def cap(self, tokens: int, span: int) -> int:
+        """The most blocks a slot of `tokens` tokens holds at once: all of them, or in a window
+        the blocks from its step's first visible position to its last claimed one, where a
+        step claims at most `span` positions past the first it queries."""
+        full = self.blocks_for(tokens)
+        if not self.window:
+            return full
+        return min(full, -(-(self.window + span) // (self.block_size * self.tokens_per_entry)) + 1)
+
+
+def group_keys(g: int) -> tuple[str, str]:
+    """The batch keys of cache group g's block tables and write indices: group 0's are
+    "block_tables" and "write_idx", the others' carry the group's index."""
+    return ("block_tables", "write_idx") if g == 0 else (f"block_tables_{g}", f"write_idx_{g}")
+
+
 SMALLEST_TOKEN_BUCKET = 8  # a step's token axis is padded to at least this many rows
 
 
@@ -112,6 +147,7 @@ def lower(
     t_bucket: int,
     s_bucket: int,
     r_bucket: int | None = None,
+    groups: tuple = (),
 ) -> dict[str, np.ndarray]:
     """Pack rows into the arrays models.dense.forward takes (vectorized over rows).
 
@@ -120,6 +156,10 @@ def lower(
       tables: int32 [slots, MB] block table of every slot (sink-padded), indexed by slot;
         each row's table must already cover start + len(tokens).
       r_bucket: logits rows R (default s_bucket); a sampling row takes 1 + draft of them.
+      groups: (tables, GroupShape) of every cache group after the first (whose tables and
+        block_size are the arguments above): each adds its block_tables_g [S, MB_g] and
+        write_idx_g [T] (the entry slot a token's position falls in: tokens_per_entry tokens
+        share one; the family decides which of them writes).
     Padding tokens write the sink block at position 0 and belong to the last segment; padding
     segments have kv length 0 and an all-sink block table, so whatever they gather is block 0.
     Returns:
@@ -164,7 +204,7 @@ def lower(
     l_seg = np.repeat(np.arange(n, dtype=np.int32), width)
     l_off = np.arange(n_logits, dtype=np.int32) - l_start[l_seg]
     l_tok = cu[1 : n + 1][l_seg] - 1 - n_draft[l_seg] + l_off
-    return {
+    out = {
         "tokens": padded(rows.tokens, t_bucket, 0),
         "positions": padded(pos, t_bucket, 0),
         "seg_ids": padded(seg, t_bucket, s_bucket - 1),
@@ -180,13 +220,27 @@ def lower(
         "logit_seg": padded(l_seg, R, s_bucket - 1),
         "logit_off": padded(l_off, R, -1),  # -1: a padding logits row
     }
+    for g, (tab, shape) in enumerate(groups, 1):
+        Pg, entry = shape.block_size, pos // shape.tokens_per_entry
+        bt_g = np.full((s_bucket, tab.shape[1]), SINK_BLOCK, np.int32)
+        bt_g[:n] = tab[slots]
+        k_tab, k_write = group_keys(g)
+        out[k_tab] = bt_g
+        out[k_write] = padded(bt_g[seg, entry // Pg] * Pg + entry % Pg, t_bucket, SINK_BLOCK * Pg)
+    return out
 
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
 
-def step_layout(T: int, S: int, R: int, MB: int) -> Layout:
-    """Names and shapes of the step's int32 inputs, packed into one buffer (one transfer)."""
+def step_layout(T: int, S: int, R: int, MB: int, group_blocks: tuple[int, ...] = ()) -> Layout:
+    """Names and shapes of the step's int32 inputs, packed into one buffer (one transfer);
+    group_blocks: MB of every cache group after the first."""
+    extra = [
+        (key, shape)
+        for g, mb in enumerate(group_blocks, 1)
+        for key, shape in zip(group_keys(g), ((S, mb), (T,)), strict=True)
+    ]
     return [
         ("tokens", (T,)),
         ("positions", (T,)),
@@ -196,6 +250,7 @@ def step_layout(T: int, S: int, R: int, MB: int) -> Layout:
         ("kv_lens", (S,)),
         ("cu_q_lens", (S + 1,)),
         ("logit_rows", (R,)),
+        *extra,
         *sample_layout(S, R),
     ]
 

@@ -7,6 +7,7 @@ from collections import deque
 from luce_jax.host.kv_pool import KVPool
 from luce_jax.host.seq_engine import AdmitResult, StepFailed, StepLimits, StepResult, TokenOut
 from luce_jax.host.slots import SlotTable
+from luce_jax.step_format import GroupShape
 
 
 class FakeEngine:
@@ -26,7 +27,7 @@ class FakeEngine:
     ):
         self.slot_count, self.max_context, self.block_size = slots, max_context, block_size
         self.slots = SlotTable(slots)
-        self.pool = KVPool(blocks + 1, block_size)
+        self.pool = KVPool([GroupShape(blocks + 1, block_size, -(-max_context // block_size))])
         self.chunk, self.budget, self.max_prefills = chunk, budget, max_prefills
         self.plans = []
         self.fail_on = fail_on  # callable(plan) -> bool: raise in dispatch
@@ -41,7 +42,7 @@ class FakeEngine:
 
     def admit(self, request_id, prompt, sampling):
         need = len(prompt) + sampling.max_tokens
-        if need > self.max_context or self.pool.blocks_for(need) > self.pool.capacity:
+        if need > self.max_context or not self.pool.fits_ever(need):
             return AdmitResult("failed", error="too long")
         slot = self.slots.lowest_free()
         if slot is None or not self.pool.reserve(slot, need):

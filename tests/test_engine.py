@@ -19,8 +19,9 @@ def loaded(engine_config):
     return load_engine(engine_config)
 
 
-def run_schedule(engine, tok, arrivals, config=None):
-    """arrivals: list of (step index, prompt ids, SamplingParams). Returns token ids per request."""
+def run_schedule(engine, tok, arrivals, config=None, check=None):
+    """arrivals: list of (step index, prompt ids, SamplingParams); check: called after every
+    step. Returns token ids per request."""
     if config is not None:
         engine.config = config
     sched = Scheduler(engine, tok, max_queue=max(256, len(arrivals)))  # arrivals may outpace
@@ -31,6 +32,8 @@ def run_schedule(engine, tok, arrivals, config=None):
         while pending and pending[0][0] <= step:
             sched.add(reqs[pending.pop(0)[1]])
         sched.step()
+        if check is not None:
+            check()
         step += 1
         assert step < 1000
     engine.pool.check()
@@ -191,8 +194,17 @@ def test_max_ctx_is_clamped_to_the_model_context(caplog):
     assert fit_to_model(EngineConfig(max_ctx=1024), mc).max_ctx == 1024
 
 
+def kv_pool_blocks(c, dev, per_token, reserved=0, weights=0):
+    """Blocks (the sink included) of a one-group pool of `per_token` bytes a token."""
+    from luce_jax.build import kv_spaces
+    from luce_jax.models.family import CacheGroup
+
+    (space,) = kv_spaces(c, [CacheGroup("full", 1, per_token)], dev, reserved, weights)
+    assert space.max_blocks == c.max_blocks_per_seq and space.block_size == c.kv_block_size
+    return space.num_blocks
+
+
 def test_kv_pool_sizing():
-    from luce_jax.build import kv_pool_blocks
     from luce_jax.config import EngineConfig
 
     class Dev:
@@ -217,7 +229,7 @@ def test_the_pool_is_the_same_size_on_every_start(caplog):
     """Two starts whose allocators report a few MB more or less in use (as the H200 did) get
     one pool size, so the restart's programs are the ones the compile cache holds; an
     allocator holding far more than the weights is counted, with a warning."""
-    from luce_jax.build import ALLOCATOR_SLACK, kv_pool_blocks
+    from luce_jax.build import ALLOCATOR_SLACK
     from luce_jax.config import EngineConfig
 
     class Dev:

@@ -1,8 +1,9 @@
 """The family seam (models/family.py): a third family, registered here and nowhere else, runs
-through the real runner, engine and scheduler. Its rule reads its paged cache through the
-block tables and a per-slot counter from its slot state, so batching, chunked prefill and
-slot reuse must hand each row its own slot's cache and state, as they do for dense and hybrid
-models."""
+through the real runner, engine and scheduler. Its rule reads two cache groups through their
+block tables (a full one, and a sliding window that keeps the last W tokens in a pool far
+smaller than its sequences) and a per-slot counter from its slot state, so batching, chunked
+prefill, the window's released blocks and slot reuse must hand each row its own slot's cache
+and state, as they do for dense and hybrid models."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from test_engine import prompts, run_schedule
 
+from luce_jax.build import kv_spaces
 from luce_jax.config import EngineConfig, ModelConfig
 from luce_jax.device.runner import Runner
 from luce_jax.host.engine import StepEngine
@@ -18,12 +20,14 @@ from luce_jax.models.family import CacheGroup, Kernels
 from luce_jax.sampling_params import SamplingParams
 
 V = 61  # the toy's vocabulary
+W = 5  # its window
 
 
 class CounterFamily:
-    """Next token = (this token + the slot's tokens so far + the sequence's first token) % V:
-    the count is per-slot state (reset on a slot's first row), the first token is read back
-    from the paged cache (written there by the step that fed it)."""
+    """Next token = (this token + the slot's tokens so far + the sequence's first token + the
+    token W - 1 positions back, 0 before the start) % V: the count is per-slot state (reset on
+    a slot's first row), the first token is read back from the full group's paged cache, the
+    one W - 1 back from the window group's (each written by the step that fed it)."""
 
     name = "counter"
     archs = ("toy-counter",)
@@ -32,38 +36,44 @@ class CounterFamily:
     device_proposers = frozenset()
 
     def cache_groups(self, cfg, kv_bytes_per_entry):
-        return [CacheGroup("full", 1, 4)]
+        return [CacheGroup("full", 1, 4), CacheGroup("sliding", 1, 4, window=W, block_size=4)]
 
-    def init_caches(self, cfg, num_blocks, block_size, k_type, v_type):
-        return jnp.zeros((num_blocks * block_size,), jnp.int32)  # a token id per position
+    def init_caches(self, cfg, spaces, k_type, v_type):
+        # a token id per position of each group
+        return [jnp.zeros((s.num_blocks * s.block_size,), jnp.int32) for s in spaces]
 
     def init_slot_state(self, cfg, max_slots):
         return {"count": jnp.zeros((max_slots,), jnp.int32)}
 
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
-        P = caches.shape[0] // params["blocks"].shape[0]
-        tokens, seg = batch["tokens"], batch["seg_ids"]
-        caches = caches.at[batch["write_idx"]].set(tokens)
+        full, window = caches
+        P = full.shape[0] // params["blocks"].shape[0]
+        Pw = window.shape[0] // params["window_blocks"].shape[0]
+        tokens, seg, pos = batch["tokens"], batch["seg_ids"], batch["positions"]
+        full = full.at[batch["write_idx"]].set(tokens)
+        window = window.at[batch["write_idx_1"]].set(tokens)
         slots, cu = batch["slots"], batch["cu_q_lens"]
         before = jnp.where(batch["fresh"] == 1, 0, slot_state["count"][jnp.maximum(slots, 0)])
         count = before + (cu[1:] - cu[:-1])  # [S] tokens the slot has had, this row's too
-        first = caches[batch["block_tables"][:, 0] * P]  # [S] each sequence's first token
+        first = full[batch["block_tables"][:, 0] * P]  # [S] each sequence's first token
         rows = batch["logit_rows"]
-        nxt = (tokens[rows] + count[seg[rows]] + first[seg[rows]]) % cfg.vocab_size
+        q = pos[rows] - (W - 1)  # [R] the position W - 1 back: inside the window
+        blk = batch["block_tables_1"][seg[rows], jnp.maximum(q, 0) // Pw]
+        back = jnp.where(q >= 0, window[blk * Pw + jnp.maximum(q, 0) % Pw], 0)
+        nxt = (tokens[rows] + count[seg[rows]] + first[seg[rows]] + back) % cfg.vocab_size
         logits = jnp.where(jnp.arange(cfg.vocab_size) == nxt[:, None], 10.0, 0.0)
         oob = slot_state["count"].shape[0]  # padding rows write nowhere
         state = {"count": slot_state["count"].at[jnp.where(slots < 0, oob, slots)].set(
             count, mode="drop")}  # fmt: skip
-        return logits, caches, state, {}
+        return logits, [full, window], state, {}
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
-    out, last, count = [], prompt[-1], len(prompt)
+    seq = list(prompt)
     for _ in range(n):
-        last = (last + count + prompt[0]) % V
-        out.append(last)
-        count += 1
-    return out
+        back = seq[len(seq) - W] if len(seq) >= W else 0
+        seq.append((seq[-1] + len(seq) + seq[0] + back) % V)
+    return seq[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +83,19 @@ def engine():
                       n_kv_heads=1, head_dim=8, ffn_dim=8)  # fmt: skip
     config = EngineConfig(max_concurrency=4, max_ctx=128, kv_block_size=16, prefill_chunk=16,
                           prefill_token_budget=16, prefix_cache=False)  # fmt: skip
-    blocks = 1 + 4 * config.max_blocks_per_seq
-    params = {"blocks": jnp.zeros((blocks,), jnp.int32)}  # its one "weight": the pool's size
-    runner = Runner(cfg, params, blocks, config.kv_block_size, config.max_concurrency,
-                    config.max_blocks_per_seq, (jnp.int32, jnp.int32))  # fmt: skip
-    eng = StepEngine(config, runner, blocks)
+    groups = family.family_of(cfg).cache_groups(cfg, 4)
+    spaces = kv_spaces(config, groups, jax.devices()[0])  # on CPU: every slot at full context
+    full, window = spaces
+    assert full.num_blocks == 1 + 4 * config.max_blocks_per_seq
+    # the window's pool holds a window (and a step) per slot, far less than its sequences need
+    assert window.num_blocks == 1 + 4 * (-(-(W + config.prefill_chunk) // 4) + 1) < full.num_blocks
+    # its "weights": the pools' sizes
+    params = {
+        "blocks": jnp.zeros((full.num_blocks,)),
+        "window_blocks": jnp.zeros((window.num_blocks,)),
+    }
+    runner = Runner(cfg, params, spaces, config.max_concurrency, (jnp.int32, jnp.int32))
+    eng = StepEngine(config, runner)
     runner.warmup(eng.bucket_pairs())
     return eng
 
@@ -89,7 +107,8 @@ def test_a_family_registered_outside_the_package_is_served_batched_as_alone(engi
     compiles = engine.runner.compiles
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ps = [[t % V for t in p] for p in prompts(8)]
-    got, _ = run_schedule(engine, None, [(i // 2, p, sp) for i, p in enumerate(ps)])
+    got, _ = run_schedule(engine, None, [(i // 2, p, sp) for i, p in enumerate(ps)],
+                          check=engine.pool.check)  # fmt: skip
     assert got == [expected(p, 6) for p in ps]
     assert engine.runner.compiles == compiles
     assert not any(map(engine.slots.live, range(engine.slot_count)))

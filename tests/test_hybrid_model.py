@@ -437,10 +437,9 @@ def test_the_pool_is_sized_for_attention_layers_and_the_state_is_reserved(engine
     config, _, eng = engine
     mc = eng.runner.cfg
     resolved = config.resolved("cpu")
-    per_token = kv_cache_types(resolved, mc)[1]
-    assert (
-        per_token == hybrid.attention_layers(mc) * mc.kv_size * 2 * 4
-    )  # f32 K and V, 1 layer of 4
+    (group,) = kv_cache_types(resolved, mc)[1]
+    assert group.kind == "full" and group.layers == hybrid.attention_layers(mc) == 1
+    assert group.bytes_per_token == hybrid.attention_layers(mc) * mc.kv_size * 2 * 4  # f32 K, V
     held = sum(x.nbytes for x in jax.tree.leaves(eng.runner.state["model"]))
     assert state_bytes(mc, resolved) == held > 0
     assert len(eng.runner.kv) == hybrid.attention_layers(mc) == 1

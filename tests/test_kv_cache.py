@@ -57,7 +57,9 @@ def test_pool_accounts_for_the_cache_type():
     mc = ModelConfig("qwen3", 100, 64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=96)
     per = {}
     for t in ("f32", "bf16", "q8_0", "q4_0"):
-        types, per[t] = kv_cache_types(EngineConfig(cache_type_k=t, cache_type_v=t), mc)
+        types, (group,) = kv_cache_types(EngineConfig(cache_type_k=t, cache_type_v=t), mc)
+        per[t] = group.bytes_per_token
+        assert (group.kind, group.layers) == ("full", 2)
         assert types[0] == (
             t if t.startswith("q") else jnp.dtype({"f32": "float32", "bf16": "bfloat16"}[t])
         )
@@ -68,8 +70,8 @@ def test_pool_accounts_for_the_cache_type():
         "q8_0": values * 34 / 32,
         "q4_0": values * 18 / 32,
     }
-    _, mixed = kv_cache_types(EngineConfig(cache_type_k="q8_0", cache_type_v="bf16"), mc)
-    assert mixed == values / 2 * (34 / 32 + 2)
+    _, (mixed,) = kv_cache_types(EngineConfig(cache_type_k="q8_0", cache_type_v="bf16"), mc)
+    assert mixed.bytes_per_token == values / 2 * (34 / 32 + 2)
 
 
 def test_quantized_kv_needs_a_head_dim_divisible_by_32():

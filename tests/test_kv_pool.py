@@ -1,203 +1,174 @@
-"""KV block pool: sink block, lowest-first reuse, atomic reservation, growth, release."""
+"""The KV pool over several cache groups (host/kv_pool.py): block spaces of different block
+sizes and kinds, reserved all or nothing, a sliding window's blocks released behind it and
+reused, compressed entries, prefix sharing in whole blocks of every group, and the sizing of
+each group's space (build.kv_spaces)."""
+
+import random
 
 import numpy as np
 import pytest
 
+from luce_jax.build import kv_spaces
+from luce_jax.config import EngineConfig
 from luce_jax.host.kv_pool import KVPool
+from luce_jax.models.family import CacheGroup
+from luce_jax.step_format import SINK_BLOCK, GroupShape, Row, lower
+
+FULL = GroupShape(num_blocks=13, block_size=4, max_blocks=16)  # 12 usable blocks of 4 tokens
+WINDOW = GroupShape(num_blocks=9, block_size=2, max_blocks=32, window=4)  # 8 blocks of 2
 
 
-def test_sink_is_never_handed_out_and_lowest_blocks_come_first():
-    pool = KVPool(8, 4)
-    assert pool.capacity == 7
-    assert pool.reserve(0, 12)
-    assert pool.ensure(0, 12) == [1, 2, 3]
+def test_a_request_is_reserved_in_every_group_or_in_none():
+    """The window's group caps a slot at a window plus a step of blocks: with span 4, (4 + 4) / 2
+    + 1 = 5 blocks, however long the sequence. A second slot of 12 tokens fits the full group
+    (3 of its 7 free blocks) but not the window's (5 of 3), so it holds nothing anywhere."""
+    pool = KVPool([FULL, WINDOW], max_slots=3, span=4)
+    assert pool.groups[1].cap(40) == 5 and pool.groups[0].cap(40) == 10
+    assert pool.fits_ever(48) and not pool.fits_ever(49)  # 13 blocks > 12
+    assert pool.reserve(0, 20)  # full: 5 blocks, window: 5
+    before = [g.available for g in pool.groups]
+    assert before == [7, 3]
+    assert not pool.reserve(1, 12)  # full: 3 fit; window: min(6, 5) = 5 > 3
+    assert [g.available for g in pool.groups] == before and 1 not in pool.groups[0].tables
     pool.check()
-
-
-def test_reservation_is_all_or_nothing_and_counts_against_others():
-    pool = KVPool(5, 4)  # 4 usable blocks
-    assert pool.reserve(0, 10)  # 3 blocks promised, none claimed yet
-    assert pool.available == 1 and pool.used == 0
-    assert not pool.reserve(1, 5)  # needs 2
-    assert 1 not in pool.tables
-    assert pool.reserve(1, 4)
-    assert pool.available == 0
+    assert pool.reserve(1, 4)  # window: 2 blocks
     pool.check()
-
-
-def test_growth_one_block_at_a_time_within_the_reservation():
-    pool = KVPool(10, 4)
-    pool.reserve(0, 9)
-    assert len(pool.ensure(0, 1)) == 1
-    assert len(pool.ensure(0, 4)) == 1
-    assert len(pool.ensure(0, 5)) == 2
-    assert len(pool.ensure(0, 9)) == 3
-    with pytest.raises(RuntimeError, match="reserved"):
-        pool.ensure(0, 13)
-
-
-def test_release_returns_blocks_and_reservation_and_is_idempotent():
-    pool = KVPool(10, 4)
-    pool.reserve(0, 20)
-    pool.ensure(0, 8)
-    pool.reserve(1, 4)
-    pool.ensure(1, 4)
     pool.release(0)
-    pool.release(0)
-    assert pool.available == pool.capacity - 1
-    pool.reserve(2, 4)
-    assert pool.ensure(2, 1) == [1]  # freed low block reused first
-    pool.check()
-
-
-def test_too_small_pool_is_an_error():
-    with pytest.raises(ValueError, match="num_blocks"):
-        KVPool(1, 16)
-
-
-# -- prefix cache ---------------------------------------------------------------------------
-
-
-def share(pool, slot, prompt, tokens=None):
-    """Admit `prompt` as the engine does: match, reserve, then claim and cache what the
-    prefill writes. Returns the number of shared blocks (None: it did not fit)."""
-    shared = pool.match(prompt)
-    if not pool.reserve(slot, tokens or len(prompt) + 4, shared):
-        return None
-    pool.ensure(slot, len(prompt))
-    pool.cache_blocks(slot, prompt, len(prompt))
-    return len(shared)
-
-
-def test_a_prompt_shares_the_full_blocks_an_earlier_one_wrote_and_never_its_last_token():
-    pool = KVPool(32, 4, prefix_cache=True)
-    a = list(range(10))  # blocks [0-3] [4-7], and 2 tokens of a third
-    assert share(pool, 0, a) == 0
-    assert share(pool, 1, a + [99]) == 2  # both full blocks, then its own
-    assert pool.tables[1][:2] == pool.tables[0][:2] and pool.tables[1][2] != pool.tables[0][2]
-    assert share(pool, 2, a[:8]) == 1  # all 8 tokens cached, but token 8's logits are needed
-    assert share(pool, 3, [0, 1, 2, 3, 4, 5, 7, 6, 1]) == 1  # diverging mid-block: own block
-    assert share(pool, 4, [1] + a) == 0  # the same tokens at other positions share nothing
-    assert share(pool, 5, a[4:8] + a[4:8] + [1]) == 0  # a block is keyed by all before it
-    pool.check()
-
-
-def test_shared_blocks_are_counted_once_and_parked_when_their_last_holder_leaves():
-    pool = KVPool(9, 4, prefix_cache=True)  # 8 usable blocks
-    prompt = list(range(12))
-    share(pool, 0, prompt, tokens=16)  # 4 blocks: 3 written and cached, 1 promised
-    assert pool.used == 3 and pool.available == 4 and pool.cached == 3
-    assert share(pool, 1, prompt, tokens=16) == 2  # needs 2 blocks of its own, not 4
-    assert pool.used == 4 and pool.available == 2
-    pool.release(0)
-    assert pool.used == 3  # the shared two stay held by slot 1
     pool.release(1)
-    assert pool.used == 0 and pool.cached == 3 and pool.parked == 3
-    assert pool.available == pool.capacity  # parked blocks count as free
-    assert share(pool, 2, prompt, tokens=16) == 2  # and can still be shared
     pool.check()
-
-
-def test_admission_counts_a_parked_match_as_taken_and_stays_all_or_nothing():
-    pool = KVPool(5, 4, prefix_cache=True)  # 4 usable blocks
-    share(pool, 0, list(range(9)), tokens=9)  # 3 blocks, 2 cacheable
-    pool.release(0)
-    assert pool.parked == 2 and pool.available == 4
-    # 16 tokens: 4 blocks, 2 of them matched and parked; all 4 are gone from `available`
-    assert share(pool, 1, list(range(9)), tokens=16) == 2 and pool.available == 0
-    assert not pool.reserve(2, 1)
-    pool.check()
-
-
-def test_eviction_takes_free_blocks_first_then_the_least_recently_parked():
-    pool = KVPool(7, 4, prefix_cache=True)  # 6 usable blocks
-    old, new = list(range(100, 109)), list(range(200, 209))
-    share(pool, 0, old, tokens=9)
-    pool.release(0)
-    share(pool, 1, new, tokens=9)
-    pool.release(1)
-    assert pool.parked == 4 and len(pool._free) == 2
-    pool.reserve(2, 12)
-    pool.ensure(2, 12)  # 3 blocks: the 2 free ones, then the oldest parked (old's 2nd block)
-    assert pool.parked == 3
-    assert len(pool.match(old + [0])) == 1 and len(pool.match(new + [0])) == 2
-    pool.check()
-
-
-def test_clearing_the_cache_keeps_held_blocks_and_frees_the_parked_ones():
-    pool = KVPool(16, 4, prefix_cache=True)
-    share(pool, 0, list(range(9)))
-    share(pool, 1, list(range(50, 59)))
-    pool.release(1)
-    pool.clear_cache()
-    assert pool.cached == 0 and pool.parked == 0 and pool.used == 3
-    assert pool.match(list(range(9))) == []
-    pool.ensure(0, 13)
-    pool.cache_blocks(0, list(range(13)), 13)  # a slot whose blocks were dropped adds none
-    assert pool.cached == 0
-    pool.release(0)
     assert pool.available == pool.capacity
-    pool.check()
 
 
-def test_without_the_cache_nothing_is_matched_or_kept():
-    pool = KVPool(16, 4)
-    share(pool, 0, list(range(9)))
-    assert pool.match(list(range(9))) == [] and pool.cached == 0
-    pool.release(0)
-    assert pool.available == pool.capacity
-    pool.check()
-
-
-def test_random_arrivals_cancellations_and_evictions_keep_the_pool_consistent():
-    """A property test: prompts drawn from a few shared stems, admitted, prefilled in chunks,
-    decoded, cancelled and released at random in a pool small enough to evict. After every
-    operation the invariants hold (reference counts equal table occurrences, no held block is
-    evictable, nothing leaks), and every position a slot holds has exactly its own contents:
-    a write records the whole sequence up to its position (what a KV entry depends on), so a
-    block handed out while still cached, or shared under another prefix, shows up."""
-    rng = np.random.default_rng(0)
-    P = 4
-    pool = KVPool(24, P, prefix_cache=True)
-    stems = [rng.integers(0, 2, 12).tolist() for _ in range(3)]  # few values: blocks recur
-    contents = {}  # block -> {position in block: token} as last written
-    live = {}  # slot -> (sequence tokens, prefilled)
-    shares = 0
-    for _ in range(1500):
-        op = rng.random()
-        free_slots = [s for s in range(6) if s not in live]
-        if op < 0.3 and free_slots:
-            stem = stems[rng.integers(len(stems))]
-            seq = stem[: rng.integers(0, 13)] + rng.integers(0, 2, rng.integers(1, 8)).tolist()
-            total = len(seq) + int(rng.integers(0, 6))
-            shared = pool.match(seq)
-            if pool.reserve(free_slots[0], total, shared):
-                live[free_slots[0]] = (seq, len(shared) * P, total)
-                shares += bool(shared)
-        elif op < 0.8 and live:  # a step: prefill a chunk, or decode a token
-            s = list(live)[rng.integers(len(live))]
-            seq, done, total = live[s]
-            n = min(int(rng.integers(1, 6)), total - done)
-            if n <= 0:
-                continue
-            if done >= len(seq):  # decoding appends tokens
-                seq = seq + rng.integers(0, 2, n).tolist()
-            n = min(n, len(seq) - done)
-            table = pool.ensure(s, done + n)
-            for p in range(done, done + n):
-                contents.setdefault(table[p // P], {})[p % P] = tuple(seq[: p + 1])
-            live[s] = (seq, done + n, total)
-            pool.cache_blocks(s, seq, done + n)
-        elif live:  # finish or cancel
-            s = list(live)[rng.integers(len(live))]
-            pool.release(s)
-            del live[s]
+def test_the_window_releases_its_blocks_behind_and_they_are_reused():
+    """A slot advanced step by step through 40 tokens never holds more than its cap in the
+    window group; every block that ends before its step's first visible position is the sink
+    in its table (and in the mirror the step reads), and those blocks serve the next slot."""
+    pool = KVPool([FULL, WINDOW], max_slots=2, span=4)
+    win = pool.groups[1]
+    assert pool.reserve(0, 40)
+    start = 0
+    while start < 40:
+        end = min(start + 3, 40)
+        pool.ensure(0, end, start)
         pool.check()
-        for s, (seq, done, _) in live.items():
-            for p in range(done):
-                assert contents[pool.tables[s][p // P]].get(p % P) == tuple(seq[: p + 1])
-    assert shares > 50  # the schedule did exercise sharing
-    for s in list(live):
-        pool.release(s)
+        table = win.tables[0]
+        first_seen = start - WINDOW.window + 1
+        for i, b in enumerate(table):
+            behind = (i + 1) * WINDOW.block_size <= first_seen
+            assert (b == SINK_BLOCK) == behind, (start, i, table)
+        assert sum(b != SINK_BLOCK for b in table) <= win.cap(40)
+        assert win.block_array[0, : len(table)].tolist() == table
+        start = end
+    assert len(win.tables[0]) == 20 and win.used <= 5  # 20 blocks' worth of tokens
+    assert pool.reserve(1, 4)
+    pool.ensure(1, 4)
+    freed = set(win.tables[1])
+    assert freed.isdisjoint(b for b in win.tables[0] if b != SINK_BLOCK)
+    assert freed & set(range(1, 9))  # drawn from the blocks the window gave back
+    pool.release(0)
+    pool.release(1)
     pool.check()
-    assert pool.used == 0 and pool.available == pool.capacity
+    assert pool.available == pool.capacity
+
+
+def test_random_operations_keep_every_group_consistent():
+    """Reserve, grow (with the window moving), release and re-admit at random, with the pool's
+    invariants checked after every operation; the blocks a slot holds always cover what its
+    next step reads and writes."""
+    rng = random.Random(0)
+    span = 5
+    pool = KVPool([FULL, WINDOW, GroupShape(7, 2, 16, tokens_per_entry=3)], 4, span)
+    pos = {}
+    for _ in range(600):
+        slot = rng.randrange(4)
+        if slot not in pos:
+            want = rng.randint(1, 40)
+            if pool.reserve(slot, want):
+                pos[slot] = [0, want]
+        elif rng.random() < 0.1 or pos[slot][0] >= pos[slot][1]:
+            pool.release(slot)
+            del pos[slot]
+        else:
+            start, want = pos[slot]
+            end = min(start + rng.randint(1, span), want)
+            pool.ensure(slot, end, start)
+            win = pool.groups[1]
+            for p in range(max(start - WINDOW.window + 1, 0), end):
+                assert win.tables[slot][p // WINDOW.block_size] != SINK_BLOCK
+            pos[slot][0] = end
+        pool.check()
+
+
+def test_a_compressed_group_counts_entries():
+    """An entry stands for 3 tokens: 9 tokens are 3 entries, 2 blocks of 2; the step's write
+    index of each token is its entry's slot, shared by the 3 tokens of one entry."""
+    comp = GroupShape(num_blocks=5, block_size=2, max_blocks=8, tokens_per_entry=3)
+    pool = KVPool([FULL, comp], max_slots=1, span=16)
+    assert comp.blocks_for(9) == 2 and comp.blocks_for(10) == 2 and comp.blocks_for(13) == 3
+    assert pool.reserve(0, 10)
+    pool.ensure(0, 10)
+    pool.check()
+    full_tab, comp_tab = pool.block_arrays()
+    b = lower([Row(0, tuple(range(10)), 0, True)], full_tab, 4, 16, 1, 1, ((comp_tab, comp),))
+    entries = np.arange(10) // 3
+    want = comp_tab[0, entries // 2] * 2 + entries % 2
+    assert b["write_idx_1"][:10].tolist() == want.tolist()
+    assert (b["write_idx_1"][10:] == SINK_BLOCK * 2).all()
+    assert b["block_tables_1"][0].tolist() == comp_tab[0].tolist()
+
+
+def test_prefix_sharing_covers_whole_blocks_of_every_group():
+    """Two full groups of 4- and 6-token blocks share a prefix in multiples of 12 tokens; a
+    window group cannot share at all."""
+    a, b = GroupShape(20, 4, 16), GroupShape(20, 6, 16)
+    pool = KVPool([a, b], max_slots=2, prefix_cache=True)
+    prompt = list(range(30))
+    assert pool.reserve(0, 30)
+    pool.ensure(0, 30)
+    pool.cache_blocks(0, prompt, 30)
+    tokens, shared = pool.match(prompt + [99])
+    assert tokens == 24 and [len(s) for s in shared] == [6, 4]
+    assert shared[0] == pool.groups[0].tables[0][:6] and shared[1] == pool.groups[1].tables[0][:4]
+    assert pool.reserve(1, 40, shared)
+    pool.check()
+    assert pool.groups[1].tables[1] == shared[1]
+    pool.release(0)
+    pool.release(1)
+    pool.check()
+    with pytest.raises(ValueError, match="shareable"):
+        KVPool([a, WINDOW], prefix_cache=True)
+
+
+def test_groups_are_sized_from_the_token_budget_and_device_memory():
+    """kv_pool_tokens sizes every full or compressed group for that many tokens; a window's
+    group gets its cap per slot; with kv_pool_tokens 0, the window's fixed bytes come off the
+    memory first and the rest is tokens over the other groups' bytes per token."""
+    c = EngineConfig(max_ctx=1024, kv_block_size=16, kv_pool_tokens=2048, max_concurrency=4,
+                     prefill_chunk=64)  # fmt: skip
+    groups = [
+        CacheGroup("full", 2, 1000.0),
+        CacheGroup("sliding", 4, 2000.0, window=128),
+        CacheGroup("compressed", 2, 250.0, tokens_per_entry=4, block_size=32),
+    ]
+    full, window, comp = kv_spaces(c, groups, None)
+    assert (full.num_blocks, full.max_blocks) == (2048 // 16 + 1, 1024 // 16)
+    cap = -(-(128 + c.step_span) // 16) + 1
+    assert window.num_blocks == 4 * cap + 1 and window.window == 128
+    assert (comp.num_blocks, comp.max_blocks) == (2048 // 128 + 1, 1024 // 128)
+
+    class Dev:
+        def memory_stats(self):
+            return {"bytes_limit": 2**30, "bytes_in_use": 0}
+
+    auto = c.replace(kv_pool_tokens=0)
+    with pytest.raises(ValueError, match="max_ctx=1024"):
+        kv_spaces(auto, groups, Dev(), weights=2**24)
+
+    class Big:
+        def memory_stats(self):
+            return {"bytes_limit": 4 * 2**30, "bytes_in_use": 0}
+
+    full, window, comp = kv_spaces(auto, groups, Big())
+    free = 4 * 2**30 * 0.92 - 2**30 - (window.num_blocks - 1) * 16 * 2000.0
+    tokens = int(free // 1250.0)
+    assert full.num_blocks - 1 == tokens // 16 and comp.num_blocks - 1 == tokens // 128

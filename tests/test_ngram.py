@@ -5,6 +5,7 @@ import random
 import pytest
 
 from luce_jax.speculation.ngram import NgramProposer
+from luce_jax.step_format import GroupShape
 
 
 def brute_force(tokens, k, n_min, n_max):
@@ -102,7 +103,7 @@ def test_device_lookup_reads_paged_sequences_as_the_host_proposer_does(seed):
     ids = list(range(1, S * MB + 1))  # block 0 is the sink
     r.shuffle(ids)
     tables = np.array(ids, np.int32).reshape(S, MB)
-    cache = np.asarray(look.init_kv(S * MB + 1)).copy()
+    cache = np.asarray(look.init_kv(GroupShape(S * MB + 1, P, MB))).copy()
     seqs = [[r.randrange(4) for _ in range(r.randint(1, MB * P - K))] for _ in range(S)]
     cache[:] = [r.randrange(4) for _ in cache]  # stale tokens everywhere
     R = S * (K + 1)
@@ -145,5 +146,5 @@ def test_device_lookup_feed_writes_each_fed_token_where_its_kv_goes():
         "logit_rows": jnp.array([1, 2]),
         "block_tables": jnp.zeros((2, 3), jnp.int32),
     }
-    cache, (lpos, _) = look.feed(None, look.init_kv(4), batch)
+    cache, (lpos, _) = look.feed(None, look.init_kv(GroupShape(4, 4, 1)), batch)
     assert cache[jnp.array([13, 14, 5])].tolist() == [7, 8, 9] and lpos.tolist() == [2, 5]

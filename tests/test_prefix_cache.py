@@ -95,9 +95,9 @@ def test_a_request_reads_only_the_cached_blocks_it_shares(engines, engine_config
     prompt = STEM[:48] + SUFFIX[:10]
     want = run_schedule(off, tok, [(0, prompt, GREEDY)], engine_config)[0][0]
     run_schedule(on, tok, [(0, STEM[:50], GREEDY), (0, SUFFIX[:40], GREEDY)], engine_config)
-    keep = on.pool.match(prompt)
-    assert len(keep) == 3
-    poison = np.setdiff1d(np.arange(on.pool.num_blocks), keep)
+    tokens, (keep,) = on.pool.match(prompt)
+    assert len(keep) == 3 and tokens == 3 * on.block_size
+    poison = np.setdiff1d(np.arange(on.pool.first.num_blocks), keep)
     on.runner.kv = jax.tree.map(
         lambda x: x.at[poison].set(1e4) if jnp.issubdtype(x.dtype, jnp.floating) else x,
         on.runner.kv,

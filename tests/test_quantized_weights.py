@@ -18,7 +18,7 @@ from luce_jax.loading.params import load_params, weight_bytes
 from luce_jax.models import dense
 from luce_jax.models.family import Kernels
 from luce_jax.models.linear import QuantMatmul, embed, linear, unembed
-from luce_jax.step_format import Row
+from luce_jax.step_format import GroupShape, Row
 from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -414,7 +414,7 @@ def test_the_step_exports_for_rocm_with_every_pallas_kernel(files, name, verifie
     _, cfg, params = load(files[name], True)
     gpu = functools.partial  # the kernels as on a GPU: Triton, not interpret mode
     runner = Runner(
-        cfg, params, 9, 16, 4, 8, (jnp.bfloat16, jnp.bfloat16),
+        cfg, params, [GroupShape(9, 16, 8)], 4, (jnp.bfloat16, jnp.bfloat16),
         Kernels(gpu(paged_attention, interpret=False), gpu(grouped_matmul, interpret=False),
                 QuantMatmul(gpu(served_quant_matmul, interpret=False, int8_x=True),
                             norm_int8=gpu(norm_int8_rows, interpret=False),
@@ -470,7 +470,7 @@ def test_the_hybrid_step_exports_for_rocm_with_its_state_updated_in_place(
     _, cfg, params = load(path, True)
     gpu = functools.partial  # the kernels as on a GPU: Triton, not interpret mode
     runner = Runner(
-        cfg, params, 9, 16, 4, 8, (jnp.bfloat16, jnp.bfloat16),
+        cfg, params, [GroupShape(9, 16, 8)], 4, (jnp.bfloat16, jnp.bfloat16),
         Kernels(gpu(paged_attention, interpret=False), None,
                 QuantMatmul(gpu(served_quant_matmul, interpret=False, int8_x=True)),
                 gated_delta=gpu(gated_delta_in_place, chunk=16, interpret=False)),

@@ -37,7 +37,7 @@ from luce_jax.speculation.ngram import NgramProposer
 from luce_jax.speculation.on_device import OnDeviceProposer
 from luce_jax.speculation.policy import SpecPolicy
 from luce_jax.speculation.speculator import Speculator
-from luce_jax.step_format import FROM_DEVICE, lower
+from luce_jax.step_format import FROM_DEVICE, GroupShape, lower
 
 VOCAB = 5  # small, so prompt lookup finds matches and proposals are often right
 
@@ -65,6 +65,8 @@ class FakeRunner:
         self.kv = np.full(num_blocks * block_size, -1, np.int64)
         self.last = np.zeros(max_slots, np.int64)
         self.block_size, self.max_slots, self.k, self.rng = block_size, max_slots, k, rng
+        self.spaces = (GroupShape(num_blocks, block_size, num_blocks),)  # tables as wide as all
+        self.shape = self.spaces[0]
 
     def logit_width(self, T, S):
         return S if self.k == 0 else min(T, S * (self.k + 1))
@@ -251,7 +253,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
     k = 0 if mode == "off" else 3
     runner = FakeRunner(blocks, 4, 4, k, rng, recurrent=hybrid, head=mode == "head",
                         draft=mode == "device-draft", lookup=mode == "device-ngram")  # fmt: skip
-    engine = StepEngine(cfg, runner, blocks)
+    engine = StepEngine(cfg, runner)
     runner.slots = engine.slots
     assert engine.refeed == hybrid
     draft = None
@@ -259,9 +261,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
         proposer = None
     elif mode == "draft":
         dr = FakeRunner(blocks, 4, 4, 0, rng)
-        draft = DraftProposer(
-            dr, blocks, 4, 4, cfg.max_blocks_per_seq, engine.token_buckets, engine.rows_for, 8
-        )
+        draft = DraftProposer(dr, 4, engine.token_buckets, engine.rows_for, 8)
         proposer = draft
     elif mode in ("head", "device-draft", "device-ngram"):
         proposer = OnDeviceProposer()

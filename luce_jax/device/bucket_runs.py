@@ -14,8 +14,9 @@ from .programs import best_of_3
 def idle_batch(runner, T: int, S: int) -> dict[str, np.ndarray]:
     """An all-padding step of bucket (T, S) for `runner` (a device/runner.Runner): it writes
     only the sink block."""
-    b = lower([], np.zeros((1, runner.max_blocks), np.int32), runner.block_size, T, S,
-              runner.logit_width(T, S))  # fmt: skip
+    first, *groups = (np.zeros((1, g.max_blocks), np.int32) for g in runner.spaces)
+    b = lower([], first, runner.block_size, T, S, runner.logit_width(T, S),
+              tuple(zip(groups, runner.spaces[1:], strict=True)))  # fmt: skip
     b.update(padding_inputs(S))
     return b
 

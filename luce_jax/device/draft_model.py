@@ -52,9 +52,9 @@ class DraftModel:
         self.bufs, self._layout = packed_params.pack(params)
         self.family, self._kernels = family_of(cfg), kernels
 
-    def init_kv(self, num_blocks: int):
-        """Zeroed caches of num_blocks blocks (the target pool's count)."""
-        return self.family.init_caches(self.cfg, num_blocks, self.block_size, *self.kv_types)
+    def init_kv(self, shape):
+        """Zeroed caches of the target's first block space (a step_format.GroupShape)."""
+        return self.family.init_caches(self.cfg, [shape], *self.kv_types)
 
     def forward(self, bufs, dkv, batch: dict):
         """The draft's forward pass over a batch: (logits, dkv, stats)."""

@@ -62,9 +62,9 @@ class HeadProposer:
         embedding, final norm and lm_head."""
         return self.bufs, {k: target_params[k] for k in LM_KEYS if k in target_params}
 
-    def init_kv(self, num_blocks: int):
+    def init_kv(self, shape):
         """The lookup's token cache, or None."""
-        return self.lookup.init_kv(num_blocks) if self.lookup is not None else None
+        return self.lookup.init_kv(shape) if self.lookup is not None else None
 
     def feed(self, bufs, tokens_kv, batch: dict, hidden):
         """The forward pass's part. Returns (tokens_kv, reads: the logits rows' hidden states

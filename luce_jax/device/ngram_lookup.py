@@ -46,9 +46,10 @@ class NgramLookup:
         assert 1 <= n_min <= n_max, (n_min, n_max)
         self.k, self.block_size, self.n_min, self.n_max = k, block_size, n_min, n_max
 
-    def init_kv(self, num_blocks: int):
-        """The token cache: int32 [NB * P], one token id per KV position."""
-        return jnp.zeros((num_blocks * self.block_size,), jnp.int32)
+    def init_kv(self, shape):
+        """The token cache: int32 [NB * P], one token id per KV position of the target's first
+        block space (a step_format.GroupShape)."""
+        return jnp.zeros((shape.num_blocks * self.block_size,), jnp.int32)
 
     def feed(self, bufs, tokens_kv, batch: dict, hidden=None):
         """The forward pass's part: every token the step fed, written where its K/V go (padding

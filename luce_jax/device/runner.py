@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..models.family import XLA, Kernels, family_of
-from ..step_format import layout_size, mask_words, step_layout, unpack
+from ..step_format import GroupShape, layout_size, mask_words, step_layout, unpack
 from . import proposals, sampling
 from .draft_model import DraftModel
 from .head_proposer import HeadProposer
@@ -45,7 +46,8 @@ class Runner:
 
     Args:
       cfg, params: the model (loading.params.load_params).
-      num_blocks, block_size, max_slots, max_blocks_per_seq: the KV pool's shape.
+      spaces: the block space of each of the family's cache groups (step_format.GroupShape:
+        the host's pool hands out the same blocks); max_slots: S_max.
       kv_types: (k, v) cache types (a dtype, or "q8_0" / "q4_0").
       kernels: the ops' implementations (models.family.Kernels, backends.kernels).
       max_proposals: K, the most speculative proposals a verify row carries (0: no
@@ -71,10 +73,8 @@ class Runner:
         self,
         cfg: ModelConfig,
         params: dict,
-        num_blocks: int,
-        block_size: int,
+        spaces: Sequence[GroupShape],
         max_slots: int,
-        max_blocks_per_seq: int,
         kv_types,
         kernels: Kernels = XLA,
         max_proposals: int = 0,
@@ -85,6 +85,8 @@ class Runner:
         head_lookup: bool = False,
     ):
         self.cfg, self.family, self.kernels = cfg, family_of(cfg), kernels
+        self.spaces = tuple(spaces)
+        block_size = spaces[0].block_size
         # build.py runs a proposer here only where the family runs it on the device
         proposers = {"head": head, "draft": draft, "ngram": ngram or None}
         for name, x in proposers.items():
@@ -103,6 +105,8 @@ class Runner:
         elif ngram:
             self.draft = NgramLookup(k=max_proposals, block_size=block_size)
         self.ahead = self.draft is not None  # proposals kept on the device
+        # a proposer's caches and a row's catch-up (sampling.catch_up) follow group 0 alone
+        assert not self.ahead or len(self.spaces) == 1, "device proposers need one cache group"
         # Positions past a sampled row's last token that its draft decodes write: the host
         # claims blocks for them (host/engine.py).
         self.writes_ahead = self.draft.writes_ahead if self.draft is not None else 0
@@ -110,18 +114,18 @@ class Runner:
         self.params = params
         self.block_size = block_size
         self.max_slots = max_slots
-        self.max_blocks = max_blocks_per_seq
+        self.max_blocks = spaces[0].max_blocks
         family = self.family
 
         def allocate():
-            kv = family.init_caches(cfg, num_blocks, block_size, *kv_types)
+            kv = family.init_caches(cfg, self.spaces, *kv_types)
             state = sampling.init_state(max_slots, cfg.vocab_size)
             model_state = family.init_slot_state(cfg, max_slots)
             if model_state is not None:  # the family's per-slot state rides with the sampler's
                 state["model"] = model_state
             if self.ahead:  # per slot: proposals kept by its last row, and the next ones
                 state.update(proposals.init(max_slots, max_proposals))
-            dkv = self.draft.init_kv(num_blocks) if self.draft is not None else None
+            dkv = self.draft.init_kv(self.spaces[0]) if self.draft is not None else None
             return kv, state, dkv
 
         self._allocate = allocate
@@ -161,7 +165,8 @@ class Runner:
         return S if self.k == 0 else min(T, S * (self.k + 1))
 
     def layout(self, T: int, S: int):
-        return step_layout(T, S, self.logit_width(T, S), self.max_blocks)
+        extra = tuple(g.max_blocks for g in self.spaces[1:])
+        return step_layout(T, S, self.logit_width(T, S), self.max_blocks, extra)
 
     def _step_fn(self, params, kv, model_state, prompt_mask, dkv, last, ahead, dparams, ints, *,
                  T: int, S: int):  # fmt: skip

@@ -74,19 +74,14 @@ class StepEngine:
     matched prefix in its own pool: its prefill costs a fraction of the target's.
     """
 
-    def __init__(self, config: EngineConfig, runner, num_blocks: int):
+    def __init__(self, config: EngineConfig, runner):
         self.config = config
         self.runner = runner
         self.slot_count = config.max_concurrency
         self.max_context = config.max_ctx
-        self.block_size = config.kv_block_size
-        self.pool = KVPool(
-            num_blocks,
-            config.kv_block_size,
-            self.slot_count,
-            config.max_blocks_per_seq,
-            prefix_cache=config.prefix_cache,
-        )
+        self.block_size = runner.spaces[0].block_size
+        # one block space per cache group, shaped as the runner's caches (runner.spaces)
+        self.pool = KVPool(runner.spaces, self.slot_count, config.step_span, config.prefix_cache)
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up / found cached
         self.slots = SlotTable(self.slot_count, config.seed)
         # A slot state rolled back by feeding again (models/family.py's "refeed") stays before a
@@ -147,7 +142,7 @@ class StepEngine:
                 error=f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds "
                 f"the context of {self.max_context} tokens",
             )
-        if self.pool.blocks_for(need) > self.pool.capacity:
+        if not self.pool.fits_ever(need):
             return AdmitResult("failed", error=f"{need} tokens exceed the whole KV pool")
         if sampling.json_schema is not None and self.grammars is None:
             return AdmitResult("failed", error="json_schema: this engine has no grammar support")
@@ -164,10 +159,9 @@ class StepEngine:
         # The repetition penalty reads the whole prompt from the device's prompt mask, which only
         # a prefill fills: such a request computes its prompt in full, as does cache_prompt false.
         reuse = sampling.cache_prompt and sampling.repetition_penalty == 1
-        shared = self.pool.match(prompt) if reuse else []
+        cached, shared = self.pool.match(prompt) if reuse else (0, None)
         if not self.pool.reserve(slot, need, shared):
             return AdmitResult("busy")
-        cached = len(shared) * self.block_size
         self.prefix_queries += len(prompt)
         self.prefix_hits += cached
         req = Admission(list(prompt), sampling, cached, need)
@@ -232,10 +226,10 @@ class StepEngine:
         ends = np.minimum(
             starts + lens + behind * self.spec_k + ahead, sl.prompt_len[dec] + sl.max_tokens[dec]
         )
-        for slot, end in zip(dec.tolist(), ends.tolist(), strict=True):
+        for slot, start, end in zip(dec.tolist(), starts.tolist(), ends.tolist(), strict=True):
             # Proposals go past kv_len and overwrite nothing of the sequence; rejected ones
             # are rolled back by kv_len alone (it counts emitted tokens), and blocks stay.
-            self.pool.ensure(slot, end)
+            self.pool.ensure(slot, end, start)
         parts = [Rows(dec, starts, lens, tokens, np.ones(len(dec), bool), n_draft)]
         for slot, n in plan.prefills:
             begin = int(sl.prefilled[slot])
@@ -243,7 +237,7 @@ class StepEngine:
             assert n > 0 and end <= sl.prompt_len[slot], (slot, n)
             done = end == sl.prompt_len[slot]
             reserved = int(sl.prompt_len[slot] + sl.max_tokens[slot])
-            self.pool.ensure(slot, min(end + ahead, reserved) if done else end)
+            self.pool.ensure(slot, min(end + ahead, reserved) if done else end, begin)
             parts.append(
                 Rows(
                     np.array([slot], np.int32),
@@ -257,7 +251,9 @@ class StepEngine:
         rows = Rows.concat(parts)
         T = pick_bucket(int(rows.lens.sum()), self.token_buckets)
         S = self.rows_for(T)
-        b = lower(rows, self.pool.block_array, self.block_size, T, S, self.runner.logit_width(T, S))
+        first, *groups = self.pool.block_arrays()
+        b = lower(rows, first, self.block_size, T, S, self.runner.logit_width(T, S),
+                  tuple(zip(groups, self.runner.spaces[1:], strict=True)))  # fmt: skip
         b.update(sl.row_inputs(rows.slots, rows.starts, rows.sample, S))
         b["behind"][: len(dec)] = behind
         if self.overlap and self.spec is not None:  # propose on the device only if it may pay

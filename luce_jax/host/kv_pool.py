@@ -1,192 +1,125 @@
-"""Physical KV blocks: free list, per-slot block tables, atomic reservation and release, and
-blocks shared between slots through the prefix cache.
+"""The KV pool: one block space per cache group of the model (models/family.py's
+CacheGroup), reserved for a slot all at once and released together.
 
-Pure Python: the pool only decides which block holds which tokens; the runner owns the arrays.
-Block 0 is the sink that padding rows write to and is never handed out.
+Pure Python. A family with one full-attention group (dense, hybrid) has one space; a family
+with sliding-window or compressed layers has one per group, each with its own block size,
+tables and free list (host/block_space.py).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import Counter
+import math
 from collections.abc import Sequence
 
-import numpy as np
-
-from ..step_format import SINK_BLOCK
-from .prefix_cache import ROOT, PrefixCache
+from ..step_format import GroupShape
+from .block_space import BlockSpace
 
 
 class KVPool:
-    """Blocks of `block_size` tokens; a slot reserves its worst case up front.
-
-    Every block is in exactly one state: free, held by one or more slots (its reference count is
-    the number of block tables it appears in), or parked (cached contents, held by no slot,
-    evicted least recently used when a block is needed). A slot's reservation (blocks it may
-    still claim) is counted against free and parked blocks, so growth can never fail. A slot
-    writes only blocks it claimed itself, never shared ones: sharing covers whole blocks of its
-    prompt before the position its prefill starts at.
+    """Block spaces reserved together: a request is admitted only if every group has room for
+    it (all or nothing, so admission stays FIFO without partial holds), and grows, shares and
+    goes back in every group at once.
 
     Args:
-      max_slots, max_blocks: shape of `block_array`, the numpy mirror of the tables that
-        batch.lower reads (no mirror when 0).
-      prefix_cache: keep full blocks findable by content after their slot lets them go.
+      shapes: one step_format.GroupShape per cache group, in the family's order.
+      max_slots: rows of each space's block_array (step_format.lower reads them).
+      span: the most positions one step claims past the first it queries (a window's cap).
+      prefix_cache: share leading blocks by content in every group; each must be shareable.
     """
 
     def __init__(
         self,
-        num_blocks: int,
-        block_size: int,
+        shapes: Sequence[GroupShape],
         max_slots: int = 0,
-        max_blocks: int = 0,
+        span: int = 0,
         prefix_cache: bool = False,
     ):
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks={num_blocks}: need the sink block plus at least one")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free = [b for b in range(num_blocks) if b != SINK_BLOCK]  # min-heap: lowest first
-        heapq.heapify(self._free)
-        self.tables: dict[int, list[int]] = {}
-        self._reserved: dict[int, int] = {}  # slot -> blocks promised but not yet claimed
-        self._refs: dict[int, int] = {}  # held block -> tables holding it
-        self.cache = PrefixCache(block_size) if prefix_cache else None
-        # slot -> cache entry id of each of its leading full blocks entered so far; None once
-        # the cache was cleared under it (its blocks are no longer trusted).
-        self._chain: dict[int, list[int] | None] = {}
-        self.block_array = np.full((max_slots, max_blocks), SINK_BLOCK, np.int32)
+        if not shapes:
+            raise ValueError("shapes=[]: a pool needs at least one cache group")
+        self.groups = [BlockSpace(s, max_slots, span, prefix_cache) for s in shapes]
+        # whole tokens one shared block stands for in every group: a prefix is shared up to a
+        # multiple of all of them
+        self._share_unit = math.lcm(*(s.block_size * s.tokens_per_entry for s in shapes))
 
     @property
-    def capacity(self) -> int:
-        """Blocks that can ever be handed out (all but the sink)."""
-        return self.num_blocks - 1
+    def first(self) -> BlockSpace:
+        """Group 0: its tables are the step's block_tables (step_format.lower)."""
+        return self.groups[0]
 
     @property
-    def available(self) -> int:
-        """Blocks neither held nor promised (parked cached blocks count: they are evictable)."""
-        return len(self._free) + self.parked - sum(self._reserved.values())
+    def block_array(self):
+        return self.first.block_array
 
     @property
-    def used(self) -> int:
-        """Blocks held by slots."""
-        return len(self._refs)
+    def tables(self) -> dict[int, list[int]]:
+        """Group 0's block table of each slot."""
+        return self.first.tables
 
     @property
-    def parked(self) -> int:
-        return self.cache.parked if self.cache is not None else 0
+    def cache(self):
+        return self.first.cache
 
-    @property
-    def cached(self) -> int:
-        """Blocks whose contents the prefix cache can hand to a new request."""
-        return len(self.cache) if self.cache is not None else 0
+    def _total(self, name: str) -> int:
+        return sum(getattr(g, name) for g in self.groups)
 
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+    capacity = property(lambda self: self._total("capacity"))
+    available = property(lambda self: self._total("available"))
+    used = property(lambda self: self._total("used"))
+    cached = property(lambda self: self._total("cached"))
 
-    def match(self, prompt: Sequence[int]) -> list[int]:
-        """Cached blocks holding `prompt`'s leading full blocks (PrefixCache.match)."""
-        return self.cache.match(prompt) if self.cache is not None else []
+    def fits_ever(self, tokens: int) -> bool:
+        """Whether a request of `tokens` tokens fits in an empty pool."""
+        return all(g.cap(tokens) <= g.capacity for g in self.groups)
 
-    def reserve(self, slot: int, tokens: int, shared: Sequence[int] = ()) -> bool:
-        """Promise `slot` room for `tokens` tokens, all or nothing; False if it won't fit.
+    def match(self, prompt: Sequence[int]) -> tuple[int, list[list[int]]]:
+        """(tokens, blocks per group) of the prompt's longest leading run that every group
+        has cached: whole blocks of every group."""
+        if self.cache is None:
+            return 0, [[] for _ in self.groups]
+        found = [g.match(prompt) for g in self.groups]
+        tokens = min(len(b) * g.block_size for g, b in zip(self.groups, found, strict=True))
+        tokens -= tokens % self._share_unit
+        return tokens, [
+            b[: tokens // g.block_size] for g, b in zip(self.groups, found, strict=True)
+        ]
 
-        Args:
-          shared: blocks from `match` that start its table; only the rest are promised, and a
-            parked one among them stops counting as free.
-        """
-        assert slot not in self.tables, f"slot {slot} already holds a reservation"
-        need = self.blocks_for(tokens) - len(shared)
-        assert need >= 0, (tokens, len(shared))
-        parked = sum(1 for b in shared if not self._refs.get(b))
-        if need + parked > self.available:
+    def reserve(
+        self, slot: int, tokens: int, shared: Sequence[Sequence[int]] | None = None
+    ) -> bool:
+        """Promise `slot` room for `tokens` tokens in every group, or in none; False if some
+        group has no room. shared: match's blocks per group."""
+        shared = shared or [()] * len(self.groups)
+        pairs = list(zip(self.groups, shared, strict=True))
+        if not all(g.fits(slot, tokens, s) for g, s in pairs):
             return False
-        for b in shared:
-            if self.cache.unpark(b):
-                assert b not in self._refs
-            self._refs[b] = self._refs.get(b, 0) + 1
-        self.tables[slot] = list(shared)
-        if self.block_array.size:
-            self.block_array[slot, : len(shared)] = shared
-        self._reserved[slot] = need
-        if self.cache is not None:
-            self._chain[slot] = [self.cache.entry_id(b) for b in shared]
+        for g, s in pairs:
+            assert g.reserve(slot, tokens, s)
         return True
 
-    def ensure(self, slot: int, tokens: int) -> list[int]:
-        """Claim blocks so `slot` can hold `tokens` tokens; returns its block table."""
-        table = self.tables[slot]
-        need = self.blocks_for(tokens) - len(table)
-        if need > self._reserved[slot]:
-            raise RuntimeError(
-                f"slot {slot} needs {need} more blocks but reserved {self._reserved[slot]}"
-            )
-        for _ in range(max(need, 0)):
-            # A free block first; evict a cached one only when none is left.
-            b = heapq.heappop(self._free) if self._free else self.cache.evict()
-            if self.block_array.size:
-                self.block_array[slot, len(table)] = b
-            table.append(b)
-            self._refs[b] = 1
-            self._reserved[slot] -= 1
-        return table
+    def ensure(self, slot: int, tokens: int, start: int = 0) -> None:
+        """Claim blocks so `slot` holds `tokens` tokens in every group (BlockSpace.ensure)."""
+        for g in self.groups:
+            g.ensure(slot, tokens, start)
 
     def cache_blocks(self, slot: int, tokens: Sequence[int], written: int) -> None:
-        """Enter `slot`'s full blocks among its first `written` positions in the prefix cache.
-
-        Args:
-          tokens: the slot's sequence (prompt, then output) from position 0, at least `written`
-            long; `written`: positions whose KV is written by steps already launched (a step
-            launched later reads them after they are written: the device runs steps in order).
-        """
-        chain = self._chain.get(slot) if self.cache is not None else None
-        if chain is None:
-            return
-        P, table = self.block_size, self.tables[slot]
-        for i in range(len(chain), min(written // P, len(table))):
-            parent = chain[-1] if chain else ROOT
-            chain.append(self.cache.add(parent, tokens[i * P : (i + 1) * P], table[i]))
+        for g in self.groups:
+            g.cache_blocks(slot, tokens, written)
 
     def release(self, slot: int) -> None:
-        """Return `slot`'s blocks and its unclaimed reservation. Safe to call twice.
-
-        A block no other slot holds goes back to the free list, or is parked if it is cached;
-        the table's last blocks are parked first, so they are evicted before its first ones
-        (which other prompts are likelier to share)."""
-        for b in reversed(self.tables.pop(slot, [])):
-            self._refs[b] -= 1
-            if self._refs[b]:
-                continue
-            del self._refs[b]
-            if self.cache is not None and self.cache.cached(b):
-                self.cache.park(b)
-            else:
-                heapq.heappush(self._free, b)
-        if self.block_array.size:
-            self.block_array[slot] = SINK_BLOCK
-        self._reserved.pop(slot, None)
-        self._chain.pop(slot, None)
+        """Return `slot`'s blocks in every group. Safe to call twice."""
+        for g in self.groups:
+            g.release(slot)
 
     def clear_cache(self) -> None:
-        """Forget every cached block (after a failed step: its KV writes may not have happened);
-        slots keep the blocks they hold, and enter no more."""
-        if self.cache is None:
-            return
-        for b in self.cache.clear():
-            heapq.heappush(self._free, b)
-        self._chain = dict.fromkeys(self._chain)
+        for g in self.groups:
+            g.clear_cache()
+
+    def block_arrays(self) -> list:
+        """Each group's block_array, in order (step_format.lower's tables and groups)."""
+        return [g.block_array for g in self.groups]
 
     def check(self) -> None:
-        """Assert the pool's invariants (tests call this after every operation)."""
-        held = Counter(b for t in self.tables.values() for b in t)
-        assert all(len(set(t)) == len(t) for t in self.tables.values()), "a table repeats a block"
-        assert held == Counter(self._refs), "reference counts differ from the tables"
-        assert SINK_BLOCK not in held and SINK_BLOCK not in self._free
-        assert set(held).isdisjoint(self._free), "a held block is on the free list"
-        if self.cache is not None:
-            self.cache.check(set(held))
-            assert set(self._free).isdisjoint(self.cache._lru), "a parked block is free"
-        assert len(held) + len(self._free) + self.parked == self.capacity, "a block leaked"
-        assert self.available >= 0
-        for s, t in self.tables.items():
-            if self.block_array.size:
-                assert self.block_array[s, : len(t)].tolist() == t
+        """Assert every group's invariants, and that they hold the same slots."""
+        for g in self.groups:
+            g.check()
+        assert all(g.tables.keys() == self.first.tables.keys() for g in self.groups)

@@ -21,8 +21,6 @@ from ..config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen35", "qwen35moe")
-HYBRID = ("qwen35", "qwen35moe")  # Gated DeltaNet + gated attention (models/hybrid.py)
 # GGUF value types -> (struct format, numpy dtype) for fixed-size scalars.
 _SCALARS = {
     0: ("<B", np.uint8),
@@ -148,10 +146,12 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 
 def model_config(md: dict) -> ModelConfig:
-    """ModelConfig from GGUF metadata; unknown architectures are an error that names them."""
+    """ModelConfig from GGUF metadata: the fields every family shares, then its family's
+    (models/family.py read_config); unknown architectures are an error that names them."""
+    from ..models.family import family_for
+
     arch = md.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
+    family = family_for(arch)
 
     def get(key, default=None):
         v = md.get(f"{arch}.{key}", default)
@@ -182,46 +182,8 @@ def model_config(md: dict) -> ModelConfig:
         rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_base=float(get("rope.freq_base", 10000.0)),
         rope_dim=int(get("rope.dimension_count", head_dim)),
-        # llama.cpp runs llama with adjacent-pair RoPE (its converter permutes Q/K to match);
-        # qwen2 and qwen3 rotate halves (NEOX).
-        rope_neox=arch != "llama",
         rope_scaling=scaling,
         rope_scaling_factor=float(get("rope.scaling.factor", 1.0)),
-        qk_norm=arch in ("qwen3", "qwen3moe", *HYBRID),
-        attn_bias=arch == "qwen2",
         context_length=int(get("context_length", 4096)),
-        **(_moe_config(get) if arch in ("qwen3moe", "qwen35moe") else {}),
-        **(_hybrid_config(get, md, arch, n_layers) if arch in HYBRID else {}),
-    )
-
-
-def _hybrid_config(get, md: dict, arch: str, n: int) -> dict:
-    """Gated DeltaNet fields of ModelConfig, as llama.cpp's qwen35 loader reads them: which
-    layers are recurrent (attention.recurrent_layers, else every layer but each
-    full_attention_interval-th), and the ssm.* sizes, for the model's `n` blocks."""
-    flags = md.get(f"{arch}.attention.recurrent_layers")
-    if flags is None:
-        every = int(get("full_attention_interval", 4))
-        flags = [(i + 1) % every != 0 for i in range(n)]
-    v_heads = int(get("ssm.time_step_rank"))
-    return dict(
-        recurrent=tuple(bool(f) for f in flags[:n]),
-        attn_gate=True,
-        ssm_conv=int(get("ssm.conv_kernel")),
-        ssm_k_heads=int(get("ssm.group_count")),
-        ssm_v_heads=v_heads,
-        ssm_k_dim=int(get("ssm.state_size")),
-        ssm_v_dim=int(get("ssm.inner_size")) // v_heads,
-    )
-
-
-def _moe_config(get) -> dict:
-    """Expert fields of ModelConfig. llama.cpp renormalizes qwen3moe's top-k router weights
-    unless the file says otherwise (expert_weights_norm), as Qwen3-MoE's norm_topk_prob does."""
-    return dict(
-        n_experts=int(get("expert_count")),
-        n_experts_used=int(get("expert_used_count")),
-        expert_ffn_dim=int(get("expert_feed_forward_length")),
-        expert_weights_norm=bool(get("expert_weights_norm", True)),
-        shared_expert_ffn_dim=int(get("expert_shared_feed_forward_length", 0)),
+        **family.read_config(arch, get, md, n_layers),
     )

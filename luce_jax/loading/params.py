@@ -7,11 +7,13 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 from gguf import GGMLQuantizationType
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
+from ..models.family import family_of
 from .gguf import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -146,41 +148,9 @@ def load_params(
                 out["w_down_shexp"] = linear(p + "ffn_down_shexp.weight")
             return out
 
-        layers = []
-        for i in range(cfg.n_layers):
-            p = f"blk.{i}."
-            if cfg.recurrent and cfg.recurrent[i]:  # Gated DeltaNet (qwen35)
-                layers.append(
-                    {
-                        "attn_norm": tensor(p + "attn_norm.weight", out_dtype=f32),
-                        # q, k, v (the convolution's channels) | z gate | beta | alpha
-                        "w_in": linear(*(p + x for x in _LINEAR_IN)),
-                        "conv": tensor(p + "ssm_conv1d.weight", out_dtype=f32),  # [C, Kc]
-                        "dt_bias": tensor(p + "ssm_dt.bias", out_dtype=f32),
-                        "ssm_a": tensor(p + "ssm_a", out_dtype=f32),  # -exp(A_log)
-                        "ssm_norm": tensor(p + "ssm_norm.weight", out_dtype=f32),
-                        "w_out": linear(p + "ssm_out.weight"),
-                        "ffn_norm": tensor(p + "post_attention_norm.weight", out_dtype=f32),
-                        **ffn(p),
-                    }
-                )
-                continue
-            ffn_norm = "post_attention_norm" if cfg.recurrent else "ffn_norm"
-            layer = {
-                "attn_norm": tensor(p + "attn_norm.weight", out_dtype=f32),
-                "wqkv": linear(*(p + f"attn_{x}.weight" for x in "qkv")),
-                "wo": linear(p + "attn_output.weight"),
-                "ffn_norm": tensor(p + f"{ffn_norm}.weight", out_dtype=f32),
-            }
-            layer.update(ffn(p))
-            if cfg.attn_bias:
-                layer["bqkv"] = jnp.concatenate(
-                    [tensor(p + f"attn_{x}.bias", out_dtype=f32) for x in "qkv"]
-                )
-            if cfg.qk_norm:
-                layer["q_norm"] = tensor(p + "attn_q_norm.weight", out_dtype=f32)
-                layer["k_norm"] = tensor(p + "attn_k_norm.weight", out_dtype=f32)
-            layers.append(layer)
+        family = family_of(cfg)
+        t = SimpleNamespace(tensor=tensor, linear=linear, ffn=ffn, f32=f32)
+        layers = [family.layer_params(cfg, i, t) for i in range(cfg.n_layers)]
         params = {
             "embed": tensor("token_embd.weight", keep=True),
             "final_norm": tensor("output_norm.weight", out_dtype=f32),
@@ -274,9 +244,6 @@ def check_shape(path, name: str, shape: tuple, want: tuple) -> bool:
         f"{path}: tensor {name!r} has shape {ggml(shape)}; the file's metadata makes it "
         f"{ggml(want)} (n: any)"
     )
-
-
-_LINEAR_IN = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")
 
 
 def fuse(parts: list, experts: bool = False):

@@ -217,6 +217,27 @@ def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=N
     ]
 
 
+def attention_params(cfg: ModelConfig, p: str, t, ffn_norm: str) -> dict:
+    """An attention layer's params from the file tensors named `p`... (ModelFamily.layer_params'
+    t): wqkv [d, (H+2K)*D] fused (a gated query's [d, 2H*D + 2K*D]), wo, the norms (the FFN's
+    named `ffn_norm` in the file), and the FFN."""
+    layer = {
+        "attn_norm": t.tensor(p + "attn_norm.weight", out_dtype=t.f32),
+        "wqkv": t.linear(*(p + f"attn_{x}.weight" for x in "qkv")),
+        "wo": t.linear(p + "attn_output.weight"),
+        "ffn_norm": t.tensor(p + f"{ffn_norm}.weight", out_dtype=t.f32),
+        **t.ffn(p),
+    }
+    if cfg.attn_bias:
+        layer["bqkv"] = jnp.concatenate(
+            [t.tensor(p + f"attn_{x}.bias", out_dtype=t.f32) for x in "qkv"]
+        )
+    if cfg.qk_norm:
+        layer["q_norm"] = t.tensor(p + "attn_q_norm.weight", out_dtype=t.f32)
+        layer["k_norm"] = t.tensor(p + "attn_k_norm.weight", out_dtype=t.f32)
+    return layer
+
+
 class DenseFamily:
     """llama, qwen2, qwen3 and qwen3moe (models/family.py): one full-attention cache group,
     no per-slot model state, every proposer on the device."""
@@ -227,11 +248,25 @@ class DenseFamily:
     prefix_cacheable = True
     device_proposers = frozenset({"head", "draft", "ngram"})
 
+    def read_config(self, arch: str, get, md: dict, n_layers: int) -> dict:
+        return dict(
+            # llama.cpp runs llama with adjacent-pair RoPE (its converter permutes Q/K to
+            # match); qwen2 and qwen3 rotate halves (NEOX).
+            rope_neox=arch != "llama",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
+            attn_bias=arch == "qwen2",
+            **(moe.read_config(get) if arch == "qwen3moe" else {}),
+        )
+
+    def layer_params(self, cfg: ModelConfig, i: int, t) -> dict:
+        return attention_params(cfg, f"blk.{i}.", t, "ffn_norm")
+
     def cache_groups(self, cfg: ModelConfig, kv_bytes_per_entry: float) -> list[CacheGroup]:
         return [CacheGroup("full", cfg.n_layers, cfg.n_layers * kv_bytes_per_entry)]
 
-    def init_caches(self, cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type):
-        return init_kv(cfg, num_blocks, block_size, k_type, v_type)
+    def init_caches(self, cfg: ModelConfig, spaces, k_type, v_type):
+        (full,) = spaces  # one full-attention group
+        return init_kv(cfg, full.num_blocks, full.block_size, k_type, v_type)
 
     def init_slot_state(self, cfg: ModelConfig, max_slots: int) -> None:
         return None

@@ -47,13 +47,32 @@ class CacheGroup:
 
     kind: "full" (every token's entry kept), "sliding" (the last `window` tokens' entries),
     "compressed" (an entry stands for `tokens_per_entry` tokens). bytes_per_token: what one
-    token costs the group's caches (all its layers, K and V)."""
+    token costs the group's caches (all its layers, K and V). block_size: entries per block
+    (0: the engine's kv_block_size). The builder sizes each group's block space from these
+    (build.kv_spaces); only a full group of per-token entries can share blocks by prefix."""
 
     kind: str
     layers: int
     bytes_per_token: float
     tokens_per_entry: int = 1
     window: int = 0
+    block_size: int = 0
+
+    def __post_init__(self):
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"kind={self.kind!r}: must be one of {GROUP_KINDS}")
+        if (self.kind == "sliding") != (self.window > 0):
+            raise ValueError(f"window={self.window}: a sliding group has one, no other does")
+        if (self.kind == "compressed") != (self.tokens_per_entry > 1):
+            raise ValueError(f"tokens_per_entry={self.tokens_per_entry}: > 1 for a compressed "
+                             "group, 1 for the others")  # fmt: skip
+
+    @property
+    def shareable(self) -> bool:
+        return self.kind == "full"
+
+
+GROUP_KINDS = ("full", "sliding", "compressed")
 
 
 class ModelFamily(Protocol):
@@ -65,12 +84,26 @@ class ModelFamily(Protocol):
     prefix_cacheable: bool  # whether the prefix cache may share its slots' leading blocks
     device_proposers: frozenset  # of DEVICE_PROPOSERS
 
+    def read_config(self, arch: str, get: Callable, md: dict, n_layers: int) -> dict:
+        """The ModelConfig fields it reads from a file's metadata beyond the shared ones
+        (loading/gguf.model_config): get(key, default) is `{arch}.{key}` (an error that names
+        a key missing without a default), md the whole metadata, n_layers the model's blocks."""
+        ...
+
+    def layer_params(self, cfg: ModelConfig, i: int, t) -> dict:
+        """Layer i's params from the file's tensors, in its fused layouts: t has tensor(name,
+        transpose, optional, out_dtype, keep), linear(*names) (one projection, outputs
+        concatenated), ffn(prefix) (a dense or experts' FFN) and f32 (loading/params.py)."""
+        ...
+
     def cache_groups(self, cfg: ModelConfig, kv_bytes_per_entry: float) -> list[CacheGroup]:
         """Its paged caches, given one layer's K and V bytes per token entry."""
         ...
 
-    def init_caches(self, cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type):
-        """Zeroed paged caches of NB blocks of P tokens (a type: a dtype, "q8_0" or "q4_0")."""
+    def init_caches(self, cfg: ModelConfig, spaces, k_type, v_type):
+        """Zeroed paged caches: for each of its cache groups, in cache_groups' order, the
+        block space the pool sized (step_format.GroupShape: NB blocks of P entries). A type:
+        a dtype, "q8_0" or "q4_0"."""
         ...
 
     def init_slot_state(self, cfg: ModelConfig, max_slots: int) -> dict | None:
@@ -103,11 +136,27 @@ def register(family: ModelFamily) -> ModelFamily:
     return family
 
 
-def family_of(cfg: ModelConfig) -> ModelFamily:
-    """The family that serves a model's architecture."""
+def _registered() -> dict[str, ModelFamily]:
     from . import dense, hybrid  # noqa: F401  (their registrations)
 
+    return _FAMILIES
+
+
+def architectures() -> tuple[str, ...]:
+    """Every GGUF architecture some family serves."""
+    return tuple(_registered())
+
+
+def family_for(arch: str) -> ModelFamily:
+    """The family that serves a GGUF architecture."""
     try:
-        return _FAMILIES[cfg.arch]
+        return _registered()[arch]
     except KeyError:
-        raise ValueError(f"architecture {cfg.arch!r}: no model family serves it") from None
+        raise ValueError(
+            f"unsupported architecture {arch!r}; supported: {architectures()}"
+        ) from None
+
+
+def family_of(cfg: ModelConfig) -> ModelFamily:
+    """The family that serves a model's architecture."""
+    return family_for(cfg.arch)

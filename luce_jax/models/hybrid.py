@@ -26,7 +26,7 @@ from pallas_kernels.gated_delta import gated_delta_in_place_reference
 from ..config import ModelConfig
 from . import moe
 from .attention import paged_attention_xla
-from .dense import apply_rope, rms_norm, rope_tables, swiglu, write_and_attend
+from .dense import apply_rope, attention_params, rms_norm, rope_tables, swiglu, write_and_attend
 from .family import CacheGroup, Kernels, register
 from .linear import Normed, QuantMatmul, embed, linear, weight_dtype
 from .logits import head
@@ -224,6 +224,10 @@ def forward(
     return logits, new_kv, {"conv": conv, "ssm": ssm}
 
 
+# A linear layer's input projections, fused in this order into w_in.
+_LINEAR_IN = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight")
+
+
 class HybridFamily:
     """qwen35 and qwen35moe (models/family.py): a full-attention cache group for the gated
     attention layers, the linear layers' state in the slot. That state holds no earlier
@@ -236,12 +240,54 @@ class HybridFamily:
     prefix_cacheable = False
     device_proposers = frozenset()
 
+    def read_config(self, arch: str, get, md: dict, n_layers: int) -> dict:
+        """Gated DeltaNet fields, as llama.cpp's qwen35 loader reads them: which layers are
+        recurrent (attention.recurrent_layers, else every layer but each
+        full_attention_interval-th), and the ssm.* sizes."""
+        flags = md.get(f"{arch}.attention.recurrent_layers")
+        if flags is None:
+            every = int(get("full_attention_interval", 4))
+            flags = [(i + 1) % every != 0 for i in range(n_layers)]
+        v_heads = int(get("ssm.time_step_rank"))
+        return dict(
+            qk_norm=True,
+            recurrent=tuple(bool(f) for f in flags[:n_layers]),
+            attn_gate=True,
+            ssm_conv=int(get("ssm.conv_kernel")),
+            ssm_k_heads=int(get("ssm.group_count")),
+            ssm_v_heads=v_heads,
+            ssm_k_dim=int(get("ssm.state_size")),
+            ssm_v_dim=int(get("ssm.inner_size")) // v_heads,
+            **(moe.read_config(get) if arch == "qwen35moe" else {}),
+        )
+
+    def layer_params(self, cfg: ModelConfig, i: int, t) -> dict:
+        """A Gated DeltaNet layer: w_in [d, C + Hv*Dv + 2Hv] (q, k, v | z | beta | alpha), conv
+        [C, Kc], dt_bias, ssm_a [Hv] (-exp(A_log)), ssm_norm [Dv], w_out [Hv*Dv, d]; or a
+        gated attention layer (dense.attention_params, its query yielding a gate)."""
+        p = f"blk.{i}."
+        if not cfg.recurrent[i]:
+            return attention_params(cfg, p, t, "post_attention_norm")
+        f32 = t.f32
+        return {
+            "attn_norm": t.tensor(p + "attn_norm.weight", out_dtype=f32),
+            "w_in": t.linear(*(p + x for x in _LINEAR_IN)),
+            "conv": t.tensor(p + "ssm_conv1d.weight", out_dtype=f32),
+            "dt_bias": t.tensor(p + "ssm_dt.bias", out_dtype=f32),
+            "ssm_a": t.tensor(p + "ssm_a", out_dtype=f32),
+            "ssm_norm": t.tensor(p + "ssm_norm.weight", out_dtype=f32),
+            "w_out": t.linear(p + "ssm_out.weight"),
+            "ffn_norm": t.tensor(p + "post_attention_norm.weight", out_dtype=f32),
+            **t.ffn(p),
+        }
+
     def cache_groups(self, cfg: ModelConfig, kv_bytes_per_entry: float) -> list[CacheGroup]:
         n = attention_layers(cfg)
         return [CacheGroup("full", n, n * kv_bytes_per_entry)]
 
-    def init_caches(self, cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type):
-        return init_kv(cfg, num_blocks, block_size, k_type, v_type)
+    def init_caches(self, cfg: ModelConfig, spaces, k_type, v_type):
+        (full,) = spaces  # one full-attention group
+        return init_kv(cfg, full.num_blocks, full.block_size, k_type, v_type)
 
     def init_slot_state(self, cfg: ModelConfig, max_slots: int) -> dict:
         return init_state(cfg, max_slots)

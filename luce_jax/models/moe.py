@@ -22,6 +22,19 @@ from ..config import ModelConfig
 from .linear import Gated, linear
 
 
+def read_config(get) -> dict:
+    """Expert fields of ModelConfig from a file's metadata (a family's read_config calls it
+    for its MoE architectures). llama.cpp renormalizes qwen3moe's top-k router weights unless
+    the file says otherwise (expert_weights_norm), as Qwen3-MoE's norm_topk_prob does."""
+    return dict(
+        n_experts=int(get("expert_count")),
+        n_experts_used=int(get("expert_used_count")),
+        expert_ffn_dim=int(get("expert_feed_forward_length")),
+        expert_weights_norm=bool(get("expert_weights_norm", True)),
+        shared_expert_ffn_dim=int(get("expert_shared_feed_forward_length", 0)),
+    )
+
+
 def route(h, router, cfg: ModelConfig):
     """Top-k experts of each token and their weights.
 

@@ -39,10 +39,7 @@ def enable_speculation(config, engine, draft, runner_for, pairs, clock) -> None:
             d_runner.warmup(pairs)
         proposer = DraftProposer(
             d_runner,
-            engine.pool.num_blocks,
-            config.kv_block_size,
             config.max_concurrency,
-            config.max_blocks_per_seq,
             engine.token_buckets,
             engine.rows_for,
             config.prefill_chunk,

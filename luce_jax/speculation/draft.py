@@ -34,8 +34,7 @@ class DraftProposer:
 
     Args:
       runner: a warmed draft_runner.DraftRunner of the draft model.
-      num_blocks: blocks of its pool (sink included), as the runner's KV was built with.
-      block_size, max_slots, max_blocks_per_seq: as the target engine's.
+      max_slots: as the target engine's (its pool's shape is the runner's).
       token_buckets: the draft runner's warmed token buckets; rows_for: T -> row bucket.
       chunk: prompt tokens one slot feeds per catch-up step.
       slots: the target engine's SlotTable, whose sampling parameters, seeds and progress the
@@ -43,11 +42,10 @@ class DraftProposer:
     """
 
     def __init__(
-        self, runner, num_blocks, block_size, max_slots, max_blocks_per_seq, token_buckets,
-        rows_for, chunk, slots=None,
+        self, runner, max_slots, token_buckets, rows_for, chunk, slots=None,
     ):  # fmt: skip
         self.runner, self.slots = runner, slots
-        self.pool = KVPool(num_blocks, block_size, max_slots, max_blocks_per_seq)
+        self.pool = KVPool([runner.shape], max_slots)
         self.token_buckets, self.rows_for, self.chunk = token_buckets, rows_for, chunk
         self.seq: dict[int, list[int]] = {}  # slot -> prompt + accepted output
         self.fed: dict[int, int] = {}  # tokens of seq in the draft cache

@@ -51,14 +51,16 @@ class DraftRunner:
     """
 
     def __init__(
-        self, cfg, params, num_blocks, block_size, max_slots, max_blocks_per_seq, kv_types,
-        kernels: Kernels = XLA, *, depth: int, vocab: int | None = None,
+        self, cfg, params, spaces, max_slots, kv_types, kernels: Kernels = XLA, *, depth: int,
+        vocab: int | None = None,
     ):  # fmt: skip
         self.cfg, self.params, self.depth = cfg, params, depth
         self.vocab = vocab or cfg.vocab_size
-        self.block_size, self.max_slots, self.max_blocks = block_size, max_slots, max_blocks_per_seq
+        self.shape = spaces[0]  # the draft's one cache group (the target's first's shape)
+        self.block_size, self.max_slots, self.max_blocks = (
+            self.shape.block_size, max_slots, self.shape.max_blocks)  # fmt: skip
         family = family_of(cfg)  # one without per-slot state: the draft keeps only its KV
-        self.kv = family.init_caches(cfg, num_blocks, block_size, *kv_types)
+        self.kv = family.init_caches(cfg, [self.shape], *kv_types)
 
         def forward(params, kv, batch):
             logits, kv, _, stats = family.forward(params, kv, None, batch, cfg, kernels)
