@@ -53,6 +53,16 @@ def grouped_matmul_fn(backend: str):
     return grouped_matmul_xla
 
 
+def moe_router_fn(backend: str):
+    """The fused MoE router (pallas_kernels/moe_router.py) with the Pallas MoE backend, else
+    None: XLA's ops."""
+    if backend == "pallas":
+        from pallas_kernels.moe_router import moe_router
+
+        return moe_router
+    return None
+
+
 def quant_activations_for(setting: str, model_cfg) -> str:
     """EngineConfig.quant_activations for a model: "auto" is int8 for dense models and float
     for MoE. On the H200 int8 made 30B-A3B Q4_K_M's C1 decode 175 -> 74 tok/s: its kernels ran
@@ -115,4 +125,5 @@ def kernels(config, model_cfg):
         ),
         rope_write=rope_write_fn(config.attention_backend),
         gated_delta=gated_delta_fn(config.attention_backend),
+        moe_router=moe_router_fn(config.moe_backend),
     )

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # Weights: a float dtype dequantizes every GGUF tensor to it at load; quantized keeps the
 # quantized ones (pallas_kernels/ggml_blocks.py FORMATS) in their blocks on the device, float
@@ -83,21 +84,15 @@ class ModelConfig:
     n_experts_used: int = 0  # experts per token (top-k)
     expert_ffn_dim: int = 0
     expert_weights_norm: bool = False  # renormalize the top-k router weights to sum to 1
+    expert_scoring: str = "softmax"  # router scores (pallas_kernels/moe_router.SCORINGS)
+    expert_weights_scale: float = 1.0  # the routing weights' factor
+    expert_groups: int = 1  # group-limited routing: experts in this many groups,
+    expert_groups_used: int = 1  # of which this many best are eligible
     shared_expert_ffn_dim: int = 0  # qwen35moe: an always-on expert, gated by sigmoid
-    # Hybrid (qwen35): per layer, True where it is Gated DeltaNet (linear attention, recurrent
-    # state in the slot) rather than full attention; () = every layer is full attention.
-    recurrent: tuple[bool, ...] = ()
     attn_gate: bool = False  # full attention's query projection also yields a sigmoid gate
-    ssm_conv: int = 0  # Kc: causal convolution width of the linear layers
-    ssm_k_heads: int = 0  # Hk: key heads of the linear layers
-    ssm_v_heads: int = 0  # Hv: value heads (Hv / Hk per key head)
-    ssm_k_dim: int = 0  # Dk
-    ssm_v_dim: int = 0  # Dv
-
-    @property
-    def conv_dim(self) -> int:
-        """C: channels of a linear layer's convolution (q, k and v)."""
-        return 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim
+    # The family's own fields (a frozen dataclass of its module's, from its read_config:
+    # models/hybrid.HybridConfig, say); None for a family that has none.
+    own: Any = None
 
     @property
     def q_size(self) -> int:

@@ -95,12 +95,13 @@ def dot_nn(x, w):
 
 def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref, *, fmt, BM,
             BN, U, S, steps, n_blocks, R, E, unit, int8, ptx, piece, live_only,
-            prefetch, int8_dots):  # fmt: skip
-    """Program (i, j, s); with E experts, row i alone times expert ex_ref[i] (BM 1)."""
+            prefetch, int8_dots, fan):  # fmt: skip
+    """Program (i, j, s); with E experts, row i alone (x's row i // fan) times expert
+    ex_ref[i] (BM 1)."""
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     float_decode = FLOAT_DECODERS.get(QTYPES[fmt.qtype]) if unit else None
     int_decode = INT_DECODERS[QTYPES[fmt.qtype]] if int8 else None
-    M, K = x_ref.shape
+    M, K = x_ref.shape[0] * fan, x_ref.shape[1]
     N = b_ref.shape[-2]
     e = jnp.minimum(ex_ref[i], E - 1) if E else None  # clamped: loads stay in bounds
     body_at = (lambda r, b: b_ref.at[r, b]) if e is None else (lambda r, b: b_ref.at[e, r, b])
@@ -256,7 +257,7 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
     if E:
         zero = functools.partial(jnp.zeros, (BM, BN), jnp.float32)
         out = functools.partial(jax.lax.cond, (0 <= ex_ref[i]) & (ex_ref[i] < E),
-                                functools.partial(vectors, 1, i), zero)  # fmt: skip
+                                functools.partial(vectors, 1, i // fan), zero)  # fmt: skip
     out = out()
     # The partials hold M rows, not NI * BM (a padded tile doubled their traffic at M 8), and
     # with `live_only` (unsummed splits) the padding rows past live are not stored either.
@@ -290,6 +291,7 @@ def quant_matmul(
     live=None,
     *,
     experts=None,
+    fan_out: int = 1,
     x8=None,
     splits: bool = False,
     out_dtype=jnp.float32,
@@ -317,9 +319,10 @@ def quant_matmul(
       live: int32 scalar, the rows that matter (the step's real tokens; rows at or past it are
         padding and their results unspecified), or None (all M). A call with at most
         `vector_rows` live rows takes the vector-unit path.
-      experts: [M] int32, with a stack w: row m times expert experts[m]'s weights, each row
-        alone on the vector path, every loop step its own program; rows whose expert is not
-        in [0, E) (padding) give zeros.
+      experts: [M * fan_out] int32, with a stack w: row m times expert experts[m]'s weights,
+        each row alone on the vector path, every loop step its own program; rows whose
+        expert is not in [0, E) (padding) give zeros. fan_out: rows of the product per row
+        of x (a token's k experts read its one row: no repeated copy of x).
       x8: x's int8 rows (q, d, s16, s32) as int8_rows gives them, where the caller has them
         (int8_rows.norm_int8_rows rounds a normed x in the norm's kernel); None: rounded here.
       splits: return the contraction splits' float32 partials [S, M, N], unsummed, for a
@@ -353,8 +356,9 @@ def quant_matmul(
     if len(w.shape) != 2 + bool(E) or w.shape[-1] != K:
         want = "(E, N, K) with experts" if E else "(N, K)"
         raise ValueError(f"x {x.shape} and {w.qtype} weight {w.shape} {want} do not fit")
-    if E and experts.shape != (M,):
-        raise ValueError(f"experts {experts.shape} must be one per row of x {x.shape}")
+    if E and experts.shape != (M * fan_out,) or fan_out != 1 and not E:
+        raise ValueError(f"experts {experts.shape}: fan_out={fan_out} per row of x {x.shape}")
+    M *= fan_out  # the product's rows
     N = w.shape[-2]
     fmt = w.format
     R = 0 if live is None or E else min(vector_rows, M)
@@ -379,7 +383,7 @@ def quant_matmul(
     kernel = functools.partial(_kernel, fmt=fmt, BM=BM, BN=BN, U=U, S=S, steps=steps,
                                n_blocks=n_blocks, R=R, E=E, unit=unit_codes, int8=int8_x,
                                ptx=ptx, piece=piece, live_only=splits,
-                               prefetch=prefetch, int8_dots=int8_dots)  # fmt: skip
+                               prefetch=prefetch, int8_dots=int8_dots, fan=fan_out)  # fmt: skip
     xw, dx, sx = x, jnp.zeros((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
     if int8_x:
         xw, dx, s16, s32 = int8_rows(x, ptx=ptx, interpret=interpret) if x8 is None else x8

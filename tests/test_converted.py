@@ -31,7 +31,7 @@ def greedy_logits(cfg, params, prompt, n=converted.GREEDY) -> np.ndarray:
     64-token bucket (one compile)."""
     blocks = -(-(len(prompt) + n) // P)
     tables = np.arange(1, blocks + 1, dtype=np.int32)[None]
-    if cfg.recurrent:
+    if cfg.own is not None:
         kv, state = hybrid.init_kv(cfg, blocks + 1, P, jnp.float32), hybrid.init_state(cfg, 1)
         step = jax.jit(hybrid.forward, static_argnums=(4,))
     else:
@@ -40,7 +40,7 @@ def greedy_logits(cfg, params, prompt, n=converted.GREEDY) -> np.ndarray:
     out, row = [], Row(0, tuple(prompt), 0, True)
     for i in range(n + 1):
         batch = lower([row], tables, P, 64, 1)
-        if cfg.recurrent:
+        if cfg.own is not None:
             batch["fresh"] = np.array([i == 0], np.int32)
             batch = {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in batch.items()}
             logits, kv, state = step(params, kv, state, batch, cfg)
@@ -82,7 +82,7 @@ def test_mtp_layers_the_converter_exports_are_skipped(name):
     n = f.metadata[f"{arch}.block_count"]
     assert any(t.startswith(f"blk.{n - 1}.nextn.") for t in f.tensors)
     cfg = model_config(f.metadata)
-    assert cfg.n_layers == n - 1 and len(cfg.recurrent) == n - 1
+    assert cfg.n_layers == n - 1 and len(cfg.own.recurrent) == n - 1
 
 
 def test_a_tensor_of_the_wrong_shape_is_refused_in_one_line_naming_it(tmp_path):

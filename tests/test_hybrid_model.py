@@ -63,8 +63,13 @@ def fresh_caches(cfg):
 
 def test_the_file_describes_the_layers_and_the_state(qwen35):
     _, cfg, params, _ = qwen35
-    assert cfg.arch == "qwen35" and cfg.recurrent == (True, True, True, False)
-    assert (cfg.ssm_conv, cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim) == (4, 2, 4, 16)
+    assert cfg.arch == "qwen35" and cfg.own.recurrent == (True, True, True, False)
+    assert (cfg.own.ssm_conv, cfg.own.ssm_k_heads, cfg.own.ssm_v_heads, cfg.own.ssm_k_dim) == (
+        4,
+        2,
+        4,
+        16,
+    )
     assert cfg.rope_dim == 8 and hybrid.attention_layers(cfg) == 1
     assert params["layers"][0]["w_in"].shape == (64, 2 * 2 * 16 + 4 * 16 + 4 * 16 + 2 * 4)
     assert params["layers"][3]["wqkv"].shape == (64, 2 * 4 * 32 + 2 * 2 * 32)
@@ -159,7 +164,7 @@ def test_engine_batched_equals_one_at_a_time(engine, chunk, budget):
     from test_engine import check_batched_equals_alone
 
     config, tok, eng = engine
-    assert eng.runner.cfg.recurrent and not eng.pool.cache  # no prefix cache for hybrids
+    assert eng.runner.cfg.own.recurrent and not eng.pool.cache  # no prefix cache for hybrids
     check_batched_equals_alone(tok, eng, config, chunk, budget)
 
 
@@ -333,8 +338,8 @@ def test_make_model_writes_a_hybrid_file_that_runs_kept_quantized(
     for quantized in (True, False):
         f = GGUFFile(path)
         cfg, params = load_params(f, model_config(f.metadata), "float32", quantized)
-        assert cfg.arch == arch and cfg.recurrent == (True, True, True, False)
-        assert cfg.conv_dim == 1024 and cfg.n_experts == (4 if arch == "qwen35moe" else 0)
+        assert cfg.arch == arch and cfg.own.recurrent == (True, True, True, False)
+        assert cfg.own.conv_dim == 1024 and cfg.n_experts == (4 if arch == "qwen35moe" else 0)
         kv, state = fresh_caches(cfg)
         rows = [Row(0, (5, 9, 100, 7), 0, True), Row(1, (3,) * 11, 0, True)]
         logits, _, _ = run(cfg, params, kv, state, rows, {0: (1,), 1: (2,)}, {0, 1})
@@ -389,7 +394,7 @@ def test_a_decode_step_on_the_fused_int8_kernels_computes_what_xla_does(tmp_path
     # each kind of layer (traced once: hybrid.layer is jitted) ran its two norms and its FFN's
     # glu through the fused kernels, then the head its norm
     layer_calls = ["norm_int8_rows", "norm_int8_rows", "glu_int8_rows"]
-    assert calls == layer_calls * len(set(cfg.recurrent)) + ["norm_int8_rows"]
+    assert calls == layer_calls * len(set(cfg.own.recurrent)) + ["norm_int8_rows"]
     # Measured: up to 0.031 from XLA's (2% of the largest logit), as the kernel rounding its
     # rows itself is.
     np.testing.assert_allclose(got, want, rtol=0, atol=5e-2 * np.abs(want).max())
@@ -423,7 +428,7 @@ def test_moe_hybrid_engine_batched_equals_one_at_a_time(qwen35moe, compile_cache
 
     cfg = EngineConfig(model=qwen35moe[3], compile_cache_dir=compile_cache, **TINY_ENGINE)
     tok, eng = load_engine(cfg)
-    assert eng.runner.cfg.n_experts == 8 and eng.runner.cfg.recurrent
+    assert eng.runner.cfg.n_experts == 8 and eng.runner.cfg.own.recurrent
     check_batched_equals_alone(tok, eng, cfg, 8, 16)
 
 

@@ -53,7 +53,7 @@ def dense_reference(lp, h, cfg):
 def test_route_takes_top_k_of_the_softmax_and_normalizes_as_configured(norm):
     cfg, lp = config(norm), layer()
     h = jnp.asarray(np.random.default_rng(1).standard_normal((5, 16)), jnp.float32)
-    w, idx = moe.route(h, lp["router"], cfg)
+    w, idx = moe.route(h, lp, cfg)
     probs = np.asarray(jax.nn.softmax(h @ lp["router"], axis=-1))
     np.testing.assert_array_equal(
         np.sort(np.asarray(idx), 1), np.sort(np.argsort(-probs, 1)[:, :2], 1)
@@ -86,8 +86,8 @@ def test_every_layers_counts_come_from_one_call():
 
 
 def test_padding_rows_sort_last_and_join_no_expert():
-    experts = jnp.asarray([[3, 1], [3, 0], [1, 3]], jnp.int32)
-    order, sizes = moe.group(experts, 5, real=jnp.asarray([True, False, True]))
+    experts = jnp.asarray([[3, 1], [5, 5], [1, 3]], jnp.int32)  # token 1 is padding (route's)
+    order, sizes = moe.group(experts, 5)
     assert np.asarray(sizes).tolist() == [0, 2, 0, 2, 0]  # token 1's pairs count nowhere
     assert np.asarray(order).tolist() == [1, 4, 0, 5, 2, 3]
 
@@ -96,8 +96,7 @@ def test_ffn_of_real_rows_ignores_padding_rows():
     """Padding rows come out zero and leave the real rows' outputs and counts unchanged."""
     cfg, lp = config(True), layer(seed=3)
     h = jnp.asarray(np.random.default_rng(3).standard_normal((6, 16)), jnp.float32)
-    real = jnp.arange(6) < 4
-    y, pairs = moe.ffn(lp, h, cfg, real=real)
+    y, pairs = moe.ffn(lp, h, cfg, live=jnp.int32(4))
     y_real, pairs_real = moe.ffn(lp, h[:4], cfg)
     sizes, sizes_real = (moe.expert_counts(p, cfg.n_experts) for p in (pairs, pairs_real))
     np.testing.assert_allclose(np.asarray(y[:4]), np.asarray(y_real), atol=1e-6)

@@ -162,9 +162,9 @@ def test_quantized_experts_a_pair_at_a_time_compute_what_grouped_ones_do(files):
     lp = params["layers"][1]
     qmm = QuantMatmul(functools.partial(quant_matmul, interpret=True), max_pairs=16)
     h = jax.random.normal(jax.random.key(4), (8, cfg.d_model), jnp.float32)
-    real = jnp.arange(8) < 5
-    got, pairs = moe.ffn(lp, h, cfg, None, real, qmm)
-    want, want_pairs = moe.ffn(lp, h, cfg, None, real, None)  # XLA's, experts dequantized
+    live = jnp.int32(5)
+    got, pairs = moe.ffn(lp, h, cfg, None, live, qmm)
+    want, want_pairs = moe.ffn(lp, h, cfg, None, live, None)  # XLA's, experts dequantized
     sizes, want_sizes = (moe.expert_counts(p, cfg.n_experts) for p in (pairs, want_pairs))
     scale = np.abs(np.asarray(want)).max()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5 * scale)
@@ -483,13 +483,13 @@ def test_the_hybrid_step_exports_for_rocm_with_its_state_updated_in_place(
             disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
         )(*args)  # fmt: skip
         module = exp.mlir_module()
-        state = "x".join(map(str, (sum(cfg.recurrent), 4, 4, 128, 128)))
+        state = "x".join(map(str, (sum(cfg.own.recurrent), 4, 4, 128, 128)))
         # every layer a call of a layer function (one per layer kind and weight-type mix);
         # the linear ones' gated delta runs on the whole state array, its output aliased to it
         # (the kernel writes the step's slots' rows in place)
         assert len(re.findall(r"call @layer(?:_\d+)?\(", module)) == cfg.n_layers
         deltas = len(re.findall(r"call @gated_delta_in_place(?:_\d+)?\(", module))
-        assert 1 <= deltas <= sum(cfg.recurrent)
+        assert 1 <= deltas <= sum(cfg.own.recurrent)
         kernel = [ln for ln in module.splitlines() if triton in ln and f"{state}xf32>)" in ln]
         assert kernel and all("output_operand_alias" in ln for ln in kernel)
         assert all(f"tensor<{state}xf32>)" in ln.split("->")[-1] for ln in kernel)

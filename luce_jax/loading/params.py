@@ -138,9 +138,13 @@ def load_params(
             )
             out = {
                 "router": tensor(p + "ffn_gate_inp.weight", True, out_dtype=f32),
+                # DeepSeek's selection bias (e_score_correction_bias), where the file has one
+                "router_bias": tensor(p + "exp_probs_b.bias", optional=True, out_dtype=f32),
                 "w_gu_exps": fuse([gate, up], experts=True),
                 "w_down_exps": down,
             }
+            if out["router_bias"] is None:
+                del out["router_bias"]
             if cfg.shared_expert_ffn_dim:
                 # [d]: llama.cpp's converter writes [1, d] (GGUF [d, 1]), check_shape squeezes it
                 out["shexp_gate"] = tensor(p + "ffn_gate_inp_shexp.weight", out_dtype=f32)
@@ -182,10 +186,10 @@ def load_params(
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """The numpy-order shape (GGUF's reversed) `cfg` expects of each file tensor, by its name
-    without the blk.N. prefix; None for a dimension it does not fix (the vocabulary)."""
+    without the blk.N. prefix; None for a dimension it does not fix (the vocabulary). The
+    family's own tensors come from its tensor_shapes."""
     d, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     E, Fe, Fs = cfg.n_experts, cfg.expert_ffn_dim, cfg.shared_expert_ffn_dim
-    C, Hv, Dv = cfg.conv_dim, cfg.ssm_v_heads, cfg.ssm_v_dim
     q = H * D * (2 if cfg.attn_gate else 1)  # a gated query also yields its gate
     return {
         "token_embd.weight": (None, d),
@@ -208,6 +212,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
         "ffn_up.weight": (cfg.ffn_dim, d),
         "ffn_down.weight": (d, cfg.ffn_dim),
         "ffn_gate_inp.weight": (E, d),
+        "exp_probs_b.bias": (E,),
         "ffn_gate_exps.weight": (E, Fe, d),
         "ffn_up_exps.weight": (E, Fe, d),
         "ffn_down_exps.weight": (E, d, Fe),
@@ -215,15 +220,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
         "ffn_gate_shexp.weight": (Fs, d),
         "ffn_up_shexp.weight": (Fs, d),
         "ffn_down_shexp.weight": (d, Fs),
-        "attn_qkv.weight": (C, d),
-        "attn_gate.weight": (Hv * Dv, d),
-        "ssm_beta.weight": (Hv, d),
-        "ssm_alpha.weight": (Hv, d),
-        "ssm_conv1d.weight": (C, cfg.ssm_conv),
-        "ssm_dt.bias": (Hv,),
-        "ssm_a": (Hv,),
-        "ssm_norm.weight": (Dv,),
-        "ssm_out.weight": (d, Hv * Dv),
+        **family_of(cfg).tensor_shapes(cfg),
     }
 
 

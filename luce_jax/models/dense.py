@@ -63,6 +63,7 @@ def forward(
     quant_matmul: QuantMatmul | None = None,
     rope_write=None,
     hidden: bool = False,
+    moe_router=None,
 ):
     """One model step over packed tokens; writes this step's K/V and returns requested logits.
 
@@ -81,6 +82,7 @@ def forward(
       rope_write: q and k's norms, rope and the KV write in one kernel
         (pallas_kernels/rope_write.py's signature), for the layers it fits; None: XLA's ops.
       hidden: also return the logits rows' residual stream (what a draft head reads).
+      moe_router: MoE layers' fused router (pallas_kernels/moe_router.py), or None: XLA's.
     Returns:
       (logits [R, V] float32, new kv, stats): stats holds expert_counts [L_moe, E] int32
       (real tokens routed to each expert in each MoE layer) for MoE models, and with `hidden`
@@ -92,7 +94,7 @@ def forward(
         cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
     new_kv, pairs = [], []
     live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
-    kernels = Kernels(attn, grouped_matmul, quant_matmul, rope_write)
+    kernels = Kernels(attn, grouped_matmul, quant_matmul, rope_write, moe_router=moe_router)
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
         x, kc, vc, routed = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
         if routed is not None:
@@ -164,8 +166,7 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
     with jax.named_scope("mlp"):
         h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
         if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
-            live_rows = jnp.arange(T) < live
-            y, routed = moe.ffn(lp, h.array(), cfg, grouped_matmul, live_rows, quant_matmul)
+            y, routed = moe.ffn(lp, h, cfg, grouped_matmul, live, quant_matmul, kernels.moe_router)
             x = x + y
         else:
             x = x + summed(swiglu(lp, h, quant_matmul, live, splits=True))
@@ -261,6 +262,9 @@ class DenseFamily:
     def layer_params(self, cfg: ModelConfig, i: int, t) -> dict:
         return attention_params(cfg, f"blk.{i}.", t, "ffn_norm")
 
+    def tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple]:
+        return {}  # attention and FFN tensors only: loading/params.expected_shapes has them
+
     def cache_groups(self, cfg: ModelConfig, kv_bytes_per_entry: float) -> list[CacheGroup]:
         return [CacheGroup("full", cfg.n_layers, cfg.n_layers * kv_bytes_per_entry)]
 
@@ -274,7 +278,8 @@ class DenseFamily:
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
         logits, caches, stats = forward(params, caches, batch, cfg, kernels.attention,
                                         kernels.grouped_matmul, kernels.quant_matmul,
-                                        kernels.rope_write, hidden)  # fmt: skip
+                                        kernels.rope_write, hidden,
+                                        kernels.moe_router)  # fmt: skip
         return logits, caches, slot_state, stats
 
 

@@ -36,6 +36,7 @@ class Kernels(NamedTuple):
     quant_matmul: Any = None  # models.linear.QuantMatmul: projections over quantized weights
     rope_write: Callable | None = None  # q, k norms, rope and the KV write in one kernel
     gated_delta: Callable | None = None  # the gated delta rule in place (hybrid layers)
+    moe_router: Callable | None = None  # MoE routing in one kernel (moe.route's decode buckets)
 
 
 XLA = Kernels()  # every op XLA's or the jnp reference's
@@ -86,14 +87,20 @@ class ModelFamily(Protocol):
 
     def read_config(self, arch: str, get: Callable, md: dict, n_layers: int) -> dict:
         """The ModelConfig fields it reads from a file's metadata beyond the shared ones
-        (loading/gguf.model_config): get(key, default) is `{arch}.{key}` (an error that names
-        a key missing without a default), md the whole metadata, n_layers the model's blocks."""
+        (loading/gguf.model_config), its own in `own` (a frozen dataclass of its module's):
+        get(key, default) is `{arch}.{key}` (an error that names a key missing without a
+        default), md the whole metadata, n_layers the model's blocks."""
         ...
 
     def layer_params(self, cfg: ModelConfig, i: int, t) -> dict:
         """Layer i's params from the file's tensors, in its fused layouts: t has tensor(name,
         transpose, optional, out_dtype, keep), linear(*names) (one projection, outputs
         concatenated), ffn(prefix) (a dense or experts' FFN) and f32 (loading/params.py)."""
+        ...
+
+    def tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple]:
+        """Shapes of the tensors it adds to the shared attention and FFN ones, by name without
+        the blk.N. prefix, numpy order (checked at load)."""
         ...
 
     def cache_groups(self, cfg: ModelConfig, kv_bytes_per_entry: float) -> list[CacheGroup]:

@@ -16,6 +16,7 @@ H / K / D of the attention layers, V vocabulary.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -32,21 +33,39 @@ from .linear import Normed, QuantMatmul, embed, linear, weight_dtype
 from .logits import head
 
 
+@dataclass(frozen=True)
+class HybridConfig:
+    """The hybrid family's fields of a ModelConfig (its `own`)."""
+
+    # per layer, True where it is Gated DeltaNet (linear attention, recurrent state in the
+    # slot) rather than full attention
+    recurrent: tuple[bool, ...]
+    ssm_conv: int  # Kc: causal convolution width of the linear layers
+    ssm_k_heads: int  # Hk: key heads of the linear layers
+    ssm_v_heads: int  # Hv: value heads (Hv / Hk per key head)
+    ssm_k_dim: int  # Dk
+    ssm_v_dim: int  # Dv
+
+    @property
+    def conv_dim(self) -> int:
+        """C: channels of a linear layer's convolution (q, k and v)."""
+        return 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim
+
+
 def init_state(cfg: ModelConfig, max_slots: int) -> dict:
     """Zeroed per-slot state of the linear layers (float32): conv [Lr, S_max, Kc-1, C] (the
     last inputs of the convolution, oldest first) and ssm [Lr, S_max, Hv, Dk, Dv]."""
-    n = sum(cfg.recurrent)
+    hc = cfg.own
+    n = sum(hc.recurrent)
     return {
-        "conv": jnp.zeros((n, max_slots, cfg.ssm_conv - 1, cfg.conv_dim), jnp.float32),
-        "ssm": jnp.zeros(
-            (n, max_slots, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim), jnp.float32
-        ),
+        "conv": jnp.zeros((n, max_slots, hc.ssm_conv - 1, hc.conv_dim), jnp.float32),
+        "ssm": jnp.zeros((n, max_slots, hc.ssm_v_heads, hc.ssm_k_dim, hc.ssm_v_dim), jnp.float32),
     }
 
 
 def attention_layers(cfg: ModelConfig) -> int:
     """The gated attention layers: those with a KV cache."""
-    return cfg.n_layers - sum(cfg.recurrent)
+    return cfg.n_layers - sum(cfg.own.recurrent)
 
 
 def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=None) -> list:
@@ -99,8 +118,9 @@ def linear_attention(lp, h, conv_hist, ssm, li, batch, cfg: ModelConfig, qmm, li
     kernel or its reference), which reads and writes the rows of the step's slots only.
     Returns: (out [T, d], new conv history [S, Kc-1, C], the updated ssm)."""
     T = h.shape[0]
-    Hk, Hv, Dk, Dv = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_k_dim, cfg.ssm_v_dim
-    C = cfg.conv_dim
+    hc = cfg.own
+    Hk, Hv, Dk, Dv = hc.ssm_k_heads, hc.ssm_v_heads, hc.ssm_k_dim, hc.ssm_v_dim
+    C = hc.conv_dim
     proj = linear(h, lp["w_in"], qmm, live).astype(jnp.float32)
     mixed, z = proj[:, :C], proj[:, C : C + Hv * Dv]
     b, a = proj[:, C + Hv * Dv : C + Hv * Dv + Hv], proj[:, C + Hv * Dv + Hv :]
@@ -163,8 +183,7 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
     x = x + y.astype(x.dtype)
     h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
     if "router" in lp:  # qwen35moe: routed experts and the gated shared expert
-        real = jnp.arange(x.shape[0]) < live
-        return x + moe.ffn(lp, h.array(), cfg, grouped_matmul, real, qmm)[0], mix
+        return x + moe.ffn(lp, h, cfg, grouped_matmul, live, qmm, kernels.moe_router)[0], mix
     return x + swiglu(lp, h, qmm, live), mix
 
 
@@ -178,6 +197,7 @@ def forward(
     quant_matmul: QuantMatmul | None = None,
     delta_fn=None,
     grouped_matmul=None,
+    moe_router=None,
 ):
     """One hybrid model step over packed tokens.
 
@@ -185,8 +205,8 @@ def forward(
       params: params.load_params' pytree of a qwen35 file; kv: init_kv's caches;
       state: init_state's arrays; batch: dense.forward's arrays plus slots [S] (-1 for
         padding rows) and fresh [S] (1 on a slot's first row: its state starts from zero).
-      attention_fn, quant_matmul, grouped_matmul: as dense.forward; delta_fn: the gated delta
-        rule in place (default: gated_delta_in_place_reference).
+      attention_fn, quant_matmul, grouped_matmul, moe_router: as dense.forward; delta_fn: the
+        gated delta rule in place (default: gated_delta_in_place_reference).
     Returns:
       (logits [R, V] float32, new kv, new state).
     """
@@ -207,8 +227,8 @@ def forward(
     conv, ssm = state["conv"], state["ssm"]
     new_kv = []
     li = ai = 0
-    kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta)
-    for lp, recurrent in zip(params["layers"], cfg.recurrent, strict=True):
+    kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta, moe_router=moe_router)
+    for lp, recurrent in zip(params["layers"], cfg.own.recurrent, strict=True):
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
             x, (hist, ssm) = layer(lp, x, (hist, ssm, jnp.int32(li)), cos, sin, batch, live,
@@ -249,24 +269,43 @@ class HybridFamily:
             every = int(get("full_attention_interval", 4))
             flags = [(i + 1) % every != 0 for i in range(n_layers)]
         v_heads = int(get("ssm.time_step_rank"))
-        return dict(
-            qk_norm=True,
+        own = HybridConfig(
             recurrent=tuple(bool(f) for f in flags[:n_layers]),
-            attn_gate=True,
             ssm_conv=int(get("ssm.conv_kernel")),
             ssm_k_heads=int(get("ssm.group_count")),
             ssm_v_heads=v_heads,
             ssm_k_dim=int(get("ssm.state_size")),
             ssm_v_dim=int(get("ssm.inner_size")) // v_heads,
+        )
+        return dict(
+            qk_norm=True,
+            attn_gate=True,
+            own=own,
             **(moe.read_config(get) if arch == "qwen35moe" else {}),
         )
+
+    def tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple]:
+        """Its linear layers' tensors (loading/params.expected_shapes' form)."""
+        hc, d = cfg.own, cfg.d_model
+        C, Hv, Dv = hc.conv_dim, hc.ssm_v_heads, hc.ssm_v_dim
+        return {
+            "attn_qkv.weight": (C, d),
+            "attn_gate.weight": (Hv * Dv, d),
+            "ssm_beta.weight": (Hv, d),
+            "ssm_alpha.weight": (Hv, d),
+            "ssm_conv1d.weight": (C, hc.ssm_conv),
+            "ssm_dt.bias": (Hv,),
+            "ssm_a": (Hv,),
+            "ssm_norm.weight": (Dv,),
+            "ssm_out.weight": (d, Hv * Dv),
+        }
 
     def layer_params(self, cfg: ModelConfig, i: int, t) -> dict:
         """A Gated DeltaNet layer: w_in [d, C + Hv*Dv + 2Hv] (q, k, v | z | beta | alpha), conv
         [C, Kc], dt_bias, ssm_a [Hv] (-exp(A_log)), ssm_norm [Dv], w_out [Hv*Dv, d]; or a
         gated attention layer (dense.attention_params, its query yielding a gate)."""
         p = f"blk.{i}."
-        if not cfg.recurrent[i]:
+        if not cfg.own.recurrent[i]:
             return attention_params(cfg, p, t, "post_attention_norm")
         f32 = t.f32
         return {
@@ -297,7 +336,7 @@ class HybridFamily:
         k = kernels
         logits, caches, slot_state = forward(
             params, caches, slot_state, batch, cfg, k.attention, k.quant_matmul, k.gated_delta,
-            k.grouped_matmul,
+            k.grouped_matmul, k.moe_router,
         )  # fmt: skip
         return logits, caches, slot_state, {}
 

@@ -16,57 +16,74 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe_grouping import expert_weights
+from pallas_kernels.moe_router import moe_router_reference
 from pallas_kernels.quant_weight import QuantWeight
 
 from ..config import ModelConfig
-from .linear import Gated, linear
+from .linear import Gated, Normed, linear
+
+# llama.cpp's expert_gating_func values: the router's scoring
+GATING = {1: "softmax", 2: "sigmoid", 4: "sqrtsoftplus"}
+# Steps of at most this many rows route in the fused router kernel (Kernels.moe_router): the
+# decode and small verify buckets, whose router was four or more kernels a layer; larger
+# buckets keep XLA's ops, where a program per row would read the router matrix once a row.
+ROUTER_MAX_ROWS = 64
 
 
 def read_config(get) -> dict:
     """Expert fields of ModelConfig from a file's metadata (a family's read_config calls it
     for its MoE architectures). llama.cpp renormalizes qwen3moe's top-k router weights unless
     the file says otherwise (expert_weights_norm), as Qwen3-MoE's norm_topk_prob does."""
+    gating = int(get("expert_gating_func", 1))
+    if gating not in GATING:
+        raise ValueError(f"expert_gating_func={gating}: supported {GATING}")
     return dict(
         n_experts=int(get("expert_count")),
         n_experts_used=int(get("expert_used_count")),
         expert_ffn_dim=int(get("expert_feed_forward_length")),
         expert_weights_norm=bool(get("expert_weights_norm", True)),
         shared_expert_ffn_dim=int(get("expert_shared_feed_forward_length", 0)),
+        expert_scoring=GATING[gating],
+        expert_weights_scale=float(get("expert_weights_scale", 1.0)),
+        expert_groups=int(get("expert_group_count", 1)),
+        expert_groups_used=int(get("expert_group_used_count", 1)),
     )
 
 
-def route(h, router, cfg: ModelConfig):
-    """Top-k experts of each token and their weights.
+def route(h, lp: dict, cfg: ModelConfig, router=None, live=None):
+    """Top-k experts of each token and their weights (pallas_kernels/moe_router.py's routing:
+    the config's scoring, selection bias, groups, renormalization and scale).
 
     Args:
-      h: [T, d] float32 normed hidden states; router: [d, E] float32.
+      h: Normed rows of the FFN input (or [T, d] float32 already normed); lp: the layer's
+        router [d, E] and router_bias [E] if any; router: the fused kernel
+        (Kernels.moe_router), run on buckets of at most ROUTER_MAX_ROWS rows, or None;
+      live: int32 scalar, the real rows (None: all).
     Returns:
-      (weights [T, k] float32, experts [T, k] int32): softmax over all E, then the top k,
-      renormalized to sum to 1 when the architecture says so (expert_weights_norm).
+      (weights [T, k] float32, experts [T, k] int32); rows at or past live: expert E, weight 0.
     """
-    logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
-    if cfg.expert_weights_norm:
-        # The top k of the softmax, renormalized, is the softmax of the top k logits: no
-        # reduction over all E experts (kernels of every decode step, each layer's)
-        z, idx = jax.lax.top_k(logits, cfg.n_experts_used)
-        return jax.nn.softmax(z, axis=-1), idx.astype(jnp.int32)
-    w, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.n_experts_used)
-    return w, idx.astype(jnp.int32)
+    kw = dict(k=cfg.n_experts_used, scoring=cfg.expert_scoring, renorm=cfg.expert_weights_norm,
+              scale=cfg.expert_weights_scale, groups=cfg.expert_groups,
+              groups_used=cfg.expert_groups_used)  # fmt: skip
+    bias = lp.get("router_bias")
+    if router is not None and isinstance(h, Normed) and h.shape[0] <= ROUTER_MAX_ROWS:
+        return router(h.x, lp["router"], bias, h.w, eps=h.eps, live=live, **kw)
+    x = h.array() if isinstance(h, Normed) else h
+    return moe_router_reference(x, lp["router"], bias, live=live, **kw)
 
 
-def group(experts, n_experts: int, real=None):
+def group(experts, n_experts: int):
     """Order the T*k (token, expert) pairs by expert.
 
     Args:
-      experts: [T, k] int32.
-      real: [T] bool, False for bucket padding (default: every token is real). Padding pairs
-        sort after every expert's rows and count in no group, so the grouped matmuls skip them
-        and they touch no expert weights that real tokens do not need.
+      experts: [T, k] int32, n_experts for bucket padding (route's): padding pairs sort after
+        every expert's rows and count in no group, so the grouped matmuls skip them and they
+        touch no expert weights that real tokens do not need.
     Returns:
       (order [T*k]: pair indices sorted stably by expert, padding last; sizes [E]: real rows
        per expert).
     """
-    flat = pair_experts(experts, n_experts, real)
+    flat = experts.reshape(-1)
     return jnp.argsort(flat, stable=True), expert_counts(flat, n_experts)
 
 
@@ -80,14 +97,6 @@ def expert_counts(flat, n_experts: int):
     return out.at[(*lead, flat)].add(1, mode="drop")
 
 
-def pair_experts(experts, n_experts: int, real=None):
-    """[T*k] int32: the expert of each (token, expert) pair, n_experts (no expert) for padding."""
-    flat = experts.reshape(-1)
-    if real is None:
-        return flat
-    return jnp.where(jnp.repeat(real, experts.shape[1]), flat, n_experts)
-
-
 def by_rows(w, pairs: int, qmm) -> bool:
     """Whether a step's experts run a (token, expert) pair at a time: quantized expert weights,
     a Pallas quant_matmul, and at most qmm.max_pairs pairs (linear.QuantMatmul says why that
@@ -99,14 +108,31 @@ def by_rows(w, pairs: int, qmm) -> bool:
     return isinstance(w, QuantWeight) and kernel is not None and pairs <= qmm.max_pairs
 
 
-def ffn_rows(lp: dict, h, experts, qmm):
+def ffn_rows(lp: dict, h, experts, k: int, qmm):
     """The experts' SwiGLU for each (token, expert) pair, a row at a time (quant_matmul's
-    experts mode): h [T, d], experts [T*k] (padding: E) -> [T*k, d] float32."""
+    experts mode), in three kernels where the engine rounds activations to int8: gate | up
+    (each token's row read by its k pairs: `fan_out`), then glu_int8_rows (the splits' sum,
+    silu(gate) * up and its int8 rows), then down.
+
+    Args: h: Normed rows [T, d] (or an array); experts [T*k] (padding: E); k: pairs a token.
+    Returns: [S, T*k, d] float32 split partials of the down projection (summed by the
+      caller with the routing weights, in one XLA fusion)."""
     wdt = lp["w_gu_exps"].dtype
-    x = jnp.repeat(h, experts.shape[0] // h.shape[0], axis=0).astype(wdt)  # pair p = token p // k
-    gate, up = jnp.split(qmm.kernel(x, lp["w_gu_exps"], experts=experts), 2, axis=-1)
-    act = (jax.nn.silu(gate) * up).astype(wdt)
-    return qmm.kernel(act, lp["w_down_exps"], experts=experts)
+    x8 = None
+    if isinstance(h, Normed) and qmm.norm_int8 is not None:  # the norm and its int8 rows
+        h, x8 = qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=wdt)
+    elif isinstance(h, Normed):
+        h = h.array()
+    kw = {} if x8 is None else {"x8": x8}
+    parts = qmm.kernel(h.astype(wdt), lp["w_gu_exps"], experts=experts, fan_out=k, splits=True,
+                       **kw)  # fmt: skip
+    if qmm.glu_int8 is not None and parts.shape[-1] % 64 == 0:
+        act, act8 = qmm.glu_int8(parts, jnp.int32(parts.shape[1]), dtype=wdt)
+        kw = {"x8": act8}
+    else:
+        gate, up = jnp.split(parts.sum(0), 2, axis=-1)
+        act, kw = (jax.nn.silu(gate) * up).astype(wdt), {}
+    return qmm.kernel(act, lp["w_down_exps"], experts=experts, splits=True, **kw)
 
 
 def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float32):
@@ -127,16 +153,19 @@ def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float
     return y.astype(out_dtype)
 
 
-def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None, qmm=None):
+def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None, router=None):
     """The MoE FFN of one layer.
 
     Args:
-      lp: layer params with router [d, E], w_gu_exps [E, d, 2F], w_down_exps [E, F, d].
-      h: [T, d] float32 normed hidden states.
+      lp: layer params with router [d, E] (router_bias [E] if any), w_gu_exps [E, d, 2F],
+        w_down_exps [E, F, d].
+      h: the FFN input: Normed rows (the norm goes into the router's and the experts'
+        kernels where they run) or [T, d] float32 already normed.
       grouped_matmul: grouped_matmul_xla's signature (default: it).
-      real: [T] bool, False for bucket padding, whose output is zero (default: all real).
+      live: int32 scalar, the real rows; padding rows' output is zero (default: all real).
       qmm: how quantized projections run (models/linear.py): a shared expert's, and at decode
         sizes the experts', a (token, expert) pair at a time (`by_rows`).
+      router: the fused router kernel (Kernels.moe_router), or None (`route`).
     Returns:
       ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
        plus sigmoid(h . shexp_gate) times the shared expert's output where there is one,
@@ -145,13 +174,15 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None, qmm=None)
     """
     gmm = grouped_matmul or grouped_matmul_xla
     T, k = h.shape[0], cfg.n_experts_used
-    w, experts = route(h, lp["router"], cfg)
-    flat = pair_experts(experts, cfg.n_experts, real)
+    w, experts = route(h, lp, cfg, router, live)
+    flat = experts.reshape(-1)  # padding rows' pairs: expert E, in no group
     if by_rows(lp["w_gu_exps"], T * k, qmm):
-        y = ffn_rows(lp, h, flat, qmm) * w.reshape(-1)[:, None]  # [T*k, d]
-        out = y.reshape(T, k, -1).sum(1)
+        y = ffn_rows(lp, h, flat, k, qmm)  # [S, T*k, d]
+        # the splits and a token's k experts summed in one reduction (one kernel, not two)
+        out = jnp.sum(y.reshape(y.shape[0], T, k, -1) * w[None, :, :, None], axis=(0, 2))
     else:
-        order, sizes = group(experts, cfg.n_experts, real)
+        h = h.array() if isinstance(h, Normed) else h
+        order, sizes = group(experts, cfg.n_experts)
         tok = order // k  # token of each grouped row
         wdt = lp["w_gu_exps"].dtype
         x = h[tok].astype(wdt)  # [T*k, d], grouped by expert
@@ -162,5 +193,6 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, real=None, qmm=None)
     if "w_gu_shexp" in lp:  # qwen35moe: every token also takes the shared expert, gated
         gu = linear(h, lp["w_gu_shexp"], qmm)
         shared = linear(Gated(gu), lp["w_down_shexp"], qmm).astype(jnp.float32)
-        out = out + jax.nn.sigmoid(h @ lp["shexp_gate"])[:, None] * shared
+        hx = h.array() if isinstance(h, Normed) else h
+        out = out + jax.nn.sigmoid(hx @ lp["shexp_gate"])[:, None] * shared
     return out, flat
