@@ -7,6 +7,7 @@
 #   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh build models:bf16 moe_kernel
 #   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh ours:bf16    # compare = ours llama ratio
 #   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh llama:bf16 ratio:bf16
+#   SHAPE=qwen3-30b-a3b bench/peers/run_h200.sh models:q4_k_m moe_decode:q4_k_m compare:q4_k_m
 #   bench/peers/run_h200.sh build_bg models:bf16 prefix:ours ours:bf16 ours_nocache:bf16
 #   bench/peers/run_h200.sh wait_build prefix:llama prefix:merge     # the next call
 #   bench/peers/run_h200.sh models:bf16 ours:bf16 structured:bf16     # constrained vs not
@@ -214,6 +215,20 @@ step_moe_kernel() {  # the grouped expert matmul against ragged_dot, tilings as 
     2>&1 | grep -v "^WARNING"
 }
 
+step_moe_decode() {  # $1 weight type (default q4_k_m): the MoE decode FFN's kernels against
+  # XLA's (bench/kernels/moe_decode.py), then the engine's decode with float and int8
+  # activations; SHAPE=qwen3-30b-a3b or qwen35moe-35b-a3b, after models:$1
+  local t=${1:-q4_k_m} act
+  python3 bench/kernels/moe_decode.py --shape "$SHAPE" --type q4_k --rows 1 8 32 \
+    --out "$RES/moe_decode_kernel_$SHAPE.md" 2>&1 | grep -v "^WARNING"
+  for act in float int8; do
+    python3 bench/engine/engine_decode.py --model "$M/$SHAPE-$t.gguf" --ctx "$CTX" \
+      --concurrency 1 8 32 --steps 64 --warm 8 --dtype quantized --quant-activations $act \
+      --compile-cache-dir /tmp/xc --out "$RES/engine_decode_${SHAPE}-${t}_$act.json" \
+      2>&1 | grep -v "^WARNING"
+  done
+}
+
 step_retrieval() {  # $1 ours|llama, $2.. lengths; KV: both servers' KV cache type
   local who=$1 model="$M/qwen3-8b-bf16.gguf" cmd kv=""
   shift
@@ -236,5 +251,6 @@ done
 if [ -n "${OUT:-}" ]; then  # at most 8 files come back from a call: one archive, a few tables
   tar czf "$OUT/results_$(date +%H%M%S).tgz" -C "$RES" .
   cp "$RES"/compare_*.md "$RES"/prefix_*.md "$RES"/profile_*.md "$RES"/retrieval_*.md "$RES"/*_kernel_*.md \
+    "$RES"/engine_decode_*.md \
     "$OUT"/ 2>/dev/null || true
 fi
