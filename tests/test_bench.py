@@ -269,6 +269,11 @@ def test_profile_attributes_step_time_to_model_parts(engine_config):
     assert sum(parts.values()) >= r["step_ms"] * 0.999
     # kernels a step (the CUDA graph's size on a GPU) and the device's longest waits
     assert r["kernels_per_step"] > 10 and len(r["longest_waits_ms"]) <= 4
+    # and per part: they add up to the step's, and the markdown has them as a column
+    per_part = r["kernels_per_part"]
+    assert abs(sum(per_part.values()) - r["kernels_per_step"]) < 1e-9 and per_part["mlp"] > 0
+    table = profile_step.markdown([r], "t")
+    assert "| kernels per step |" in table and f"| {per_part['mlp']:.0f} |" in table
 
 
 def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():

@@ -63,11 +63,12 @@ def _variants(name: str) -> list[str]:
     return v
 
 
-def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, float, list, int]:
-    """(ms per category, ms per (kernel, category), busy ms, span ms, gaps, kernels) over the
-    trace's device events; the span runs from the first one's start to the last one's end, so
-    span - busy is the time the device waited (for launches, transfers or the host), gaps lists
-    the 8 longest waits as (ms, kernel before, kernel after), and kernels counts the events.
+def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, float, list, dict]:
+    """(ms per category, ms per (kernel, category), busy ms, span ms, gaps, kernels per
+    category) over the trace's device events; the span runs from the first one's start to the
+    last one's end, so span - busy is the time the device waited (for launches, transfers or
+    the host), gaps lists the 8 longest waits as (ms, kernel before, kernel after), and the
+    kernels count the events.
 
     GPU: events on the device process's stream threads (other lines of that process repeat
     them per module or op). CPU: events whose name is an HLO instruction of the step.
@@ -81,7 +82,7 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, f
             tname[(e["pid"], e.get("tid"))] = e["args"]["name"]
     gpu = {p for p, n in pname.items() if "GPU" in n or "gpu" in n}
     streams = {k for k, n in tname.items() if k[0] in gpu and "Stream" in n}
-    by_cat, by_kernel, spans = defaultdict(float), defaultdict(float), []
+    by_cat, by_kernel, spans, counts = defaultdict(float), defaultdict(float), [], defaultdict(int)
     for e in ev:
         if e.get("ph") != "X":
             continue
@@ -102,6 +103,7 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, f
             if cat is None:
                 continue
         by_cat[cat] += dur
+        counts[cat] += 1
         by_kernel[(name, cat)] += dur
         spans.append((float(e["ts"]) / 1e3, float(e["ts"]) / 1e3 + dur, name))
     busy, end, last, gaps = 0.0, -1e30, "", []
@@ -112,7 +114,7 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, f
             busy += b - max(a, end)
             end, last = b, name
     span = max(b for _, b, _ in spans) - min(a for a, _, _ in spans) if spans else 0.0
-    return dict(by_cat), dict(by_kernel), busy, span, sorted(gaps, reverse=True)[:8], len(spans)
+    return dict(by_cat), dict(by_kernel), busy, span, sorted(gaps, reverse=True)[:8], dict(counts)
 
 
 def _spy(key, exe, used: set):
@@ -203,9 +205,8 @@ def _device_only(trace: dict) -> dict:
 
 def analyze(raw: dict) -> dict:
     """The report of one profiled concurrency from its raw trace and HLO text."""
-    by_cat, by_kernel, busy, _, gaps, kernels = device_time(
-        raw["trace"], hlo_categories(raw["hlo"])
-    )
+    by_cat, by_kernel, busy, _, gaps, counts = device_time(raw["trace"], hlo_categories(raw["hlo"]))
+    kernels = sum(counts.values())
     steps = raw["steps"]
     step_ms = raw["wall_ms"] / steps
     parts = {k: v / steps for k, v in by_cat.items()}
@@ -220,6 +221,7 @@ def analyze(raw: dict) -> dict:
         # Each step is one CUDA graph (XLA's command buffers), prepared on the host in time that
         # grows with its kernels; the device waits for it in the longest gaps.
         "kernels_per_step": kernels / steps,
+        "kernels_per_part": {k: v / steps for k, v in counts.items()},
         "longest_waits_ms": [(round(g, 3), a[:40], b[:40]) for g, a, b in gaps[:4]],
         "parts_ms": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms": [(n, cat, v / steps) for (n, cat), v in top],
@@ -234,11 +236,13 @@ def markdown(results: list[dict], title: str) -> str:
             f"{r.get('kernels_per_step', 0):.0f} kernels a step, buckets {r['buckets']}; "
             f"longest device waits (ms, before, after): {r.get('longest_waits_ms', [])}",
             "",
-            "| part | ms per step | share of step |",
-            "| --- | --- | --- |",
+            "| part | ms per step | share of step | kernels per step |",
+            "| --- | --- | --- | --- |",
         ]
+        per_part = r.get("kernels_per_part", {})
         for k, v in r["parts_ms"].items():
-            lines.append(f"| {k} | {v:.3f} | {v / r['step_ms']:.1%} |")
+            n = f"{per_part[k]:.0f}" if k in per_part else ""
+            lines.append(f"| {k} | {v:.3f} | {v / r['step_ms']:.1%} | {n} |")
         lines += ["", "| kernel | part | ms per step |", "| --- | --- | --- |"]
         lines += [f"| `{n[:70]}` | {c} | {v:.3f} |" for n, c, v in r["top_kernels_ms"][:8]]
         lines.append("")
