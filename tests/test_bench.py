@@ -305,6 +305,25 @@ def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():
     assert stats["sass_ops"].get("PRMT", 0) > 0 and stats["spill_bytes"] == 0
 
 
+def test_kernel_ptx_accounts_for_the_moe_decode_kernels(monkeypatch, tmp_path):
+    """`kernel_ptx.py moe`: the dense GEMV, the experts call and the router, each compiled
+    for sm_90a with its registers, spills and SASS per weight byte, as a markdown table."""
+    import kernel_ptx
+
+    out = tmp_path / "moe.md"
+    monkeypatch.setattr(sys, "argv", ["kernel_ptx.py", "moe", "--types", "q8_0", "--k", "512",
+                                      "--n", "128", "--experts", "4", "--topk", "2",
+                                      "--md", str(out)])  # fmt: skip
+    kernel_ptx.main()
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| q8_0") or "router" in r]
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| q8_0 dense GEMV (1 live row)", "| q8_0 experts (2 pairs of a token)",
+        "| router (4 experts, top 2)"]  # fmt: skip
+    for r in rows:
+        regs, spills, sass = (int(v) for v in r.split(" | ")[1:4])
+        assert regs > 0 and spills == 0 and sass > 0
+
+
 def test_kernel_ptx_compiles_one_path_when_asked(monkeypatch):
     """--vector keeps the vector path alone (dp4a, no matrix instructions), --dots the dots
     alone (int8 MMA with int8 dots, no dp4a): the two are counted apart."""

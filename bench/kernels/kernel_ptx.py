@@ -16,6 +16,15 @@ quant_matmul's branch.
     python bench/kernels/kernel_ptx.py quant_matmul --types q4_k --live 1 --vector --unit-codes
     python bench/kernels/kernel_ptx.py paged_attention --kv-types bf16 q8_0 q4_0
     python bench/kernels/kernel_ptx.py paged_attention --kv-types bf16 --rows 512 --split-masks
+    python bench/kernels/kernel_ptx.py moe --types q4_k q6_k --k 2048 --n 1536 --experts 128 \
+        --topk 8 --md moe_ptx.md
+
+`moe` is the MoE decode path's account: per type, the dense GEMV of one live row (quant_matmul's
+vector path on an [n, k] weight) beside the experts-mode call of one token's `--topk` pairs (a
+stack of `--experts` [n, k] weights, each pair's row read once through fan_out) and the fused
+router (moe_router.py over [k, experts]); per kernel its registers, spills, SASS instructions
+and those per byte of weights one program's loop step decodes (--values-per-step values of
+BN = 64 weight rows), as a markdown table (`--md`).
 
 Needs `triton` (xgrammar's dependency pulls it into the test extra).
 """
@@ -37,6 +46,7 @@ from jax._src.pallas.triton import pallas_call_registration as registration
 
 from pallas_kernels import kv_cache
 from pallas_kernels.ggml_blocks import FORMATS
+from pallas_kernels.moe_router import moe_router
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import quant_matmul
 from pallas_kernels.quant_weight import QuantWeight
@@ -140,6 +150,55 @@ def quant_cases(a):
         yield q, (lambda x, w=w, n=live, kw=kw: quant_matmul(x, w, n, **kw)), (x,)
 
 
+def moe_cases(a):
+    """(name, f, args, weight bytes one program's loop step decodes) of the MoE decode kernels."""
+    BN = 64
+    for q in a.types:
+        f = FORMATS[q]
+        step_bytes = BN * max(1, a.values_per_step // f.block) * f.type_size
+        row_bytes = a.k // f.block * f.type_size
+        kw = dict(interpret=False, num_warps=a.warps, num_stages=a.stages, int8_x=a.int8_x)
+        w = QuantWeight.from_rows(jnp.zeros((a.n, row_bytes), jnp.uint8), q)
+        x = jnp.zeros((8, a.k), jnp.bfloat16)
+        gemv = lambda x, w=w, kw=kw: quant_matmul(x, w, jnp.int32(1), **kw)  # noqa: E731
+        yield f"{q} dense GEMV (1 live row)", gemv, (x,), step_bytes
+        ws = QuantWeight.from_rows(jnp.zeros((a.experts, a.n, row_bytes), jnp.uint8), q)
+        ex = jnp.zeros((a.topk,), jnp.int32)
+        yield (f"{q} experts ({a.topk} pairs of a token)",
+               lambda x, ex, w=ws, kw=kw: quant_matmul(x, w, experts=ex, fan_out=a.topk,
+                                                       splits=True, **kw),
+               (x[:1], ex), step_bytes)  # fmt: skip
+    router = jnp.zeros((a.k, a.experts), jnp.float32)
+    yield (f"router ({a.experts} experts, top {a.topk})",
+           lambda x, r: moe_router(x, r, k=a.topk, interpret=False),
+           (jnp.zeros((8, a.k), jnp.float32), router), a.k * a.experts * 4)  # fmt: skip
+
+
+def moe_table(a) -> str:
+    lines = [
+        f"MoE decode kernels compiled for sm_90a on the CPU (Triton {_triton_version()}), "
+        f"k={a.k}, n={a.n}, {a.experts} experts, top {a.topk}, int8_x={a.int8_x}; a count to "
+        "compare variants by, never a speed claim",
+        "",
+        "| kernel | registers | spill bytes | SASS | SASS per weight byte of a loop step | I2F |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, f, args, nbytes in moe_cases(a):
+        for ttir in triton_modules(f, *args):
+            c = compiled(ttir, a.warps, a.stages)
+            lines.append(f"| {name} | {c['registers']} | {c['spill_bytes']} | {c['sass']} | "
+                         f"{c['sass'] / nbytes:.2f} | {c['I2F']} |")  # fmt: skip
+            print(lines[-1])
+            sys.stdout.flush()
+    return "\n".join([*lines, "", "Command: `python " + " ".join(sys.argv) + "`", ""])
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
 def attention_cases(a):
     H, K, D, P, ctx = 32, 8, 128, 16, 4096
     MB = ctx // P
@@ -161,7 +220,10 @@ def attention_cases(a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("kernel", choices=["quant_matmul", "paged_attention"])
+    ap.add_argument("kernel", choices=["quant_matmul", "paged_attention", "moe"])
+    ap.add_argument("--experts", type=int, default=128, help="moe's E")
+    ap.add_argument("--topk", type=int, default=8, help="moe's experts per token")
+    ap.add_argument("--md", default=None, help="moe's table, written here")
     ap.add_argument("--types", nargs="+", default=["q8_0", "q4_k"], choices=list(FORMATS))
     ap.add_argument("--kv-types", nargs="+", default=["bf16", "q8_0", "q4_0"])
     ap.add_argument("--rows", type=int, default=8, help="M (quant_matmul) or decode rows")
@@ -191,6 +253,12 @@ def main():
     # --vector-rows 1 with --vector: the one-row path
     if a.vector or a.dots:
         jax.lax.cond = one_path(jax.lax.cond, vector=a.vector)
+    if a.kernel == "moe":
+        text = moe_table(a)
+        if a.md:
+            with open(a.md, "w") as fh:
+                fh.write(text)
+        return
     cases = quant_cases(a) if a.kernel == "quant_matmul" else attention_cases(a)
     for name, f, args in cases:
         for i, ttir in enumerate(triton_modules(f, *args)):

@@ -79,6 +79,22 @@ def rows_fn(experts, swiglu: bool, int8_x: bool):
     return f
 
 
+def tokamax_fn(impl: str | None, swiglu: bool):
+    """tokamax.ragged_dot (an optional package: Pallas Mosaic GPU kernels for Hopper, or its
+    Triton or XLA implementation) with grouped_matmul's signature, SwiGLU after it."""
+    import tokamax
+
+    def f(x, w, sizes):
+        y = tokamax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32,
+                               implementation=impl)  # fmt: skip
+        if swiglu:
+            gate, up = jnp.split(y, 2, axis=-1)
+            y = jax.nn.silu(gate) * up
+        return y.astype(jnp.bfloat16)
+
+    return f
+
+
 def parse_variant(v: str) -> dict:
     bm, bn, bk, warps, stages = (int(p) for p in v.split(":"))
     return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
@@ -113,7 +129,9 @@ def run_case(name, tokens, k, K, N, E, swiglu, bw, variants, qtype="bf16") -> li
     rows = []
     for v in variants:
         try:
-            if v.startswith("rows"):
+            if v.startswith("tokamax"):
+                fp = tokamax_fn(v.partition(":")[2] or None, swiglu)
+            elif v.startswith("rows"):
                 fp = rows_fn(jnp.asarray(np.sort(experts), jnp.int32), swiglu, v == "rows:int8")
             else:
                 fp = functools.partial(
@@ -148,7 +166,8 @@ def main():
         nargs="+",
         default=["16:128:128:4:3"],
         help="Pallas tilings block_m:block_n:block_k:num_warps:num_stages (block_m is a cap), "
-        "or rows / rows:int8 (quantized experts a row at a time)",
+        "rows / rows:int8 (quantized experts a row at a time), or tokamax[:mosaic|triton|xla] "
+        "(tokamax.ragged_dot, bf16 experts; the package and its needs installed)",
     )
     ap.add_argument("--cases", type=int, nargs="+", default=None, help="indices into CASES")
     ap.add_argument("--type", default="bf16", choices=["bf16", *FORMATS], help="expert weights")

@@ -223,7 +223,7 @@ step_moe_decode() {  # $1 weight type (default q4_k_m): the MoE decode FFN's ker
     --out "$RES/moe_decode_kernel_$SHAPE.md" 2>&1 | grep -v "^WARNING"
   for act in float int8; do
     python3 bench/engine/engine_decode.py --model "$M/$SHAPE-$t.gguf" --ctx "$CTX" \
-      --concurrency 1 8 32 --steps 64 --warm 8 --dtype quantized --quant-activations $act \
+      --concurrency ${MOE_CS:-1 8 32} --steps 64 --warm 8 --dtype quantized --quant-activations $act \
       --compile-cache-dir /tmp/xc --out "$RES/engine_decode_${SHAPE}-${t}_$act.json" \
       2>&1 | grep -v "^WARNING"
   done
