@@ -3,11 +3,11 @@
 
 As XLA ops a decode step's router was the logits' dot, top-k, the softmax and the padding
 rows' select: four or more kernels of every MoE layer, each a node of the step's CUDA graph,
-which the host updates node by node every step (bench/results/2026-12-02_profile_qwen3-30b-
-a3b-q4_k_m_int8_9ed94c9.md: 1,190-1,383 kernels a 48-layer step). Here a program routes one
-row: the RMSNorm of its residual row if asked, the logits on the vector units over chunks of
-the model width (the router matrix is read from L2 by every row's program after the first),
-then k rounds of "largest score, lowest index on ties" (jax.lax.top_k's order).
+which the host updates node by node every step (1,190-1,383 kernels a 48-layer step:
+bench/results/history/2026-12-02_profile_qwen3-30b-a3b-q4_k_m_int8_9ed94c9.md). Here a
+program routes one row: the RMSNorm of its residual row if asked, the logits on the vector
+units over chunks of the model width (the router matrix is read from L2 by every row's program
+after the first), then k rounds of "largest score, lowest index on ties" (jax.lax.top_k's order).
 
 Scoring (llama.cpp's expert_gating_func): softmax over all E, sigmoid, or sqrt(softplus)
 (DeepSeek V4). A selection `bias` (DeepSeek's e_score_correction_bias) is added to the scores

@@ -2,9 +2,9 @@
 
 Each Triton call is a kernel, and so, at most, is each XLA op that cannot fuse into an
 elementwise neighbour (a reduction, a dot, a sort, a scatter, top-k, a loop). A 30B-A3B
-decode step had made 25-29 kernels a layer (bench/results/2026-12-02_profile_qwen3-30b-a3b-
-q4_k_m_int8_9ed94c9.md), and the host's update of the step's CUDA graph grows with them: these
-bounds fail CI where a change adds launches to the MoE path."""
+decode step had made 25-29 kernels a layer, and the host's update of the step's CUDA graph
+grows with them (bench/results/history/2026-12-02_profile_qwen3-30b-a3b-q4_k_m_int8_9ed94c9.md):
+these bounds fail CI where a change adds launches to the MoE path."""
 
 import collections
 import functools
