@@ -316,7 +316,7 @@ def test_kernel_ptx_accounts_for_the_moe_decode_kernels(monkeypatch, tmp_path):
                                       "--md", str(out)])  # fmt: skip
     kernel_ptx.main()
     rows = [r for r in out.read_text().splitlines() if r.startswith("| q8_0") or "router" in r]
-    assert [r.split(" | ")[0] for r in rows] == [
+    assert [r.split(": ")[0] for r in rows] == [
         "| q8_0 dense GEMV (1 live row)", "| q8_0 experts (2 pairs of a token)",
         "| router (4 experts, top 2)"]  # fmt: skip
     for r in rows:

@@ -186,7 +186,9 @@ def moe_table(a) -> str:
     for name, f, args, nbytes in moe_cases(a):
         for ttir in triton_modules(f, *args):
             c = compiled(ttir, a.warps, a.stages)
-            lines.append(f"| {name} | {c['registers']} | {c['spill_bytes']} | {c['sass']} | "
+            fn = re.search(r"tt\.func (?:public )?@(\w+)", ttir)
+            kernel = f"{name}: `{fn.group(1) if fn else '?'}`"
+            lines.append(f"| {kernel} | {c['registers']} | {c['spill_bytes']} | {c['sass']} | "
                          f"{c['sass'] / nbytes:.2f} | {c['I2F']} |")  # fmt: skip
             print(lines[-1])
             sys.stdout.flush()
