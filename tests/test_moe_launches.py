@@ -105,15 +105,14 @@ def test_a_decode_moe_ffn_is_six_kernels(moe_file):
 
 
 def test_a_decode_moe_layer_stays_within_its_bound(moe_file):
-    """The whole qwen3moe layer of a decode step (attention and FFN): at most 20 launches,
-    where routing by XLA's ops made 26 or more."""
+    """The whole qwen3moe layer of a decode step (attention and FFN): at most 20 launches
+    (routing by XLA's ops made 26 or more: the FFN test above counts the difference)."""
     cfg, params = moe_file
-    counts = {}
-    for router in (True, False):
-        runner = Runner(cfg, params, [GroupShape(9, 16, 8)], 4, (jnp.bfloat16, jnp.bfloat16),
-                        gpu_kernels(router))  # fmt: skip
-        fn, args = runner.step_function(8, 4)
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        layers = re.findall(r"func\.func private @(layer(?:_\d+)?)\(", text)
-        counts[router] = max(sum(launches(text, name).values()) for name in layers)
-    assert counts[True] <= 20 < counts[False], counts
+    runner = Runner(cfg, params, [GroupShape(9, 16, 8)], 4, (jnp.bfloat16, jnp.bfloat16),
+                    gpu_kernels(True))  # fmt: skip
+    fn, args = runner.step_function(8, 4)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    layers = re.findall(r"func\.func private @(layer(?:_\d+)?)\(", text)
+    assert len(layers) >= 1
+    counts = [sum(launches(text, name).values()) for name in layers]
+    assert max(counts) <= 20 and min(counts) >= 10, counts  # attention and FFN are there
