@@ -60,6 +60,12 @@ def moe_router_reference(x, router, bias=None, norm=None, *, k: int, scoring: st
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * norm
     logits = jnp.dot(x, router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     E = logits.shape[-1]
+    if scoring == "softmax" and renorm and bias is None and groups == 1:
+        # the top k of the softmax, renormalized, is the softmax of the top k logits: no
+        # reduction over all E (XLA's kernels of every decode step, each MoE layer's)
+        z, idx = jax.lax.top_k(logits, k)
+        w, idx = jax.nn.softmax(z, axis=-1) * scale, idx.astype(jnp.int32)
+        return _padded(w, idx, E, live)
     s = _scores(logits, scoring, True)
     choice = s if bias is None else s + bias
     if groups > 1:
@@ -72,11 +78,15 @@ def moe_router_reference(x, router, bias=None, norm=None, *, k: int, scoring: st
     w = jnp.take_along_axis(s, idx, axis=-1)
     if renorm:
         w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), NORM_FLOOR)
-    w, idx = w * scale, idx.astype(jnp.int32)
-    if live is not None:
-        pad = (jnp.arange(x.shape[0]) >= live)[:, None]
-        w, idx = jnp.where(pad, 0.0, w), jnp.where(pad, E, idx)
-    return w, idx
+    return _padded(w * scale, idx.astype(jnp.int32), E, live)
+
+
+def _padded(w, idx, E: int, live):
+    """Rows at or past `live` (padding): expert E, weight 0."""
+    if live is None:
+        return w, idx
+    pad = (jnp.arange(w.shape[0]) >= live)[:, None]
+    return jnp.where(pad, 0.0, w), jnp.where(pad, E, idx)
 
 
 def _kernel(live_ref, x_ref, r_ref, b_ref, n_ref, w_ref, e_ref, *, E, Ep, BD, k, KP, scoring,

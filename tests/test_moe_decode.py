@@ -113,8 +113,9 @@ def test_the_engine_on_the_decode_path_gives_batched_what_it_gives_alone(
     tmp_path, tiny_gguf, compile_cache
 ):
     """A Q4_K_M qwen35moe file (routed experts and a shared one) served with the GPU's
-    backends (every kernel in interpret mode: the fused router, experts a pair at a time on
-    int8 rows): two prompts at once, one of them prefilled in two chunks, get the tokens each
+    backends (every kernel in interpret mode: experts a pair at a time on each token's int8
+    row, the GLU's int8 rows between them; XLA's routing, as backends.moe_router_fn says why):
+    two prompts at once, one of them prefilled in two chunks, get the tokens each
     gets alone, in the engine's one 8-token bucket. (qwen3moe's engine runs the router kernel
     in test_moe.py; its layers' FFN is this one.)"""
     arch = "qwen35moe"
@@ -133,7 +134,7 @@ def test_the_engine_on_the_decode_path_gives_batched_what_it_gives_alone(
     prompts = [[5, 9, 2], list(range(3, 14))]
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     with LLM(path, **kw) as llm:
-        assert llm.engine.runner.kernels.moe_router is not None
+        assert llm.engine.runner.kernels.quant_matmul.glu_int8 is not None
         assert llm.engine.token_buckets == [8]
         together = [c.token_ids for c in llm.generate(prompts, sp)]
         alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
