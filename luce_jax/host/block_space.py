@@ -99,7 +99,7 @@ class BlockSpace:
         """The most blocks a slot of `tokens` tokens holds at once (GroupShape.cap)."""
         return self.shape.cap(tokens, self.span)
 
-    def fits(self, slot: int, tokens: int, shared: Sequence[int] = ()) -> bool:
+    def fits(self, tokens: int, shared: Sequence[int] = ()) -> bool:
         """Whether `reserve` would succeed."""
         parked = sum(1 for b in shared if not self._refs.get(b))
         return self.cap(tokens) - len(shared) + parked <= self.available
@@ -118,7 +118,7 @@ class BlockSpace:
         assert slot not in self.tables, f"slot {slot} already holds a reservation"
         need = self.cap(tokens) - len(shared)
         assert need >= 0, (tokens, len(shared))
-        if not self.fits(slot, tokens, shared):
+        if not self.fits(tokens, shared):
             return False
         for b in shared:
             if self.cache.unpark(b):

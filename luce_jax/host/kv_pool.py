@@ -90,7 +90,7 @@ class KVPool:
         group has no room. shared: match's blocks per group."""
         shared = shared or [()] * len(self.groups)
         pairs = list(zip(self.groups, shared, strict=True))
-        if not all(g.fits(slot, tokens, s) for g, s in pairs):
+        if not all(g.fits(tokens, s) for g, s in pairs):
             return False
         for g, s in pairs:
             assert g.reserve(slot, tokens, s)
