@@ -54,14 +54,16 @@ def grouped_matmul_fn(backend: str):
 
 
 def moe_router_fn(backend: str):
-    """The MoE router the engine runs: None, XLA's ops, with every backend. The fused kernel
-    (pallas_kernels/moe_router.py, a program per row reading the whole router matrix) made
-    30B-A3B Q4_K_M decode slower on the H200: 95 against 204 tok/s at C1, 532 against 891 at
-    C8, the rest of the path the same (the record:
-    bench/results/history/2026-12-05_engine_decode_moe_router_h200.md). It stays a kernel of
-    its own, tested, until it is faster."""
-    del backend
-    return None
+    """The MoE router of a resolved moe_backend: with pallas, XLA's dot for the logits and one
+    kernel for the scores, top-k and weights (pallas_kernels/moe_router.py); else None, XLA's
+    ops. The router's one-kernel form (`fused_dot`, a program per row reading the whole router
+    matrix) made 30B-A3B Q4_K_M decode slower on the H200: 95 against 204 tok/s at C1
+    (bench/results/history/2026-12-05_engine_decode_moe_router_h200.md)."""
+    if backend != "pallas":
+        return None
+    from pallas_kernels.moe_router import moe_router
+
+    return functools.partial(moe_router, fused_dot=False)
 
 
 def quant_activations_for(setting: str, model_cfg) -> str:

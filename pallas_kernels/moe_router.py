@@ -1,13 +1,16 @@
-"""A mixture-of-experts router in one kernel: the router's logits, their scores, top-k
-(optionally group-limited, with a selection bias) and the routing weights.
+"""A mixture-of-experts router in two kernels: XLA's dot for the router's logits, then one
+program per row for their scores, top-k (optionally group-limited, with a selection bias) and
+the routing weights.
 
 As XLA ops a decode step's router was the logits' dot, top-k, the softmax and the padding
 rows' select: four or more kernels of every MoE layer, each a node of the step's CUDA graph,
 which the host updates node by node every step (1,190-1,383 kernels a 48-layer step:
 bench/results/history/2026-12-02_profile_qwen3-30b-a3b-q4_k_m_int8_9ed94c9.md). Here a
-program routes one row: the RMSNorm of its residual row if asked, the logits on the vector
-units over chunks of the model width (the router matrix is read from L2 by every row's program
-after the first), then k rounds of "largest score, lowest index on ties" (jax.lax.top_k's order).
+program routes one row: k rounds of "largest score, lowest index on ties" (jax.lax.top_k's
+order) over its scores. With `fused_dot` the program also computes the row's logits on the
+vector units (and its RMSNorm): one kernel, but a program per row reads the whole router
+matrix, which on the H200 made a 48-layer step 6 ms slower at one row
+(bench/results/history/2026-12-05_engine_decode_moe_router_h200.md).
 
 Scoring (llama.cpp's expert_gating_func): softmax over all E, sigmoid, or sqrt(softplus)
 (DeepSeek V4). A selection `bias` (DeepSeek's e_score_correction_bias) is added to the scores
@@ -90,10 +93,10 @@ def _padded(w, idx, E: int, live):
 
 
 def _kernel(live_ref, x_ref, r_ref, b_ref, n_ref, w_ref, e_ref, *, E, Ep, BD, k, KP, scoring,
-            renorm, scale, G, groups_used, eps, norm):  # fmt: skip
-    """Program i: row i's routing (padding rows: expert E, weight 0)."""
+            renorm, scale, G, groups_used, eps, norm, dot):  # fmt: skip
+    """Program i: row i's routing (padding rows: expert E, weight 0). With `dot` x holds the
+    rows and r the router matrix; without, x holds the logits [T, E] and r is unused."""
     i = pl.program_id(0)
-    d = x_ref.shape[1]
     cols = jnp.arange(Ep)
     valid = cols < E
     slots = jnp.arange(KP)
@@ -105,45 +108,14 @@ def _kernel(live_ref, x_ref, r_ref, b_ref, n_ref, w_ref, e_ref, *, E, Ep, BD, k,
 
     @pl.when(i < live_ref[0])
     def _():
-        ks = jnp.arange(BD)
-        inv = 1.0
-        if norm:  # the row's RMS first: a pass over its values
-
-            def sq(c, acc):
-                v = plgpu.load(x_ref.at[i, c * BD + ks])
-                return acc + jnp.sum(v * v)
-
-            ss = jax.lax.fori_loop(0, d // BD, sq, jnp.float32(0.0))
-            inv = jax.lax.rsqrt(ss / d + eps)
-
-        def body(c, acc):
-            v = plgpu.load(x_ref.at[i, c * BD + ks]).astype(jnp.float32) * inv
-            if norm:
-                v = v * plgpu.load(n_ref.at[c * BD + ks])
-            r = plgpu.load(r_ref.at[(c * BD + ks)[:, None], cols[None, :]],
-                           mask=valid[None, :], other=0.0).astype(jnp.float32)  # fmt: skip
-            return acc + jnp.sum(v[:, None] * r, axis=0)
-
-        logits = jax.lax.fori_loop(0, d // BD, body, jnp.zeros((Ep,), jnp.float32))
+        if dot:
+            logits = _logits(i, x_ref, r_ref, n_ref, cols, valid, BD=BD, eps=eps, norm=norm)
+        else:
+            logits = plgpu.load(x_ref.at[i, cols], mask=valid, other=0.0).astype(jnp.float32)
         s = _scores(logits, scoring, valid)
         choice = jnp.where(valid, s + plgpu.load(b_ref.at[cols], mask=valid, other=0.0), -jnp.inf)
-        if G > 1:  # a group's score: its two best; only the groups_used best groups stay
-            gid = cols // (E // G)
-            Gp = _pow2(G)
-            garr = jnp.arange(Gp)
-            gv = jnp.full((Gp,), -jnp.inf, jnp.float32)
-            for g in range(G):
-                in_g = valid & (gid == g)
-                m1 = jnp.max(jnp.where(in_g, choice, -jnp.inf))
-                i1 = jnp.min(jnp.where(in_g & (choice == m1), cols, Ep))
-                top2 = m1 + jnp.max(jnp.where(in_g & (cols != i1), choice, -jnp.inf))
-                gv = jnp.where(garr == g, top2, gv)
-            keep = cols < 0
-            for _ in range(groups_used):  # the best group left, the lowest index among equals
-                at = jnp.min(jnp.where(gv == jnp.max(gv), garr, Gp))
-                keep = keep | (gid == at)
-                gv = jnp.where(garr == at, -jnp.inf, gv)
-            choice = jnp.where(keep, choice, -jnp.inf)
+        if G > 1:
+            choice = _group_limit(choice, cols, valid, E=E, Ep=Ep, G=G, groups_used=groups_used)
         w = jnp.zeros((KP,), jnp.float32)
         ex = jnp.full((KP,), E, jnp.int32)
         for j in range(k):  # the largest left, the lowest index among equals
@@ -159,15 +131,65 @@ def _kernel(live_ref, x_ref, r_ref, b_ref, n_ref, w_ref, e_ref, *, E, Ep, BD, k,
         plgpu.store(e_ref.at[i, slots], ex)
 
 
+def _logits(i, x_ref, r_ref, n_ref, cols, valid, *, BD, eps, norm):
+    """Row i's logits [Ep] on the vector units, over chunks of the model width (the RMSNorm of
+    the row first where `norm`)."""
+    d = x_ref.shape[1]
+    ks = jnp.arange(BD)
+    inv = 1.0
+    if norm:  # the row's RMS first: a pass over its values
+
+        def sq(c, acc):
+            v = plgpu.load(x_ref.at[i, c * BD + ks])
+            return acc + jnp.sum(v * v)
+
+        ss = jax.lax.fori_loop(0, d // BD, sq, jnp.float32(0.0))
+        inv = jax.lax.rsqrt(ss / d + eps)
+
+    def body(c, acc):
+        v = plgpu.load(x_ref.at[i, c * BD + ks]).astype(jnp.float32) * inv
+        if norm:
+            v = v * plgpu.load(n_ref.at[c * BD + ks])
+        r = plgpu.load(r_ref.at[(c * BD + ks)[:, None], cols[None, :]],
+                       mask=valid[None, :], other=0.0).astype(jnp.float32)  # fmt: skip
+        return acc + jnp.sum(v[:, None] * r, axis=0)
+
+    return jax.lax.fori_loop(0, d // BD, body, jnp.zeros((cols.shape[0],), jnp.float32))
+
+
+def _group_limit(choice, cols, valid, *, E, Ep, G, groups_used):
+    """choice with every expert outside the groups_used best groups at -inf; a group's score
+    is the sum of its two best choices."""
+    gid = cols // (E // G)
+    Gp = _pow2(G)
+    garr = jnp.arange(Gp)
+    gv = jnp.full((Gp,), -jnp.inf, jnp.float32)
+    for g in range(G):
+        in_g = valid & (gid == g)
+        m1 = jnp.max(jnp.where(in_g, choice, -jnp.inf))
+        i1 = jnp.min(jnp.where(in_g & (choice == m1), cols, Ep))
+        top2 = m1 + jnp.max(jnp.where(in_g & (cols != i1), choice, -jnp.inf))
+        gv = jnp.where(garr == g, top2, gv)
+    keep = cols < 0
+    for _ in range(groups_used):  # the best group left, the lowest index among equals
+        at = jnp.min(jnp.where(gv == jnp.max(gv), garr, Gp))
+        keep = keep | (gid == at)
+        gv = jnp.where(garr == at, -jnp.inf, gv)
+    return jnp.where(keep, choice, -jnp.inf)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("k", "scoring", "renorm", "scale", "groups", "groups_used", "eps",
-                     "interpret", "num_warps"),
+                     "fused_dot", "interpret", "num_warps"),
 )  # fmt: skip
 def moe_router(x, router, bias=None, norm=None, *, k: int, scoring: str = "softmax",
                renorm: bool = True, scale: float = 1.0, groups: int = 1, groups_used: int = 1,
-               eps: float = 1e-6, live=None, interpret=None, num_warps: int = 4):  # fmt: skip
-    """moe_router_reference in one kernel launch (a program per row).
+               eps: float = 1e-6, live=None, fused_dot: bool = False, interpret=None,
+               num_warps: int = 4):  # fmt: skip
+    """moe_router_reference in two kernels, XLA's dot for the logits (spread over the whole
+    GPU) and a program per row for the rest, or with `fused_dot` in one, whose program per row
+    reads the whole router matrix (slower on the H200: backends.moe_router_fn).
 
     Args:
       x: [T, d] float32 rows (the normed FFN input, or with `norm` the residual rows);
@@ -194,9 +216,15 @@ def moe_router(x, router, bias=None, norm=None, *, k: int, scoring: str = "softm
     bias = jnp.zeros((E,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     nw = jnp.ones((d,), jnp.float32) if norm is None else norm.astype(jnp.float32)
     live = jnp.full((1,), T if live is None else live, jnp.int32)
+    if not fused_dot:
+        x = x.astype(jnp.float32)
+        if norm is not None:
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * nw
+        x = jnp.dot(x, router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        router = jnp.zeros((1, 1), jnp.float32)  # unread
     kernel = functools.partial(
         _kernel, E=E, Ep=Ep, BD=BD, k=k, KP=KP, scoring=scoring, renorm=renorm, scale=scale,
-        G=groups, groups_used=groups_used, eps=eps, norm=norm is not None,
+        G=groups, groups_used=groups_used, eps=eps, norm=norm is not None, dot=fused_dot,
     )  # fmt: skip
     shapes = (jax.ShapeDtypeStruct((T, KP), jnp.float32), jax.ShapeDtypeStruct((T, KP), jnp.int32))
     w, ex = pl.pallas_call(

@@ -58,8 +58,9 @@ def inputs(seed, T=6, d=64, E=16):
     return x, router, bias
 
 
+@pytest.mark.parametrize("fused_dot", [False, True], ids=["xla-dot", "fused-dot"])
 @pytest.mark.parametrize("case", CASES)
-def test_the_kernel_equals_the_reference_and_the_reference_the_definitions(case):
+def test_the_kernel_equals_the_reference_and_the_reference_the_definitions(case, fused_dot):
     opts = dict(CASES[case])
     use_bias = opts.pop("bias", False)
     kw = dict(k=4, scale=1.0, groups=1, groups_used=1) | opts
@@ -69,7 +70,8 @@ def test_the_kernel_equals_the_reference_and_the_reference_the_definitions(case)
     ref_w, ref_e = moe_router_reference(x, router, b, **kw)
     np.testing.assert_array_equal(np.asarray(ref_e), want_e)
     np.testing.assert_allclose(np.asarray(ref_w), want_w, rtol=1e-5, atol=1e-6)
-    got_w, got_e = moe_router(jnp.asarray(x), jnp.asarray(router), b, **kw, interpret=True)
+    got_w, got_e = moe_router(jnp.asarray(x), jnp.asarray(router), b, **kw, fused_dot=fused_dot,
+                              interpret=True)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(got_e), want_e)
     np.testing.assert_allclose(np.asarray(got_w), want_w, rtol=1e-5, atol=1e-6)
 
@@ -93,7 +95,8 @@ def test_ties_go_to_the_lower_expert_and_padding_rows_route_nowhere():
     assert (np.asarray(got_e)[3:] == 16).all() and (np.asarray(got_w)[3:] == 0).all()
 
 
-def test_the_kernel_norms_the_residual_row_itself():
+@pytest.mark.parametrize("fused_dot", [False, True], ids=["xla-dot", "fused-dot"])
+def test_the_kernel_norms_the_residual_row_itself(fused_dot):
     """With `norm`, the router reads RMSNorm(x) * norm, as the FFN's experts do."""
     x, router, _ = inputs(3)
     nw = np.random.default_rng(4).uniform(0.5, 1.5, x.shape[1]).astype(np.float32)
@@ -101,7 +104,7 @@ def test_the_kernel_norms_the_residual_row_itself():
     kw = dict(k=3, scoring="softmax", renorm=True)
     want_w, want_e = numpy_routing(h, router, None, scale=1.0, groups=1, groups_used=1, **kw)
     got_w, got_e = moe_router(jnp.asarray(x), jnp.asarray(router), None, jnp.asarray(nw), **kw,
-                              interpret=True)  # fmt: skip
+                              fused_dot=fused_dot, interpret=True)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(got_e), want_e)
     np.testing.assert_allclose(np.asarray(got_w), want_w, rtol=1e-5, atol=1e-6)
 
@@ -125,8 +128,9 @@ def test_bad_arguments_are_refused():
         moe_router(x, router, k=2, groups=3, interpret=True)
 
 
+@pytest.mark.parametrize("fused_dot", [False, True], ids=["xla-dot", "fused-dot"])
 @pytest.mark.parametrize("case", ["softmax-renorm", "groups"])
-def test_the_router_lowers_to_a_valid_triton_module(verified, case):
+def test_the_router_lowers_to_a_valid_triton_module(verified, case, fused_dot):
     opts = dict(CASES[case])
     opts.pop("bias", None)
     x = jnp.zeros((8, 2048), jnp.float32)
@@ -135,7 +139,8 @@ def test_the_router_lowers_to_a_valid_triton_module(verified, case):
     bias = jnp.zeros((128,), jnp.float32)
 
     def f(x, router, bias, norm, live):
-        return moe_router(x, router, bias, norm, k=8, live=live, interpret=False, **opts)
+        return moe_router(x, router, bias, norm, k=8, live=live, fused_dot=fused_dot,
+                          interpret=False, **opts)  # fmt: skip
 
     jax.jit(f).trace(x, router, bias, norm, jnp.int32(3)).lower(lowering_platforms=("cuda",))
     assert len(verified) == 1

@@ -1,6 +1,7 @@
-"""The MoE decode FFN on the GPU: the fused path (router kernel, experts a pair at a time on
-each token's one row, GLU int8 rows) against XLA's routing and the grouped ragged_dot over the
-same experts dequantized, and the launches each makes.
+"""The MoE decode FFN on the GPU: the engine's path (the router's dot and its kernel, experts a
+pair at a time on each token's one row, GLU int8 rows) against the one-kernel router, XLA's
+routing and the grouped ragged_dot over the same experts dequantized, and the launches each
+makes.
 
 One MoE layer of a random file (bench/make_model.py's shape, one layer); per row count: the
 max difference of the outputs relative to their largest value, whether the experts chosen
@@ -76,16 +77,13 @@ def main() -> None:
     lp = params["layers"][0]
     fused = QuantMatmul(functools.partial(served_quant_matmul, int8_x=True),
                         norm_int8=norm_int8_rows, glu_int8=glu_int8_rows)  # fmt: skip
+    float_qmm = QuantMatmul(functools.partial(served_quant_matmul, int8_x=False))
+    one_kernel = functools.partial(moe_router, fused_dot=True)
     paths = {
-        "fused, int8": (fused, moe_router),
-        "fused, float": (
-            QuantMatmul(functools.partial(served_quant_matmul, int8_x=False)),
-            moe_router,
-        ),  # fmt: skip
-        "XLA routing, pairs, float": (
-            QuantMatmul(functools.partial(served_quant_matmul, int8_x=False)),
-            None,
-        ),
+        "engine router, int8": (fused, moe_router),
+        "engine router, float": (float_qmm, moe_router),
+        "one-kernel router, float": (float_qmm, one_kernel),
+        "XLA routing, float": (float_qmm, None),
         "grouped ragged_dot (reference)": (None, None),
     }
     lines = [

@@ -55,8 +55,8 @@ def route(h, lp: dict, cfg: ModelConfig, router=None, live=None):
     the config's scoring, selection bias, groups, renormalization and scale).
 
     Args:
-      h: Normed rows of the FFN input (or [T, d] float32 already normed); lp: the layer's
-        router [d, E] and router_bias [E] if any; router: the fused kernel
+      h: Normed rows of the FFN input, or [T, d] float32 already normed; lp: the layer's
+        router [d, E] and router_bias [E] if any; router: the router kernel
         (Kernels.moe_router), run on buckets of at most ROUTER_MAX_ROWS rows, or None;
       live: int32 scalar, the real rows (None: all).
     Returns:
@@ -66,8 +66,10 @@ def route(h, lp: dict, cfg: ModelConfig, router=None, live=None):
               scale=cfg.expert_weights_scale, groups=cfg.expert_groups,
               groups_used=cfg.expert_groups_used)  # fmt: skip
     bias = lp.get("router_bias")
-    if router is not None and isinstance(h, Normed) and h.shape[0] <= ROUTER_MAX_ROWS:
-        return router(h.x, lp["router"], bias, h.w, eps=h.eps, live=live, **kw)
+    if router is not None and h.shape[0] <= ROUTER_MAX_ROWS:
+        if isinstance(h, Normed):
+            return router(h.x, lp["router"], bias, h.w, eps=h.eps, live=live, **kw)
+        return router(h, lp["router"], bias, live=live, **kw)
     x = h.array() if isinstance(h, Normed) else h
     return moe_router_reference(x, lp["router"], bias, live=live, **kw)
 
@@ -108,21 +110,26 @@ def by_rows(w, pairs: int, qmm) -> bool:
     return isinstance(w, QuantWeight) and kernel is not None and pairs <= qmm.max_pairs
 
 
-def ffn_rows(lp: dict, h, experts, k: int, qmm):
+def normed_rows(h, w_dtype, qmm):
+    """(normed rows [T, d], their int8 rows or None) of the FFN input h (Normed or an array):
+    in one kernel where the engine rounds activations to int8 (qmm.norm_int8), so the router
+    and the experts read the same normed rows and nobody norms them again."""
+    if isinstance(h, Normed) and qmm.norm_int8 is not None:
+        return qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=w_dtype)
+    return (h.array() if isinstance(h, Normed) else h), None
+
+
+def ffn_rows(lp: dict, h, x8, experts, k: int, qmm):
     """The experts' SwiGLU for each (token, expert) pair, a row at a time (quant_matmul's
     experts mode), in three kernels where the engine rounds activations to int8: gate | up
     (each token's row read by its k pairs: `fan_out`), then glu_int8_rows (the splits' sum,
     silu(gate) * up and its int8 rows), then down.
 
-    Args: h: Normed rows [T, d] (or an array); experts [T*k] (padding: E); k: pairs a token.
+    Args: h: normed rows [T, d] and x8 their int8 rows or None (normed_rows); experts [T*k]
+      (padding: E); k: pairs a token.
     Returns: [S, T*k, d] float32 split partials of the down projection (summed by the
       caller with the routing weights, in one XLA fusion)."""
     wdt = lp["w_gu_exps"].dtype
-    x8 = None
-    if isinstance(h, Normed) and qmm.norm_int8 is not None:  # the norm and its int8 rows
-        h, x8 = qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=wdt)
-    elif isinstance(h, Normed):
-        h = h.array()
     kw = {} if x8 is None else {"x8": x8}
     parts = qmm.kernel(h.astype(wdt), lp["w_gu_exps"], experts=experts, fan_out=k, splits=True,
                        **kw)  # fmt: skip
@@ -174,13 +181,16 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
     """
     gmm = grouped_matmul or grouped_matmul_xla
     T, k = h.shape[0], cfg.n_experts_used
-    w, experts = route(h, lp, cfg, router, live)
-    flat = experts.reshape(-1)  # padding rows' pairs: expert E, in no group
     if by_rows(lp["w_gu_exps"], T * k, qmm):
-        y = ffn_rows(lp, h, flat, k, qmm)  # [S, T*k, d]
+        hn, x8 = normed_rows(h, lp["w_gu_exps"].dtype, qmm)
+        w, experts = route(hn, lp, cfg, router, live)
+        flat = experts.reshape(-1)  # padding rows' pairs: expert E, in no group
+        y = ffn_rows(lp, hn, x8, flat, k, qmm)  # [S, T*k, d]
         # the splits and a token's k experts summed in one reduction (one kernel, not two)
         out = jnp.sum(y.reshape(y.shape[0], T, k, -1) * w[None, :, :, None], axis=(0, 2))
     else:
+        w, experts = route(h, lp, cfg, router, live)
+        flat = experts.reshape(-1)
         h = h.array() if isinstance(h, Normed) else h
         order, sizes = group(experts, cfg.n_experts)
         tok = order // k  # token of each grouped row
