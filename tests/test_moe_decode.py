@@ -1,8 +1,9 @@
 """The MoE decode path (models/moe.py at decode sizes, every kernel in interpret mode): the
-fused router, the experts a (token, expert) pair at a time reading each token's one row
+router kernel, the experts a (token, expert) pair at a time reading each token's one row
 (`fan_out`), glu_int8_rows between gate | up and down. For every weight type the engine keeps
-quantized it equals the grouped path over the same experts dequantized (jax.lax.ragged_dot),
-for rows that share experts, rows whose experts are all distinct, padding rows and one row."""
+quantized, and for bf16 experts (expert_rows), it equals the grouped path over the same
+experts dequantized (jax.lax.ragged_dot), for rows that share experts, rows whose experts are
+all distinct, padding rows and one row."""
 
 import functools
 import sys
@@ -18,6 +19,7 @@ from test_quantized_weights import load
 from luce_jax.backends import served_quant_matmul
 from luce_jax.models import moe
 from luce_jax.models.linear import Normed, QuantMatmul
+from pallas_kernels.expert_rows import expert_rows
 from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
 from pallas_kernels.moe_router import moe_router
 from pallas_kernels.quant_matmul import quant_matmul
@@ -36,7 +38,7 @@ def moe_files(tmp_path_factory, tiny_gguf):
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(make_model.SHAPES, "moe-types", SHAPE)
-        for t in TYPES:
+        for t in [*TYPES, "bf16"]:
             out[t] = str(d / f"{t}.gguf")
             make_model.write("moe-types", t, tiny_gguf, out[t])
     return out
@@ -49,6 +51,7 @@ def served(int8: bool) -> QuantMatmul:
         interp(served_quant_matmul, int8_x=int8, interpret=True),
         norm_int8=interp(norm_int8_rows, interpret=True) if int8 else None,
         glu_int8=interp(glu_int8_rows, interpret=True) if int8 else None,
+        expert_rows=interp(expert_rows, interpret=True),
     )
 
 
@@ -60,13 +63,17 @@ def rows(kind: str, T: int, d: int, seed: int):
 
 @pytest.mark.parametrize(
     "qtype, int8",
-    [*((t, True) for t in TYPES), ("q6_k", False)],
-    ids=[*(f"{t}-int8" for t in TYPES), "q6_k-float"],
+    [*((t, True) for t in TYPES), ("q6_k", False), ("bf16", False)],
+    ids=[*(f"{t}-int8" for t in TYPES), "q6_k-float", "bf16"],
 )  # the int8 dots decode each type its own way; the float path decodes them all alike
 def test_the_decode_path_equals_the_grouped_path_for_every_type(moe_files, qtype, int8):
     _, cfg, params = load(moe_files[qtype], True)
     lp = params["layers"][0]
-    assert lp["w_gu_exps"].qtype == qtype or qtype == "q4_k"  # a q4_k file's mix
+    if qtype == "bf16":  # dense experts: pallas_kernels/expert_rows.py
+        assert not isinstance(lp["w_gu_exps"], QuantWeight)
+        assert moe.by_rows((lp["w_gu_exps"], lp["w_down_exps"]), 16, served(False))
+    else:
+        assert lp["w_gu_exps"].qtype == qtype or qtype == "q4_k"  # a q4_k file's mix
     router = functools.partial(moe_router, interpret=True)
     qmm = served(int8)
     cases = [("random", 8, 5), ("shared", 8, 8)]
@@ -82,8 +89,9 @@ def test_the_decode_path_equals_the_grouped_path_for_every_type(moe_files, qtype
         np.testing.assert_array_equal(np.asarray(pairs), np.asarray(want_pairs))
         got, want = np.asarray(got), np.asarray(want)
         scale = np.abs(want).max()
-        # int8 activations round as llama.cpp's q8_1 does: a few parts in a thousand
-        tol = 2e-2 if int8 else 1e-4
+        # int8 activations round as llama.cpp's q8_1 does: a few parts in a thousand; bf16
+        # experts: the grouped path's dots run in bf16
+        tol = 2e-2 if int8 else 1e-2 if qtype == "bf16" else 1e-4
         np.testing.assert_allclose(got[:live], want[:live], rtol=tol, atol=tol * scale)
         assert not got[live:].any()
         p = np.asarray(pairs).reshape(T, -1)[:live]

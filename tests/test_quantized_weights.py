@@ -170,8 +170,9 @@ def test_quantized_experts_a_pair_at_a_time_compute_what_grouped_ones_do(files):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5 * scale)
     assert not np.asarray(got)[5:].any() and int(sizes.sum()) == 5 * cfg.n_experts_used
     np.testing.assert_array_equal(np.asarray(sizes), np.asarray(want_sizes))
-    assert moe.by_rows(lp["w_gu_exps"], 16, qmm) and not moe.by_rows(lp["w_gu_exps"], 17, qmm)
-    assert not moe.by_rows(lp["w_gu_exps"], 16, QuantMatmul())  # no kernel: XLA's grouped
+    ws = (lp["w_gu_exps"], lp["w_down_exps"])
+    assert moe.by_rows(ws, 16, qmm) and not moe.by_rows(ws, 17, qmm)
+    assert not moe.by_rows(ws, 16, QuantMatmul())  # no kernel: XLA's grouped
 
 
 def test_a_type_no_kernel_keeps_is_dequantized_with_one_warning_naming_it(files, caplog):

@@ -32,6 +32,7 @@ from luce_jax.loading.gguf import GGUFFile, model_config
 from luce_jax.loading.params import load_params
 from luce_jax.models import moe
 from luce_jax.models.linear import Normed, QuantMatmul
+from pallas_kernels.expert_rows import expert_rows
 from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
 from pallas_kernels.moe_router import moe_router
 
@@ -76,8 +77,10 @@ def main() -> None:
         cfg, params = load_params(f, model_config(f.metadata), "bfloat16", True)
     lp = params["layers"][0]
     fused = QuantMatmul(functools.partial(served_quant_matmul, int8_x=True),
-                        norm_int8=norm_int8_rows, glu_int8=glu_int8_rows)  # fmt: skip
-    float_qmm = QuantMatmul(functools.partial(served_quant_matmul, int8_x=False))
+                        norm_int8=norm_int8_rows, glu_int8=glu_int8_rows,
+                        expert_rows=expert_rows)  # fmt: skip
+    float_qmm = QuantMatmul(functools.partial(served_quant_matmul, int8_x=False),
+                            expert_rows=expert_rows)  # fmt: skip
     one_kernel = functools.partial(moe_router, fused_dot=True)
     paths = {
         "engine router, int8": (fused, moe_router),

@@ -57,6 +57,10 @@ class QuantMatmul(NamedTuple):
     # (parts [S, T, 2F], dtype=) -> (h, x8): a Gated input's silu(gate) * up from the gate | up
     # kernel's split partials and its int8 rows, in one kernel (int8_rows.glu_int8_rows).
     glu_int8: object = None
+    # (x [T, K], w [E, K, N], experts=, fan_out=, splits=) -> [S, T * fan_out, N] float32:
+    # dense experts a (token, expert) pair at a time (pallas_kernels/expert_rows.py), up to
+    # max_pairs pairs as quantized ones; None: the grouped matmul.
+    expert_rows: object = None
 
 
 def _int8_rows_call(T: int, w, qmm: QuantMatmul | None, live) -> bool:

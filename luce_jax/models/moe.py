@@ -3,9 +3,10 @@
 The rest of a qwen3moe layer is the dense decoder's (models/dense.py calls `ffn` for layers
 whose params hold a router). Rows are grouped by expert with a stable sort, so each expert's
 rows are contiguous, and the grouped matmuls run over those groups (`jax.lax.ragged_dot`):
-no expert is padded to the largest group and empty experts cost nothing. Quantized experts at
-decode sizes skip the grouping: each (token, expert) pair is a row of its own against its
-expert's blocks (`by_rows`), which fills the GPU where a few row tiles could not.
+no expert is padded to the largest group and empty experts cost nothing. Experts at decode
+sizes skip the grouping: each (token, expert) pair is a row of its own against its expert's
+blocks (quantized) or tiles (dense: pallas_kernels/expert_rows.py), `by_rows`, which fills the
+GPU where a few row tiles could not.
 
 Shapes: T tokens, d model width, E experts, k experts per token, F expert FFN width.
 """
@@ -99,47 +100,59 @@ def expert_counts(flat, n_experts: int):
     return out.at[(*lead, flat)].add(1, mode="drop")
 
 
-def by_rows(w, pairs: int, qmm) -> bool:
-    """Whether a step's experts run a (token, expert) pair at a time: quantized expert weights,
-    a Pallas quant_matmul, and at most qmm.max_pairs pairs (linear.QuantMatmul says why that
-    many). The grouped kernel gave each expert's row tile a program that walked all of K:
-    30B-A3B Q4_K_M decode spent 6.7 of its 16.3 ms step in the gate/up call; a pair at a time
-    the step took 6.0 ms (bench/results/history/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_{6a8b89c,
-    a415112}.md)."""
-    kernel = getattr(qmm, "kernel", None)
-    return isinstance(w, QuantWeight) and kernel is not None and pairs <= qmm.max_pairs
+def by_rows(ws: tuple, pairs: int, qmm) -> bool:
+    """Whether a step's experts (their weights ws) run a (token, expert) pair at a time: at
+    most qmm.max_pairs pairs (linear.QuantMatmul says why that many), quantized experts with a
+    Pallas quant_matmul and dense ones with qmm.expert_rows. The grouped kernel gave each
+    expert's row tile a program that walked all of K: 30B-A3B Q4_K_M decode spent 6.7 of its
+    16.3 ms step in the gate/up call; a pair at a time the step took 6.0 ms (bench/results/
+    history/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_{6a8b89c,a415112}.md)."""
+    if qmm is None or pairs > qmm.max_pairs:
+        return False
+    return all(_pairs(w, qmm) is not None for w in ws)
 
 
-def normed_rows(h, w_dtype, qmm):
+def normed_rows(h, w, qmm):
     """(normed rows [T, d], their int8 rows or None) of the FFN input h (Normed or an array):
-    in one kernel where the engine rounds activations to int8 (qmm.norm_int8), so the router
-    and the experts read the same normed rows and nobody norms them again."""
-    if isinstance(h, Normed) and qmm.norm_int8 is not None:
-        return qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=w_dtype)
+    in one kernel where the engine rounds activations to int8 for quantized experts w
+    (qmm.norm_int8), so the router and the experts read the same normed rows and nobody norms
+    them again."""
+    if isinstance(h, Normed) and isinstance(w, QuantWeight) and qmm.norm_int8 is not None:
+        return qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=w.dtype)
     return (h.array() if isinstance(h, Normed) else h), None
+
+
+def _pairs(w, qmm):
+    """The pair-at-a-time matmul of experts w: quant_matmul's experts mode, or expert_rows
+    (None where qmm has none)."""
+    if isinstance(w, QuantWeight):
+        return getattr(qmm, "kernel", None)
+    return getattr(qmm, "expert_rows", None)
 
 
 def ffn_rows(lp: dict, h, x8, experts, k: int, qmm):
     """The experts' SwiGLU for each (token, expert) pair, a row at a time (quant_matmul's
-    experts mode), in three kernels where the engine rounds activations to int8: gate | up
-    (each token's row read by its k pairs: `fan_out`), then glu_int8_rows (the splits' sum,
-    silu(gate) * up and its int8 rows), then down.
+    experts mode, or expert_rows for dense experts), in three kernels where the engine rounds
+    activations to int8: gate | up (each token's row read by its k pairs: `fan_out`), then
+    glu_int8_rows (the splits' sum, silu(gate) * up and its int8 rows), then down.
 
     Args: h: normed rows [T, d] and x8 their int8 rows or None (normed_rows); experts [T*k]
       (padding: E); k: pairs a token.
     Returns: [S, T*k, d] float32 split partials of the down projection (summed by the
       caller with the routing weights, in one XLA fusion)."""
-    wdt = lp["w_gu_exps"].dtype
+    w_gu, w_down = lp["w_gu_exps"], lp["w_down_exps"]
+    wdt = w_gu.dtype
     kw = {} if x8 is None else {"x8": x8}
-    parts = qmm.kernel(h.astype(wdt), lp["w_gu_exps"], experts=experts, fan_out=k, splits=True,
-                       **kw)  # fmt: skip
-    if qmm.glu_int8 is not None and parts.shape[-1] % 64 == 0:
+    parts = _pairs(w_gu, qmm)(h.astype(wdt), w_gu, experts=experts, fan_out=k, splits=True,
+                              **kw)  # fmt: skip
+    quantized_down = isinstance(w_down, QuantWeight)
+    if quantized_down and qmm.glu_int8 is not None and parts.shape[-1] % 64 == 0:
         act, act8 = qmm.glu_int8(parts, jnp.int32(parts.shape[1]), dtype=wdt)
         kw = {"x8": act8}
     else:
         gate, up = jnp.split(parts.sum(0), 2, axis=-1)
         act, kw = (jax.nn.silu(gate) * up).astype(wdt), {}
-    return qmm.kernel(act, lp["w_down_exps"], experts=experts, splits=True, **kw)
+    return _pairs(w_down, qmm)(act, w_down, experts=experts, splits=True, **kw)
 
 
 def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float32):
@@ -181,8 +194,8 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
     """
     gmm = grouped_matmul or grouped_matmul_xla
     T, k = h.shape[0], cfg.n_experts_used
-    if by_rows(lp["w_gu_exps"], T * k, qmm):
-        hn, x8 = normed_rows(h, lp["w_gu_exps"].dtype, qmm)
+    if by_rows((lp["w_gu_exps"], lp["w_down_exps"]), T * k, qmm):
+        hn, x8 = normed_rows(h, lp["w_gu_exps"], qmm)
         w, experts = route(hn, lp, cfg, router, live)
         flat = experts.reshape(-1)  # padding rows' pairs: expert E, in no group
         y = ffn_rows(lp, hn, x8, flat, k, qmm)  # [S, T*k, d]
