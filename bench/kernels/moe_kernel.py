@@ -83,6 +83,10 @@ def tokamax_fn(impl: str | None, swiglu: bool):
     """tokamax.ragged_dot (an optional package: Pallas Mosaic GPU kernels for Hopper, or its
     Triton or XLA implementation) with grouped_matmul's signature, SwiGLU after it."""
     import tokamax
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # tokamax reads absl flags, which would parse our argv
+        flags.FLAGS(sys.argv[:1])
 
     def f(x, w, sizes):
         y = tokamax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32,
