@@ -56,9 +56,11 @@ def grouped_matmul_fn(backend: str):
 def moe_router_fn(backend: str):
     """The MoE router of a resolved moe_backend: with pallas, XLA's dot for the logits and one
     kernel for the scores, top-k and weights (pallas_kernels/moe_router.py); else None, XLA's
-    ops. The router's one-kernel form (`fused_dot`, a program per row reading the whole router
-    matrix) made 30B-A3B Q4_K_M decode slower on the H200: 95 against 204 tok/s at C1
-    (bench/results/history/2026-12-05_engine_decode_moe_router_h200.md)."""
+    ops. 30B-A3B Q4_K_M decode on the H100: 231 tok/s at C1 against 190 with XLA's routing and
+    230 before the MoE decode work
+    (bench/results/history/2026-12-05_engine_decode_moe_router_dot_h100.md). The one-kernel form
+    (`fused_dot`, a program per row reading the whole router matrix) made it slower on the
+    H200: 95 against 204 tok/s at C1 (history/2026-12-05_engine_decode_moe_router_h200.md)."""
     if backend != "pallas":
         return None
     from pallas_kernels.moe_router import moe_router

@@ -118,7 +118,9 @@ def normed_rows(h, w, qmm):
     (qmm.norm_int8), so the router and the experts read the same normed rows and nobody norms
     them again."""
     if isinstance(h, Normed) and isinstance(w, QuantWeight) and qmm.norm_int8 is not None:
-        return qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=w.dtype)
+        # float32 rows: the router's choices from bf16-rounded rows differed from float32's
+        # (bench/results/moe_decode_kernel_qwen3-30b-a3b_h100.md)
+        return qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=jnp.float32)
     return (h.array() if isinstance(h, Normed) else h), None
 
 
@@ -142,9 +144,8 @@ def ffn_rows(lp: dict, h, x8, experts, k: int, qmm):
       caller with the routing weights, in one XLA fusion)."""
     w_gu, w_down = lp["w_gu_exps"], lp["w_down_exps"]
     wdt = w_gu.dtype
-    kw = {} if x8 is None else {"x8": x8}
-    parts = _pairs(w_gu, qmm)(h.astype(wdt), w_gu, experts=experts, fan_out=k, splits=True,
-                              **kw)  # fmt: skip
+    x, kw = (h.astype(wdt), {}) if x8 is None else (h, {"x8": x8})  # x8: the kernel's rows
+    parts = _pairs(w_gu, qmm)(x, w_gu, experts=experts, fan_out=k, splits=True, **kw)
     quantized_down = isinstance(w_down, QuantWeight)
     if quantized_down and qmm.glu_int8 is not None and parts.shape[-1] % 64 == 0:
         act, act8 = qmm.glu_int8(parts, jnp.int32(parts.shape[1]), dtype=wdt)
