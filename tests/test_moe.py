@@ -132,7 +132,8 @@ def test_moe_batched_equals_one_at_a_time(moe_engine, chunk, budget):
 
 
 def test_engine_greedy_tokens_equal_with_pallas_and_xla_grouping(tiny_models, compile_cache):
-    """The whole engine on the tiny MoE model: the kernel (interpret mode) changes no token."""
+    """The whole engine on the tiny MoE model: the kernels (interpret mode: the router's, the
+    grouped matmul at prefill, expert_rows at decode) change no token."""
     from luce_jax import LLM, SamplingParams
     from luce_jax.config import EngineConfig
 
@@ -144,8 +145,11 @@ def test_engine_greedy_tokens_equal_with_pallas_and_xla_grouping(tiny_models, co
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out = {}
     for backend in ("xla", "pallas"):
-        kw = dict(TINY_ENGINE, moe_backend=backend, compile_cache_dir=compile_cache)
+        kw = dict(TINY_ENGINE, moe_backend=backend, quant_backend=backend,
+                  compile_cache_dir=compile_cache)  # fmt: skip
         with LLM(str(tiny_models["qwen3moe"][1]), **kw) as llm:
+            kernels = llm.engine.runner.kernels
+            assert (kernels.quant_matmul.expert_rows is not None) == (backend == "pallas")
             out[backend] = [c.token_ids for c in llm.generate(prompts, sp)]
     assert out["pallas"] == out["xla"]
 

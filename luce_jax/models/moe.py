@@ -4,9 +4,10 @@ The rest of a qwen3moe layer is the dense decoder's (models/dense.py calls `ffn`
 whose params hold a router). Rows are grouped by expert with a stable sort, so each expert's
 rows are contiguous, and the grouped matmuls run over those groups (`jax.lax.ragged_dot`):
 no expert is padded to the largest group and empty experts cost nothing. Experts at decode
-sizes skip the grouping: each (token, expert) pair is a row of its own against its expert's
-blocks (quantized) or tiles (dense: pallas_kernels/expert_rows.py), `by_rows`, which fills the
-GPU where a few row tiles could not.
+sizes skip the sort (`by_rows`): quantized experts run each (token, expert) pair as a row of
+its own against its expert's blocks, and dense ones read each expert's tiles once for the
+tokens that chose it (pallas_kernels/expert_rows.py), which fills the GPU where a few row
+tiles could not.
 
 Shapes: T tokens, d model width, E experts, k experts per token, F expert FFN width.
 """
@@ -134,7 +135,8 @@ def _pairs(w, qmm):
 
 def ffn_rows(lp: dict, h, x8, experts, k: int, qmm):
     """The experts' SwiGLU for each (token, expert) pair, a row at a time (quant_matmul's
-    experts mode, or expert_rows for dense experts), in three kernels where the engine rounds
+    experts mode; expert_rows for dense experts, a tile for all of an expert's tokens), in
+    three kernels where the engine rounds
     activations to int8: gate | up (each token's row read by its k pairs: `fan_out`), then
     glu_int8_rows (the splits' sum, silu(gate) * up and its int8 rows), then down.
 
@@ -146,8 +148,10 @@ def ffn_rows(lp: dict, h, x8, experts, k: int, qmm):
     wdt = w_gu.dtype
     x, kw = (h.astype(wdt), {}) if x8 is None else (h, {"x8": x8})  # x8: the kernel's rows
     parts = _pairs(w_gu, qmm)(x, w_gu, experts=experts, fan_out=k, splits=True, **kw)
-    quantized_down = isinstance(w_down, QuantWeight)
-    if quantized_down and qmm.glu_int8 is not None and parts.shape[-1] % 64 == 0:
+    if not isinstance(w_down, QuantWeight):  # expert_rows: the pairs' tokens, for sharing
+        gate, up = jnp.split(parts.sum(0), 2, axis=-1)
+        act, kw = (jax.nn.silu(gate) * up).astype(wdt), {"per_token": k}
+    elif qmm.glu_int8 is not None and parts.shape[-1] % 64 == 0:
         act, act8 = qmm.glu_int8(parts, jnp.int32(parts.shape[1]), dtype=wdt)
         kw = {"x8": act8}
     else:
