@@ -1,7 +1,8 @@
 """The MoE decode FFN on the GPU: the engine's path (the router's dot and its kernel, experts a
-pair at a time on each token's one row, GLU int8 rows) against the one-kernel router, XLA's
-routing and the grouped ragged_dot over the same experts dequantized, and the launches each
-makes.
+pair at a time on each token's one row, GLU int8 rows; dense experts' tiles read once for
+their tokens) against the one-kernel router, XLA's routing, the grouped kernel over sorted pairs
+(the prefill path) and the grouped ragged_dot over the same experts dequantized, and the
+launches each makes.
 
 One MoE layer of a random file (bench/make_model.py's shape, one layer); per row count: the
 max difference of the outputs relative to their largest value, whether the experts chosen
@@ -34,6 +35,7 @@ from luce_jax.models import moe
 from luce_jax.models.linear import Normed, QuantMatmul
 from pallas_kernels.expert_rows import expert_rows
 from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
+from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.moe_router import moe_router
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
@@ -87,6 +89,7 @@ def main() -> None:
         "engine router, float": (float_qmm, moe_router),
         "one-kernel router, float": (float_qmm, one_kernel),
         "XLA routing, float": (float_qmm, None),
+        "grouped kernel, sorted pairs": ("grouped", moe_router),
         "grouped ragged_dot (reference)": (None, None),
     }
     lines = [
@@ -104,6 +107,8 @@ def main() -> None:
 
             def f(x, nw, live, qmm=qmm, router=router):
                 h = Normed(x, nw, cfg.rms_eps)
+                if qmm == "grouped":  # the prefill path's kernel (the bf16 decode path before)
+                    return moe.ffn(lp, h, cfg, grouped_matmul, live, None, router)
                 return moe.ffn(lp, h, cfg, None, live, qmm, router)
 
             fn = jax.jit(f)

@@ -216,11 +216,13 @@ step_moe_kernel() {  # the grouped expert matmul against ragged_dot, tilings as 
 }
 
 step_moe_decode() {  # $1 weight type (default q4_k_m): the MoE decode FFN's kernels against
-  # XLA's (bench/kernels/moe_decode.py), then the engine's decode with float and int8
-  # activations; SHAPE=qwen3-30b-a3b or qwen35moe-35b-a3b, after models:$1
-  local t=${1:-q4_k_m} act
-  python3 bench/kernels/moe_decode.py --shape "$SHAPE" --type q4_k --rows 1 8 32 \
-    --out "$RES/moe_decode_kernel_$SHAPE.md" 2>&1 | grep -v "^WARNING"
+  # XLA's (bench/kernels/moe_decode.py; bf16 experts for bf16, else q4_k), then the engine's
+  # decode with float and int8 activations; SHAPE=qwen3-30b-a3b or qwen35moe-35b-a3b, after
+  # models:$1
+  local t=${1:-q4_k_m} act kt=q4_k
+  [ "$t" = bf16 ] && kt=bf16
+  python3 bench/kernels/moe_decode.py --shape "$SHAPE" --type $kt --rows 1 8 32 \
+    --out "$RES/moe_decode_kernel_$SHAPE-$kt.md" 2>&1 | grep -v "^WARNING"
   for act in float int8; do
     python3 bench/engine/engine_decode.py --model "$M/$SHAPE-$t.gguf" --ctx "$CTX" \
       --concurrency ${MOE_CS:-1 8 32} --steps 64 --warm 8 --dtype quantized --quant-activations $act \
