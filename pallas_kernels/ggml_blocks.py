@@ -1,8 +1,7 @@
-"""GGML's block formats: dequantized whole (jnp, the reference) and a block at a time inside a
-kernel (`FORMATS`), for weights kept in their file layout on the device.
+"""GGML's block formats a block at a time inside a kernel (`FORMATS`), for weights kept in their
+file layout on the device (ggml_dequant.py dequantizes them whole, the reference).
 
-`DEQUANTIZERS` map uint8 blocks [N, type_size] to float32 values [N, block_size], bit-exact
-with gguf.quants.dequantize. `FORMATS` describe the quantized types for the matmul kernels
+`FORMATS` describe the quantized types for the matmul kernels
 (quant_matmul.py, moe_grouping.py): a block of B values splits into groups that share one
 scale, and a group's values into pieces (runs of 16 or 32 consecutive values whose codes sit in
 consecutive bytes, low or high nibbles, plus high bits for Q5_K / Q6_K). A kernel loads a
@@ -21,115 +20,9 @@ import jax.numpy as jnp
 from gguf import GGMLQuantizationType
 from jax.experimental.pallas import triton as plgpu
 
-QK_K = 256
-
-
-def _f16(b: jax.Array) -> jax.Array:
-    """[N, 2] uint8 little-endian -> [N, 1] float32."""
-    return jax.lax.bitcast_convert_type(b.reshape(-1, 1, 2), jnp.float16).astype(jnp.float32)
-
-
-def _nibbles(qs: jax.Array, groups: int, width: int) -> jax.Array:
-    """[N, groups*width] uint8 -> [N, groups, 2, width]: low nibbles then high nibbles."""
-    qs = qs.reshape(-1, groups, 1, width)
-    return (qs >> jnp.array([0, 4], jnp.uint8).reshape(1, 1, 2, 1)) & jnp.uint8(0x0F)
-
-
-def q8_0(b: jax.Array) -> jax.Array:
-    d = _f16(b[:, :2])
-    x = jax.lax.bitcast_convert_type(b[:, 2:], jnp.int8).astype(jnp.float32)
-    return x * d
-
-
-def q4_0(b: jax.Array) -> jax.Array:
-    d = _f16(b[:, :2])
-    q = _nibbles(b[:, 2:], 1, 16).reshape(-1, 32).astype(jnp.int8) - jnp.int8(8)
-    return d * q.astype(jnp.float32)
-
-
-def k_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Unpack the 12-byte 6-bit scales/mins of Q4_K and Q5_K into [N, 8] each."""
-    s = scales.reshape(-1, 3, 4)
-    d, m, md = s[:, 0], s[:, 1], s[:, 2]
-    sc = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc, mn
-
-
-def q4_k(b: jax.Array) -> jax.Array:
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = k_scale_min(b[:, 4:16])
-    d = (d * sc.astype(jnp.float32))[..., None]
-    dm = (dmin * mn.astype(jnp.float32))[..., None]
-    q = _nibbles(b[:, 16:], 4, 32).reshape(-1, 8, 32).astype(jnp.float32)
-    return (d * q - dm).reshape(-1, QK_K)
-
-
-def q5_k(b: jax.Array) -> jax.Array:
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = k_scale_min(b[:, 4:16])
-    d = (d * sc.astype(jnp.float32))[..., None]
-    dm = (dmin * mn.astype(jnp.float32))[..., None]
-    qh = b[:, 16:48].reshape(-1, 1, 1, 32) >> jnp.arange(8, dtype=jnp.uint8).reshape(1, 1, 8, 1)
-    qh = (qh & jnp.uint8(1)).reshape(-1, 8, 32)
-    ql = _nibbles(b[:, 48:], 4, 32).reshape(-1, 8, 32)
-    q = (ql | (qh << jnp.uint8(4))).astype(jnp.float32)
-    return (d * q - dm).reshape(-1, QK_K)
-
-
-def q6_k(b: jax.Array) -> jax.Array:
-    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:210]
-    scales = jax.lax.bitcast_convert_type(scales, jnp.int8).astype(jnp.float32)
-    d = (_f16(d) * scales).reshape(-1, 16, 1)
-    ql = _nibbles(ql, 2, 64).reshape(-1, 8, 32)
-    qh = qh.reshape(-1, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(1, 1, 4, 1)
-    qh = (qh & jnp.uint8(3)).reshape(-1, 8, 32)
-    q = (ql | (qh << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)
-    return (d * q.reshape(-1, 16, 16).astype(jnp.float32)).reshape(-1, QK_K)
-
-
-# IQ4_NL / IQ4_XS: a 4-bit index into this non-linear table of int8 values (ggml's kvalues).
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
-
-def iq4_xs(b: jax.Array) -> jax.Array:
-    """Super-blocks of 256: f16 d, 8 six-bit scales (2 high bits each in a uint16, 4 low bits
-    in 4 bytes), then 8 groups of 32 four-bit indices into IQ4_VALUES."""
-    d = _f16(b[:, 0:2])
-    hi = jax.lax.bitcast_convert_type(b[:, 2:4].reshape(-1, 1, 2), jnp.uint16)  # [N, 1]
-    hi = (hi >> jnp.arange(0, 16, 2, dtype=jnp.uint16)) & jnp.uint16(3)  # [N, 8]
-    lo = (b[:, 4:8, None] >> jnp.array([0, 4], jnp.uint8)) & jnp.uint8(0x0F)  # [N, 4, 2]
-    scales = (lo.reshape(-1, 8) | (hi.astype(jnp.uint8) << 4)).astype(jnp.int8) - jnp.int8(32)
-    dl = (d * scales.astype(jnp.float32))[..., None]  # [N, 8, 1]
-    idx = _nibbles(b[:, 8:], 8, 16).reshape(-1, 8, 32)
-    vals = jnp.asarray(IQ4_VALUES, jnp.float32)[idx]
-    return (dl * vals).reshape(-1, QK_K)
-
-
-def bf16(b: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(b.reshape(-1, 1, 2), jnp.bfloat16).astype(jnp.float32)
-
-
-def f16(b: jax.Array) -> jax.Array:
-    return _f16(b)
-
-
-def f32(b: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(b.reshape(-1, 1, 4), jnp.float32)
-
+from .ggml_dequant import IQ4_VALUES, MXFP4_VALUES, QK_K
 
 T = GGMLQuantizationType
-DEQUANTIZERS = {
-    T.F32: f32,
-    T.F16: f16,
-    T.BF16: bf16,
-    T.Q8_0: q8_0,
-    T.Q4_0: q4_0,
-    T.Q4_K: q4_k,
-    T.Q5_K: q5_k,
-    T.Q6_K: q6_k,
-    T.IQ4_XS: iq4_xs,
-}
 
 
 # --- a block at a time inside a kernel -------------------------------------------------------
@@ -182,6 +75,10 @@ class BlockFormat:
     group: int  # values per scale
     decode: object
     head: tuple[int, int]  # (first byte, bytes) of the scales, the rest being codes
+    # The block's bytes in this order before the split into head and codes (None: the file's),
+    # where a type's scale bytes are not one run (Q2_K's d and dmin follow its codes); decode's
+    # offsets are of the reordered block.
+    order: tuple[int, ...] | None = None
 
     @property
     def groups(self) -> int:
@@ -189,12 +86,10 @@ class BlockFormat:
 
     @property
     def head_unit(self) -> int:
-        """Bytes per element of a QuantWeight's head: the widest of 4 and 2 that divides the
-        head's bytes (a padded unit would grow the weight). Every GGML type here has an even
-        head."""
+        """Bytes per element of a QuantWeight's head: the widest of 4, 2 and 1 that divides the
+        head's bytes (a padded unit would grow the weight)."""
         hs = self.head[1]
-        assert hs % 2 == 0, (self.qtype, hs)
-        return 4 if hs % 4 == 0 else 2
+        return 4 if hs % 4 == 0 else 2 if hs % 2 == 0 else 1
 
     @property
     def body_size(self) -> int:
@@ -257,12 +152,7 @@ def _q6_k_scale(load1, g):
 
 
 def _iq4_value(q):
-    """IQ4_VALUES[q] for 4-bit codes, as a tree of selects on q's bits (no table gather)."""
-    vals = [jnp.int32(v) for v in IQ4_VALUES]
-    for bit in range(4):  # halve the candidates by one bit of q, lowest bit first
-        on = (q >> bit) & 1
-        vals = [jnp.where(on == 1, hi, lo) for lo, hi in zip(vals[0::2], vals[1::2], strict=True)]
-    return vals[0]
+    return _table_value(q, IQ4_VALUES)
 
 
 def _iq4_xs(load, load1, g):
@@ -273,6 +163,47 @@ def _iq4_xs(load, load1, g):
     return a, None, [(0, _iq4_value(q & 15)), (16, _iq4_value(q >> 4))]
 
 
+def _q2_k(load, load1, g):
+    # reordered: 16 scale | min bytes, d, dmin, then the 64 code bytes; group g (16 values) is
+    # bits 2 ((g % 8) // 2) of the 16-byte run 32 (g // 8) + 16 (g % 2) of the codes
+    sc = _int(load1(g))
+    a = _byte_f16(load1, 16) * exact_f32(sc & 15)
+    b = -(_byte_f16(load1, 18) * exact_f32(sc >> 4))
+    codes = (_int(load(20 + 32 * (g // 8) + 16 * (g % 2), 16)) >> (2 * ((g % 8) // 2))) & 3
+    return a, b, [(0, codes)]
+
+
+def _q3_k(load, load1, g):
+    # codes as Q2_K's at offset 32, the high bit of group g's values bit g // 2 of the 16 bytes
+    # 16 (g % 2) of hmask (a clear bit subtracts 4); 6-bit scales in 12 bytes at 96
+    low = (_int(load1(96 + g % 8)) >> (4 * (g // 8))) & 15
+    high = (_int(load1(104 + g % 4)) >> (2 * (g // 4))) & 3
+    a = _byte_f16(load1, 108) * exact_f32((low | (high << 4)) - 32)
+    ql = (_int(load(32 + 32 * (g // 8) + 16 * (g % 2), 16)) >> (2 * ((g % 8) // 2))) & 3
+    qh = (_int(load(16 * (g % 2), 16)) >> (g // 2)) & 1
+    return a, None, [(0, (ql | (qh << 2)) - 4)]
+
+
+def _table_value(q, table):
+    """table[q] for 4-bit codes, as a tree of selects on q's bits (no table gather)."""
+    vals = [jnp.int32(v) for v in table]
+    for bit in range(4):  # halve the candidates by one bit of q, lowest bit first
+        on = (q >> bit) & 1
+        vals = [jnp.where(on == 1, hi, lo) for lo, hi in zip(vals[0::2], vals[1::2], strict=True)]
+    return vals[0]
+
+
+def _mxfp4(load, load1, g):
+    e = _int(load1(0))  # E8M0: 2**(e - 128) for the doubled values, as ggml_e8m0_to_fp32_half
+    bits = jnp.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    q = _int(load(1, 16))
+    vals = [(0, _table_value(q & 15, MXFP4_VALUES)), (16, _table_value(q >> 4, MXFP4_VALUES))]
+    return jax.lax.bitcast_convert_type(bits, jnp.float32), None, vals
+
+
+# Q2_K's block reordered so its scale bytes are one run: scales, d, dmin, codes
+Q2_K_ORDER = (*range(16), *range(80, 84), *range(16, 80))
+
 FORMATS = {
     "q8_0": BlockFormat(T.Q8_0, 32, 34, 32, _q8_0, (0, 2)),
     "q4_0": BlockFormat(T.Q4_0, 32, 18, 32, _q4_0, (0, 2)),
@@ -280,6 +211,9 @@ FORMATS = {
     "q5_k": BlockFormat(T.Q5_K, QK_K, 176, 32, _q5_k, (0, 16)),
     "q6_k": BlockFormat(T.Q6_K, QK_K, 210, 16, _q6_k, (192, 18)),
     "iq4_xs": BlockFormat(T.IQ4_XS, QK_K, 136, 32, _iq4_xs, (0, 8)),
+    "q2_k": BlockFormat(T.Q2_K, QK_K, 84, 16, _q2_k, (0, 20), Q2_K_ORDER),
+    "q3_k": BlockFormat(T.Q3_K, QK_K, 110, 16, _q3_k, (96, 14)),
+    "mxfp4": BlockFormat(T.MXFP4, 32, 17, 32, _mxfp4, (0, 1)),
 }
 QTYPES = {f.qtype: name for name, f in FORMATS.items()}  # GGML type -> FORMATS key
 

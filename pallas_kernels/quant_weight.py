@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ggml_blocks import DEQUANTIZERS, FORMATS, BlockFormat
+from .ggml_blocks import FORMATS, BlockFormat
+from .ggml_dequant import DEQUANTIZERS
 
 
 @functools.partial(
@@ -69,6 +70,8 @@ class QuantWeight:
         h0, hs = fmt.head
         *lead, n, row_bytes = rows.shape
         b = rows.reshape(*lead, n, row_bytes // fmt.type_size, fmt.type_size)
+        if fmt.order is not None:  # the scale bytes made one run (BlockFormat.order)
+            b = b[..., np.asarray(fmt.order)]
         u = fmt.head_unit
         head = b[..., h0 : h0 + hs].reshape(*lead, n, -1, hs // u, u)  # little-endian units
         unit = np.dtype(f"<u{u}")
@@ -101,6 +104,8 @@ class QuantWeight:
         head = self.head_bytes()
         body = self.body.reshape(*lead, n, head.shape[-2], fmt.body_size)
         b = jnp.concatenate([body[..., :h0], head, body[..., h0:]], axis=-1)
+        if fmt.order is not None:
+            b = b[..., np.argsort(fmt.order)]
         return b.reshape(*lead, n, -1)
 
     def take(self, ids) -> QuantWeight:

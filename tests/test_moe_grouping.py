@@ -70,7 +70,7 @@ def test_bad_shapes_are_named():
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k", "iq4_xs", "mxfp4"])
 def test_quantized_experts_match_the_reference(qtype, swiglu):
     """Experts kept in GGML blocks ([E, N, K], gate rows then up rows with swiglu) give the
     dequantized experts' products; empty experts and padding rows as with dense weights."""

@@ -35,17 +35,20 @@ def test_kept_blocks_dequantize_as_gguf_does(qtype):
     """A file tensor of N rows of K values stays its bytes on the device (split into scale and
     code bytes, together the file's size, and reassembled exactly) and dequantizes bit-exactly
     to gguf's values. Scale bytes are held as little-endian units: uint32 where they are a
-    multiple of 4, else uint16."""
+    multiple of 4, uint16 where even, else bytes (MXFP4's one); Q2_K's d and dmin join its
+    scale bytes (BlockFormat.order)."""
     fmt = FORMATS[qtype]
     raw = random_blocks(fmt.qtype, 6, 512, np.random.default_rng(1))
     w = keep_quantized(raw, fmt.qtype, (6, 512), jnp.bfloat16)
     assert w.shape == (6, 512) and w.nbytes == raw.nbytes and w.dtype == "bfloat16"
     np.testing.assert_array_equal(np.asarray(w.rows()), raw.reshape(6, -1))
     h0, hs = fmt.head
-    u = 4 if qtype in ("q4_k", "q5_k", "iq4_xs") else 2
+    u = {"q4_k": 4, "q5_k": 4, "iq4_xs": 4, "q2_k": 4, "mxfp4": 1}.get(qtype, 2)
     head = np.asarray(w.head[: hs // u, 2])  # block 0 of row 2
     assert fmt.head_unit == u and head.dtype == np.dtype(f"uint{8 * u}")
     blocks = raw.reshape(6, -1, fmt.type_size)
+    if fmt.order is not None:
+        blocks = blocks[..., list(fmt.order)]
     np.testing.assert_array_equal(head.astype(f"<u{u}").view(np.uint8), blocks[2, 0, h0 : h0 + hs])
     np.testing.assert_array_equal(np.asarray(dequantize_weight(w)), dequantize(raw, fmt.qtype))
 
@@ -131,7 +134,8 @@ def rounded_rows(x):
     return (q.astype(jnp.float32).reshape(M, -1, 32) * d[..., None]).reshape(M, K)
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+# the types with integer decoders, and one without (every such type ignores the flag alike)
+@pytest.mark.parametrize("qtype", [*(q for q in TYPES if q in INT_DECODERS), "iq4_xs"])
 def test_the_int8_activation_path_matches_the_reference_on_its_rounded_x(qtype, live=2):
     """int8_x: x rounded to int8 per 32 values (llama.cpp's q8_1 rounding) and dotted with the
     codes as integers equals the reference on that rounded x to float32 rounding, over a K that

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pallas_kernels.ggml_blocks import DEQUANTIZERS, QTYPES
+from pallas_kernels.ggml_blocks import QTYPES
+from pallas_kernels.ggml_dequant import DEQUANTIZERS
 from pallas_kernels.quant_weight import QuantWeight
 
 __all__ = [
@@ -117,7 +118,7 @@ def _gguf_dequantizable() -> frozenset:
     return frozenset(out)
 
 
-# Types we neither keep packed nor unpack on the device (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, ...:
+# Types we neither keep packed nor unpack on the device (Q4_1, Q5_0, Q5_1, IQ2_XXS, ...:
 # llama.cpp's quantizer puts Q5_0 / Q5_1 where a row is not a whole number of 256-value
 # blocks): gguf-py unpacks them on the host at load, slower but never a refusal.
 HOST_TYPES = _gguf_dequantizable()

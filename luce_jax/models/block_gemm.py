@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ggml_blocks import k_scale_min
+from pallas_kernels.ggml_dequant import k_scale_min
 from pallas_kernels.quant_weight import QuantWeight
 
 GROUP = 32
