@@ -54,15 +54,22 @@ def _scores(logits, scoring: str, valid):
 
 def moe_router_reference(x, router, bias=None, norm=None, *, k: int, scoring: str = "softmax",
                          renorm: bool = True, scale: float = 1.0, groups: int = 1,
-                         groups_used: int = 1, eps: float = 1e-6, live=None):  # fmt: skip
+                         groups_used: int = 1, eps: float = 1e-6, live=None,
+                         experts=None):  # fmt: skip
     """(weights [T, k] float32, experts [T, k] int32) of rows x [T, d] (normed by `norm` [d]
     first where given) under router [d, E]; rows at or past `live` (padding) get expert E and
-    weight 0."""
+    weight 0. `experts` [T, k]: the experts chosen already (DeepSeek V4's hash-routed layers
+    take them from a token-id table); only their weights come from the scores."""
     x = x.astype(jnp.float32)
     if norm is not None:
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * norm
     logits = jnp.dot(x, router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     E = logits.shape[-1]
+    if experts is not None:
+        w = jnp.take_along_axis(_scores(logits, scoring, True), experts, axis=-1)
+        if renorm:
+            w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), NORM_FLOOR)
+        return _padded(w * scale, experts.astype(jnp.int32), E, live)
     if scoring == "softmax" and renorm and bias is None and groups == 1:
         # the top k of the softmax, renormalized, is the softmax of the top k logits: no
         # reduction over all E (XLA's kernels of every decode step, each MoE layer's)

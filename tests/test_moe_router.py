@@ -3,6 +3,8 @@ its jnp reference, the reference equals a plain NumPy routing written from the d
 (every scoring, ties, a selection bias, group-limited top-k, padding rows), and the kernel
 lowers to a Triton module that verifies."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,3 +146,36 @@ def test_the_router_lowers_to_a_valid_triton_module(verified, case, fused_dot):
 
     jax.jit(f).trace(x, router, bias, norm, jnp.int32(3)).lower(lowering_platforms=("cuda",))
     assert len(verified) == 1
+
+
+def test_a_hash_routed_layer_weighs_its_table_experts_as_transformers_does():
+    """DeepSeek V4's first layers take their experts from a token-id table (tid2eid) and weigh
+    them by the router's sqrt-softplus scores, renormalized and scaled: transformers'
+    DeepseekV4HashRouter. moe.route takes that path for a layer with a table."""
+    import torch
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+    from luce_jax.models import moe
+
+    cfg = DeepseekV4Config(hidden_size=32, vocab_size=50, num_experts_per_tok=3,
+                           n_routed_experts=8, routed_scaling_factor=1.5)  # fmt: skip
+    mod = hf.DeepseekV4HashRouter(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) / 4)
+        mod.tid2eid.copy_(torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(50)]))
+    x = torch.randn(6, 32, generator=g)
+    ids = torch.tensor([3, 17, 3, 49, 0, 8])
+    with torch.no_grad():
+        _, want_w, want_e = mod(x, ids)
+    lp = {"router": jnp.asarray(mod.weight.detach().numpy().T),
+          "tid2eid": jnp.asarray(mod.tid2eid.numpy().astype(np.int32))}  # fmt: skip
+    mc = SimpleNamespace(n_experts_used=3, expert_scoring="sqrtsoftplus",
+                         expert_weights_norm=True, expert_weights_scale=1.5, expert_groups=1,
+                         expert_groups_used=1)  # fmt: skip
+    w, e = moe.route(jnp.asarray(x.numpy()), lp, mc, live=jnp.int32(5),
+                     tokens=jnp.asarray(ids.numpy(), jnp.int32))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(e)[:5], want_e.numpy()[:5])
+    np.testing.assert_allclose(np.asarray(w)[:5], want_w.numpy()[:5], rtol=1e-5, atol=1e-6)
+    assert (np.asarray(e)[5] == 8).all() and not np.asarray(w)[5].any()  # padding

@@ -58,13 +58,25 @@ def test_float_tensors_are_not_kept():
     assert keep_quantized(raw, T.F32, (4, 8), jnp.float32) is None
 
 
+# Types whose blocks decode alike in the kernel's loop (16-value groups as Q6_K's, 32-value
+# blocks as Q8_0's): their own decoders are held to gguf by test_dequantize.py and the cases
+# below that end inside a step; the whole-step grid runs for the types before them.
+LATER_TYPES = ("q2_k", "q3_k", "mxfp4")
+
+
 def kernel_cases():
     """(qtype, K, N, values_per_step): a K of whole loop steps and N of whole 16-row tiles,
     and a K that ends inside a step (3 blocks, 2 or 8 per step) with N = 40."""
     for q in TYPES:
         B = FORMATS[q].block
-        yield q, 2 * max(B, 256), 64, 256
+        if q not in LATER_TYPES:
+            yield q, 2 * max(B, 256), 64, 256
         yield q, 3 * B, 40, 2 * B if B == 256 else 256
+
+
+def ragged_cases():
+    """kernel_cases' K that ends inside a step, one per type."""
+    return [c for c in kernel_cases() if c[2] == 40]
 
 
 # Rows reach the kernel's branches at M = 3 (one 16-row tile, ragged) and 80 (two 64-row tiles,
@@ -86,7 +98,7 @@ def test_kernel_matches_reference(qtype, K, N, vps, M):
 
 # (two live rows on the vector path: test_the_int8_activation_path_matches_..., the default)
 @pytest.mark.parametrize("live, vector_rows", [(1, 2), (3, 2)])
-@pytest.mark.parametrize("qtype, K, N, vps", list(kernel_cases())[1::2], ids=lambda v: str(v))
+@pytest.mark.parametrize("qtype, K, N, vps", ragged_cases(), ids=lambda v: str(v))
 def test_live_rows_match_the_reference_on_either_path(qtype, K, N, vps, live, vector_rows):
     """A step's real rows lead x; with at most vector_rows of them the vector-unit path runs
     for just that many rows (the dot path otherwise), and the real rows equal the reference

@@ -52,7 +52,7 @@ def read_config(get) -> dict:
     )
 
 
-def route(h, lp: dict, cfg: ModelConfig, router=None, live=None):
+def route(h, lp: dict, cfg: ModelConfig, router=None, live=None, tokens=None):
     """Top-k experts of each token and their weights (pallas_kernels/moe_router.py's routing:
     the config's scoring, selection bias, groups, renormalization and scale).
 
@@ -60,7 +60,8 @@ def route(h, lp: dict, cfg: ModelConfig, router=None, live=None):
       h: Normed rows of the FFN input, or [T, d] float32 already normed; lp: the layer's
         router [d, E] and router_bias [E] if any; router: the router kernel
         (Kernels.moe_router), run on buckets of at most ROUTER_MAX_ROWS rows, or None;
-      live: int32 scalar, the real rows (None: all).
+      live: int32 scalar, the real rows (None: all); tokens: [T] int32 token ids, for a
+        hash-routed layer (lp's tid2eid [V, k] table chooses its experts).
     Returns:
       (weights [T, k] float32, experts [T, k] int32); rows at or past live: expert E, weight 0.
     """
@@ -68,6 +69,10 @@ def route(h, lp: dict, cfg: ModelConfig, router=None, live=None):
               scale=cfg.expert_weights_scale, groups=cfg.expert_groups,
               groups_used=cfg.expert_groups_used)  # fmt: skip
     bias = lp.get("router_bias")
+    if "tid2eid" in lp:  # hash routing: the experts by token id, their weights by the scores
+        x = h.array() if isinstance(h, Normed) else h
+        chosen = lp["tid2eid"][tokens].astype(jnp.int32)
+        return moe_router_reference(x, lp["router"], live=live, experts=chosen, **kw)
     if router is not None and h.shape[0] <= ROUTER_MAX_ROWS:
         if isinstance(h, Normed):
             return router(h.x, lp["router"], bias, h.w, eps=h.eps, live=live, **kw)
@@ -178,7 +183,8 @@ def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float
     return y.astype(out_dtype)
 
 
-def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None, router=None):
+def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None, router=None,
+        tokens=None):  # fmt: skip
     """The MoE FFN of one layer.
 
     Args:
@@ -190,7 +196,8 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
       live: int32 scalar, the real rows; padding rows' output is zero (default: all real).
       qmm: how quantized projections run (models/linear.py): a shared expert's, and at decode
         sizes the experts', a (token, expert) pair at a time (`by_rows`).
-      router: the fused router kernel (Kernels.moe_router), or None (`route`).
+      router: the router kernel (Kernels.moe_router), or None (`route`); tokens: [T] token
+        ids, for a hash-routed layer (`route`).
     Returns:
       ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
        plus sigmoid(h . shexp_gate) times the shared expert's output where there is one,
@@ -201,13 +208,13 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
     T, k = h.shape[0], cfg.n_experts_used
     if by_rows((lp["w_gu_exps"], lp["w_down_exps"]), T * k, qmm):
         hn, x8 = normed_rows(h, lp["w_gu_exps"], qmm)
-        w, experts = route(hn, lp, cfg, router, live)
+        w, experts = route(hn, lp, cfg, router, live, tokens)
         flat = experts.reshape(-1)  # padding rows' pairs: expert E, in no group
         y = ffn_rows(lp, hn, x8, flat, k, qmm)  # [S, T*k, d]
         # the splits and a token's k experts summed in one reduction (one kernel, not two)
         out = jnp.sum(y.reshape(y.shape[0], T, k, -1) * w[None, :, :, None], axis=(0, 2))
     else:
-        w, experts = route(h, lp, cfg, router, live)
+        w, experts = route(h, lp, cfg, router, live, tokens)
         flat = experts.reshape(-1)
         h = h.array() if isinstance(h, Normed) else h
         order, sizes = group(experts, cfg.n_experts)
