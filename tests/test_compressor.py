@@ -59,7 +59,7 @@ def run_steps(seqs, cuts, m: int, overlap: bool, S: int = 3):
             start += [a] * n
             end += [a + n] * n
             done[s] += n
-        pad = 3  # padding rows at the end of the bucket
+        pad = 64 - len(slot)  # padding rows to the end of the step's one bucket
         c.append(np.full((pad, W), 5.0, np.float32))
         z.append(np.full((pad, W), 5.0, np.float32))
         slot += [-1] * pad

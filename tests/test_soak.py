@@ -1,4 +1,4 @@
-"""A soak on the real server: 500 mixed requests, 30% of the clients leaving mid-request."""
+"""A soak on the real server: 300 mixed requests, 30% of the clients leaving mid-request."""
 
 import sys
 from pathlib import Path
@@ -9,7 +9,7 @@ from soak import soak  # noqa: E402
 from concurrency import free_port, start_server, stop_server  # noqa: E402
 
 
-def test_500_requests_with_30_percent_disconnects_leave_no_5xx_leak_or_compile(
+def test_300_requests_with_30_percent_disconnects_leave_no_5xx_leak_or_compile(
     tiny_gguf, compile_cache
 ):
     """Completions and chat, streamed or not, prompts of 1 to 40 words, 64 clients at a time
@@ -22,10 +22,10 @@ def test_500_requests_with_30_percent_disconnects_leave_no_5xx_leak_or_compile(
            f"--compile-cache-dir {compile_cache} --log-level warning")  # fmt: skip
     proc = start_server(cmd, port, timeout=300)
     try:
-        s = soak(f"http://127.0.0.1:{port}", 500, 64, max_words=40, max_tokens=6)
+        s = soak(f"http://127.0.0.1:{port}", 300, 64, max_words=40, max_tokens=6)
     finally:
         stop_server(proc)
     assert s["server_errors"] == 0 and set(s["status_counts"]) <= {"200", "left"}
     assert s["kv_blocks_used_after"] == 0 and s["running_after"] == 0
     assert s["compiles_during"] == 0
-    assert 100 < s["disconnected"] < 200  # about 30% of 500 left
+    assert 55 < s["disconnected"] < 125  # about 30% of 300 left
