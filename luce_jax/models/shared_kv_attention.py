@@ -1,0 +1,46 @@
+"""DeepSeek V4's attention around its core: the query through its LoRA (q_a, a weighted
+RMSNorm, q_b, an unweighted RMSNorm per head), the one K = V head (kv, its norm), both roped on
+their trailing dims; after the core (models/sink_attention.py) the output's rope slice rotated
+back by the query position, then the grouped output LoRA (wo_a per group of heads, wo_b).
+transformers' DeepseekV4Attention, llama.cpp's build_attention_impl.
+
+Weights as [in, out] arrays: wq_a [d, Rq], q_norm [Rq], wq_b [Rq, H D], wkv [d, D], kv_norm
+[D], wo_a [g, H D / g, Ro], wo_b [g Ro, d].
+
+Shapes: T tokens, d model width, H heads, D head width, g output groups.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .tail_rope import rope_tail
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def rms(x, w=None, eps: float = 1e-6):
+    """RMSNorm over the last axis (weighted where w is given), float32."""
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x if w is None else x * w
+
+
+def queries_and_kv(x, lp: dict, pos, freqs, *, heads: int, eps: float):
+    """(q [T, H, D] roped, q_lora [T, Rq] (the indexer's input), kv [T, D] roped) of the
+    normed layer input x [T, d]."""
+    qr = rms(jnp.dot(x, lp["wq_a"], precision=HIGHEST), lp["q_norm"], eps)
+    q = jnp.dot(qr, lp["wq_b"], precision=HIGHEST).reshape(x.shape[0], heads, -1)
+    q = rope_tail(rms(q, None, eps), pos, freqs)
+    kv = rms(jnp.dot(x, lp["wkv"], precision=HIGHEST), lp["kv_norm"], eps)
+    return q, qr, rope_tail(kv, pos, freqs)
+
+
+def output(o, lp: dict, pos, freqs):
+    """The layer's output [T, d] from the core's o [T, H, D]: its rope slice rotated back by
+    the query position, then wo_a per group of H / g heads and wo_b over the groups."""
+    o = rope_tail(o, pos, freqs, inverse=True)
+    g = lp["wo_a"].shape[0]
+    z = jnp.einsum("tgi,gio->tgo", o.reshape(o.shape[0], g, -1), lp["wo_a"], precision=HIGHEST)
+    return jnp.dot(z.reshape(o.shape[0], -1), lp["wo_b"], precision=HIGHEST)
