@@ -89,6 +89,7 @@ class ModelConfig:
     expert_groups: int = 1  # group-limited routing: experts in this many groups,
     expert_groups_used: int = 1  # of which this many best are eligible
     shared_expert_ffn_dim: int = 0  # qwen35moe: an always-on expert, gated by sigmoid
+    swiglu_limit: float = 0.0  # the experts' SwiGLU clamp (pallas_kernels/swiglu.py; 0: none)
     attn_gate: bool = False  # full attention's query projection also yields a sigmoid gate
     # The family's own fields (a frozen dataclass of its module's, from its read_config:
     # models/hybrid.HybridConfig, say); None for a family that has none.

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, uses_ptx, whole
+from .swiglu import swiglu
 
 # cvt.rni: a float32 to the nearest int32, ties to even (jnp.round's rounding); Triton has no
 # lowering for lax.round. Adding and subtracting 1.5 * 2**23 instead was contracted into an
@@ -119,7 +120,7 @@ def _norm_kernel(x_ref, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, eps,
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx, ok)
 
 
-def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
+def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx, limit):
     """Program (m, c): row m's values c * G * 32 .. of silu(gate) * up, gate and up the sums of
     the S partials of [S, M, 2F] (gate the first F columns); a padding row (m >= live) reads no
     partials (quant_matmul's `splits` does not write them) and gives zeros."""
@@ -131,7 +132,7 @@ def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, pt
     for s in range(S):  # S is static and small (the kernel's contraction splits)
         gate = gate + plgpu.load(p_ref.at[s, m, ks], mask=real, other=0)
         up = up + plgpu.load(p_ref.at[s, m, ks + F], mask=real, other=0)
-    h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(h_ref.dtype)  # silu(gate) * up
+    h = swiglu(gate, up, limit).astype(h_ref.dtype)
     plgpu.store(h_ref.at[m, ks], h)
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
 
@@ -234,16 +235,17 @@ def live_sum(parts, live):
     return jnp.where(jnp.arange(parts.shape[1])[:, None] < live, parts.sum(0), 0.0)
 
 
-def glu_int8_rows_reference(parts, live, dtype):
-    """(h, int8_rows_reference(h)) for h = silu(gate) * up in dtype, [gate | up] the sum of the
-    partials parts [S, M, 2F] (live_sum's)."""
+def glu_int8_rows_reference(parts, live, dtype, limit: float = 0.0):
+    """(h, int8_rows_reference(h)) for h = silu(gate) * up in dtype (swiglu.py's, clamped by
+    limit), [gate | up] the sum of the partials parts [S, M, 2F] (live_sum's)."""
     gate, up = jnp.split(live_sum(parts, live), 2, axis=-1)
-    h = (jax.nn.silu(gate) * up).astype(dtype)
+    h = swiglu(gate, up, limit).astype(dtype)
     return h, int8_rows_reference(h)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "ptx", "interpret"))
-def glu_int8_rows(parts, live, *, dtype, ptx: bool | None = None, interpret=None):
+@functools.partial(jax.jit, static_argnames=("dtype", "limit", "ptx", "interpret"))
+def glu_int8_rows(parts, live, *, dtype, limit: float = 0.0, ptx: bool | None = None,
+                  interpret=None):  # fmt: skip
     """A SwiGLU FFN's hidden rows and their int8 rounding in one kernel
     (glu_int8_rows_reference), from the gate | up product's split partials as quant_matmul
     leaves them (`splits=True`): the partials' sum, silu(gate) * up and int8_rows were two
@@ -252,7 +254,8 @@ def glu_int8_rows(parts, live, *, dtype, ptx: bool | None = None, interpret=None
     Args:
       parts: [S, M, 2F] float32 partials of [gate | up], F a multiple of 32; live: int32
       scalar, the rows whose partials were written (the rest give zeros); dtype: h's dtype
-      (the down projection's compute dtype); ptx, interpret: as int8_rows'.
+      (the down projection's compute dtype); limit: swiglu.py's clamp (0: none); ptx,
+      interpret: as int8_rows'.
     Returns:
       (h [M, F] dtype, (q, d, s16, s32) as int8_rows returns them for h).
     """
@@ -261,6 +264,6 @@ def glu_int8_rows(parts, live, *, dtype, ptx: bool | None = None, interpret=None
     if F2 % 64:
         raise ValueError(f"glu_int8_rows needs 2F a multiple of 64, got partials {parts.shape}")
     BK, ptx = _block(F, PARTS_BLOCK), uses_ptx(interpret) if ptx is None else ptx
-    kernel = functools.partial(_glu_kernel, G=BK // 32, ptx=ptx)
+    kernel = functools.partial(_glu_kernel, G=BK // 32, ptx=ptx, limit=limit)
     live = jnp.full((1,), live, jnp.int32)
     return _call(kernel, (M, F // BK), (parts, live), M, F, dtype, interpret=interpret)

@@ -40,6 +40,7 @@ from .ggml_blocks import block_loaders, contract_block
 from .paged_attention import query_blocks
 from .quant_matmul import dot_nn, dot_nt
 from .quant_weight import QuantWeight, dequantize_weight
+from .swiglu import swiglu as glu
 
 
 def expert_weights(w, dtype=None):
@@ -49,7 +50,7 @@ def expert_weights(w, dtype=None):
     return w
 
 
-def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
+def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False, limit: float = 0.0):
     """Row r times the weights of its expert, in float32.
 
     Args:
@@ -69,11 +70,11 @@ def grouped_matmul_reference(x, w, sizes, *, swiglu: bool = False):
     y = jnp.einsum("mk,mkn->mn", x.astype(jnp.float32), wr)
     if swiglu:
         gate, up = jnp.split(y, 2, axis=-1)
-        y = jax.nn.silu(gate) * up
+        y = glu(gate, up, limit)
     return jnp.where(real[:, None], y, 0.0)
 
 
-def _kernel(meta_ref, x_ref, *refs, BM, BN, BK, N, swiglu, fmt=None):
+def _kernel(meta_ref, x_ref, *refs, BM, BN, BK, N, swiglu, limit=0.0, fmt=None):
     """One (row tile, column tile) program. With fmt (a ggml_blocks.BlockFormat), the weight
     refs are the experts' QuantWeight head and body ([E, K / B * hs / u, N or 2N] in u-byte
     units, and [E, N or 2N, K / B * bs]) and the contraction walks them a block at a time, as
@@ -129,7 +130,7 @@ def _kernel(meta_ref, x_ref, *refs, BM, BN, BK, N, swiglu, fmt=None):
     # Triton's scf.for needs equal bound types, and jnp.where(n > 0, 1, 0) lowered to i1.
     n_k = (n > 0).astype(n.dtype) * steps
     accs = jax.lax.fori_loop(n * 0, n_k, body, (zero,) * len(halves))
-    y = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
+    y = glu(accs[0], accs[1], limit) if swiglu else accs[0]
     o_ref[...] = y.astype(o_ref.dtype)
 
 
@@ -144,6 +145,7 @@ def grouped_matmul(
     sizes,
     *,
     swiglu: bool = False,
+    limit: float = 0.0,
     out_dtype=jnp.float32,
     block_m: int = 16,
     block_n: int = 128,
@@ -185,7 +187,14 @@ def grouped_matmul(
     options = call_options(interpret, num_warps, num_stages)
 
     kernel = functools.partial(
-        _kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu, fmt=w.format if quant else None
+        _kernel,
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        N=N,
+        swiglu=swiglu,
+        limit=limit,
+        fmt=w.format if quant else None,
     )
     wdata = (w.head, w.body) if quant else (w,)
     tiles = pl.pallas_call(

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.int8_rows import live_sum, rms_norm
 from pallas_kernels.quant_matmul import quant_matmul_xla
 from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
+from pallas_kernels.swiglu import swiglu
 
 
 class QuantMatmul(NamedTuple):
@@ -114,6 +114,7 @@ class Gated(NamedTuple):
     fusion and int8_rows)."""
 
     gu: object
+    limit: float = 0.0  # the clamp of pallas_kernels/swiglu.py (DeepSeek V4's experts)
 
     @property
     def shape(self):
@@ -122,13 +123,14 @@ class Gated(NamedTuple):
 
     def array(self):
         gate, up = jnp.split(summed(self.gu), 2, axis=-1)
-        return jax.nn.silu(gate) * up
+        return swiglu(gate, up, self.limit)
 
     def rows(self, w, qmm: QuantMatmul | None, live):
         """(h [T, F], its int8 rows or None) for linear(self, w, qmm, live)."""
         fused = isinstance(self.gu, Splits) and _int8_rows_call(self.shape[0], w, qmm, live)
         if fused and qmm.glu_int8 is not None:
-            return qmm.glu_int8(self.gu.parts, self.gu.live, dtype=weight_dtype(w))
+            return qmm.glu_int8(self.gu.parts, self.gu.live, dtype=weight_dtype(w),
+                                limit=self.limit)  # fmt: skip
         return self.array(), None
 
 

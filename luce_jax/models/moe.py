@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.moe_grouping import expert_weights
 from pallas_kernels.moe_router import moe_router_reference
 from pallas_kernels.quant_weight import QuantWeight
+from pallas_kernels.swiglu import swiglu as glu  # (grouped_matmul's `swiglu` is a flag)
 
 from ..config import ModelConfig
 from .linear import Gated, Normed, linear
@@ -39,6 +41,12 @@ def read_config(get) -> dict:
     gating = int(get("expert_gating_func", 1))
     if gating not in GATING:
         raise ValueError(f"expert_gating_func={gating}: supported {GATING}")
+    # DeepSeek V4: a SwiGLU clamp per block for the routed and the shared experts (one value
+    # here: the kernels take it as a constant)
+    given = [get(key, ()) for key in ("swiglu_clamp_exp", "swiglu_clamp_shexp")]
+    limits = {float(v) for g in given for v in np.ravel(g)} or {0.0}
+    if len(limits) > 1:
+        raise ValueError(f"swiglu_clamp_exp / swiglu_clamp_shexp={sorted(limits)}: one value")
     return dict(
         n_experts=int(get("expert_count")),
         n_experts_used=int(get("expert_used_count")),
@@ -49,6 +57,7 @@ def read_config(get) -> dict:
         expert_weights_scale=float(get("expert_weights_scale", 1.0)),
         expert_groups=int(get("expert_group_count", 1)),
         expert_groups_used=int(get("expert_group_used_count", 1)),
+        swiglu_limit=limits.pop(),
     )
 
 
@@ -135,10 +144,10 @@ def _pairs(w, qmm):
     (None where qmm has none)."""
     if isinstance(w, QuantWeight):
         return getattr(qmm, "kernel", None)
-    return getattr(qmm, "expert_rows", None)
+    return getattr(qmm, "expert_rows", None) if w.shape[1] % 16 == 0 else None  # its tiles
 
 
-def ffn_rows(lp: dict, h, x8, experts, k: int, qmm):
+def ffn_rows(lp: dict, h, x8, experts, k: int, qmm, limit: float = 0.0):
     """The experts' SwiGLU for each (token, expert) pair, a row at a time (quant_matmul's
     experts mode; expert_rows for dense experts, a tile for all of an expert's tokens), in
     three kernels where the engine rounds
@@ -146,7 +155,7 @@ def ffn_rows(lp: dict, h, x8, experts, k: int, qmm):
     glu_int8_rows (the splits' sum, silu(gate) * up and its int8 rows), then down.
 
     Args: h: normed rows [T, d] and x8 their int8 rows or None (normed_rows); experts [T*k]
-      (padding: E); k: pairs a token.
+      (padding: E); k: pairs a token; limit: the SwiGLU's clamp (ModelConfig.swiglu_limit).
     Returns: [S, T*k, d] float32 split partials of the down projection (summed by the
       caller with the routing weights, in one XLA fusion)."""
     w_gu, w_down = lp["w_gu_exps"], lp["w_down_exps"]
@@ -155,17 +164,18 @@ def ffn_rows(lp: dict, h, x8, experts, k: int, qmm):
     parts = _pairs(w_gu, qmm)(x, w_gu, experts=experts, fan_out=k, splits=True, **kw)
     if not isinstance(w_down, QuantWeight):  # expert_rows: the pairs' tokens, for sharing
         gate, up = jnp.split(parts.sum(0), 2, axis=-1)
-        act, kw = (jax.nn.silu(gate) * up).astype(wdt), {"per_token": k}
+        act, kw = glu(gate, up, limit).astype(wdt), {"per_token": k}
     elif qmm.glu_int8 is not None and parts.shape[-1] % 64 == 0:
-        act, act8 = qmm.glu_int8(parts, jnp.int32(parts.shape[1]), dtype=wdt)
+        act, act8 = qmm.glu_int8(parts, jnp.int32(parts.shape[1]), dtype=wdt, limit=limit)
         kw = {"x8": act8}
     else:
         gate, up = jnp.split(parts.sum(0), 2, axis=-1)
-        act, kw = (jax.nn.silu(gate) * up).astype(wdt), {}
+        act, kw = glu(gate, up, limit).astype(wdt), {}
     return _pairs(w_down, qmm)(act, w_down, experts=experts, splits=True, **kw)
 
 
-def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float32):
+def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, limit: float = 0.0,
+                       out_dtype=jnp.float32):  # fmt: skip
     """XLA's grouped matmul, with the Pallas kernel's signature (pallas_kernels/moe_grouping.py).
 
     Args:
@@ -179,7 +189,7 @@ def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, out_dtype=jnp.float
     y = jax.lax.ragged_dot(x, w.astype(x.dtype), sizes, preferred_element_type=jnp.float32)
     if swiglu:
         gate, up = jnp.split(y, 2, axis=-1)
-        y = jax.nn.silu(gate) * up
+        y = glu(gate, up, limit)
     return y.astype(out_dtype)
 
 
@@ -210,7 +220,7 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
         hn, x8 = normed_rows(h, lp["w_gu_exps"], qmm)
         w, experts = route(hn, lp, cfg, router, live, tokens)
         flat = experts.reshape(-1)  # padding rows' pairs: expert E, in no group
-        y = ffn_rows(lp, hn, x8, flat, k, qmm)  # [S, T*k, d]
+        y = ffn_rows(lp, hn, x8, flat, k, qmm, cfg.swiglu_limit)  # [S, T*k, d]
         # the splits and a token's k experts summed in one reduction (one kernel, not two)
         out = jnp.sum(y.reshape(y.shape[0], T, k, -1) * w[None, :, :, None], axis=(0, 2))
     else:
@@ -221,13 +231,15 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
         tok = order // k  # token of each grouped row
         wdt = lp["w_gu_exps"].dtype
         x = h[tok].astype(wdt)  # [T*k, d], grouped by expert
-        act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, out_dtype=wdt)  # [T*k, F]
+        act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, limit=cfg.swiglu_limit,
+                  out_dtype=wdt)  # fmt: skip
         y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
         y = y * w.reshape(-1)[order][:, None]
         out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)
     if "w_gu_shexp" in lp:  # qwen35moe: every token also takes the shared expert, gated
         gu = linear(h, lp["w_gu_shexp"], qmm)
-        shared = linear(Gated(gu), lp["w_down_shexp"], qmm).astype(jnp.float32)
+        shared = linear(Gated(gu, cfg.swiglu_limit), lp["w_down_shexp"], qmm)
+        shared = shared.astype(jnp.float32)
         hx = h.array() if isinstance(h, Normed) else h
         out = out + jax.nn.sigmoid(hx @ lp["shexp_gate"])[:, None] * shared
     return out, flat
