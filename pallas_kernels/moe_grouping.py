@@ -186,16 +186,8 @@ def grouped_matmul(
     NT, NJ = meta.shape[0], -(-N // BN)
     options = call_options(interpret, num_warps, num_stages)
 
-    kernel = functools.partial(
-        _kernel,
-        BM=BM,
-        BN=BN,
-        BK=BK,
-        N=N,
-        swiglu=swiglu,
-        limit=limit,
-        fmt=w.format if quant else None,
-    )
+    kernel = functools.partial(_kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu, limit=limit,
+                               fmt=w.format if quant else None)  # fmt: skip
     wdata = (w.head, w.body) if quant else (w,)
     tiles = pl.pallas_call(
         kernel,
