@@ -210,7 +210,8 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
         ids, for a hash-routed layer (`route`).
     Returns:
       ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
-       plus sigmoid(h . shexp_gate) times the shared expert's output where there is one,
+       plus the shared expert's output where there is one (times sigmoid(h . shexp_gate)
+       where the layer has that gate),
        pairs [T*k] int32: each (token, expert) pair's expert, n_experts for padding: the
        step's routing, which `expert_counts` turns into its statistics).
     """
@@ -236,10 +237,12 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
         y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
         y = y * w.reshape(-1)[order][:, None]
         out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)
-    if "w_gu_shexp" in lp:  # qwen35moe: every token also takes the shared expert, gated
+    if "w_gu_shexp" in lp:  # every token also takes the shared expert (qwen35moe's gated)
         gu = linear(h, lp["w_gu_shexp"], qmm)
         shared = linear(Gated(gu, cfg.swiglu_limit), lp["w_down_shexp"], qmm)
         shared = shared.astype(jnp.float32)
-        hx = h.array() if isinstance(h, Normed) else h
-        out = out + jax.nn.sigmoid(hx @ lp["shexp_gate"])[:, None] * shared
+        if "shexp_gate" in lp:
+            hx = h.array() if isinstance(h, Normed) else h
+            shared = jax.nn.sigmoid(hx @ lp["shexp_gate"])[:, None] * shared
+        out = out + shared
     return out, flat
