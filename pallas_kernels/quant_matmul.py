@@ -56,6 +56,7 @@ from .ggml_blocks import (
     issue_loads,
 )
 from .int8_rows import int8_rows
+from .quant_tiling import pow2_within, tiling
 from .quant_weight import QuantWeight, dequantize_weight
 
 # Types whose int8_dots run on int8 codes (pieces of 32 values): Q6_K's 16-value pieces, a K
@@ -266,25 +267,6 @@ def _kernel(live_ref, ex_ref, x_ref, xw_ref, dx_ref, sx_ref, h_ref, b_ref, o_ref
     plgpu.store(o_ref.at[s, rows[:, None], cols[None, :]], out, mask=ok)
 
 
-def _pow2(n: int, lo: int, hi: int) -> int:
-    """The power of two nearest above n, within [lo, hi]."""
-    return max(lo, min(hi, 1 << max(n - 1, 0).bit_length()))
-
-
-def tiling(M: int, N: int, n_blocks: int, U: int, block_m=64, block_n=64, min_programs=264):
-    """(BM, BN, S, steps): tile sizes, contraction splits and U-block steps per split.
-
-    Splits only where row and column tiles alone give fewer than `min_programs` programs, and
-    never more than one per step.
-    """
-    BM, BN = _pow2(M, 16, block_m), _pow2(N, 16, block_n)
-    tiles = -(-M // BM) * -(-N // BN)
-    n_steps = -(-n_blocks // U)
-    S = max(1, min(n_steps, min_programs // tiles))
-    steps = -(-n_steps // S)  # per split; the last split's tail is masked
-    return BM, BN, -(-n_steps // steps), steps
-
-
 def quant_matmul(
     x,
     w: QuantWeight,
@@ -364,7 +346,7 @@ def quant_matmul(
     R = 0 if live is None or E else min(vector_rows, M)
     n_blocks, U = K // fmt.block, max(1, values_per_step // fmt.block)
     if E:
-        BM, BN, S, steps = 1, _pow2(N, 16, block_n), -(-n_blocks // U), 1
+        BM, BN, S, steps = 1, pow2_within(N, 16, block_n), -(-n_blocks // U), 1
     else:
         programs = vector_programs if R else min_programs
         BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)

@@ -196,7 +196,7 @@ def test_max_ctx_is_clamped_to_the_model_context(caplog):
 
 def kv_pool_blocks(c, dev, per_token, reserved=0, weights=0):
     """Blocks (the sink included) of a one-group pool of `per_token` bytes a token."""
-    from luce_jax.build import kv_spaces
+    from luce_jax.kv_sizing import kv_spaces
     from luce_jax.models.family import CacheGroup
 
     (space,) = kv_spaces(c, [CacheGroup("full", 1, per_token)], dev, reserved, weights)
@@ -229,7 +229,7 @@ def test_the_pool_is_the_same_size_on_every_start(caplog):
     """Two starts whose allocators report a few MB more or less in use (as the H200 did) get
     one pool size, so the restart's programs are the ones the compile cache holds; an
     allocator holding far more than the weights is counted, with a warning."""
-    from luce_jax.build import ALLOCATOR_SLACK
+    from luce_jax.kv_sizing import ALLOCATOR_SLACK
     from luce_jax.config import EngineConfig
 
     class Dev:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_engine import prompts, run_schedule
 
-from luce_jax.build import kv_spaces
+from luce_jax.kv_sizing import kv_spaces
 from luce_jax.config import EngineConfig, ModelConfig
 from luce_jax.device.runner import Runner
 from luce_jax.host.engine import StepEngine

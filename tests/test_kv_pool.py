@@ -1,14 +1,14 @@
 """The KV pool over several cache groups (host/kv_pool.py): block spaces of different block
 sizes and kinds, reserved all or nothing, a sliding window's blocks released behind it and
 reused, compressed entries, prefix sharing in whole blocks of every group, and the sizing of
-each group's space (build.kv_spaces)."""
+each group's space (kv_sizing.kv_spaces)."""
 
 import random
 
 import numpy as np
 import pytest
 
-from luce_jax.build import kv_spaces
+from luce_jax.kv_sizing import kv_spaces
 from luce_jax.config import EngineConfig
 from luce_jax.host.kv_pool import KVPool
 from luce_jax.models.family import CacheGroup

@@ -16,7 +16,8 @@ from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_asm import INT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS
 from pallas_kernels.int8_rows import int8_rows_reference
-from pallas_kernels.quant_matmul import INT8_DOTS, quant_matmul, quant_matmul_reference, tiling
+from pallas_kernels.quant_matmul import INT8_DOTS, quant_matmul, quant_matmul_reference
+from pallas_kernels.quant_tiling import tiling
 from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 
 T = GGMLQuantizationType

@@ -50,7 +50,7 @@ class CacheGroup:
     "compressed" (an entry stands for `tokens_per_entry` tokens). bytes_per_token: what one
     token costs the group's caches (all its layers, K and V). block_size: entries per block
     (0: the engine's kv_block_size). The builder sizes each group's block space from these
-    (build.kv_spaces); only a full group of per-token entries can share blocks by prefix."""
+    (kv_sizing.kv_spaces); only a full group of per-token entries can share blocks by prefix."""
 
     kind: str
     layers: int

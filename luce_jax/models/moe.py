@@ -150,9 +150,9 @@ def _pairs(w, qmm):
 def ffn_rows(lp: dict, h, x8, experts, k: int, qmm, limit: float = 0.0):
     """The experts' SwiGLU for each (token, expert) pair, a row at a time (quant_matmul's
     experts mode; expert_rows for dense experts, a tile for all of an expert's tokens), in
-    three kernels where the engine rounds
-    activations to int8: gate | up (each token's row read by its k pairs: `fan_out`), then
-    glu_int8_rows (the splits' sum, silu(gate) * up and its int8 rows), then down.
+    three kernels where the engine rounds activations to int8: gate | up (each token's row
+    read by its k pairs: `fan_out`), then glu_int8_rows (the splits' sum, silu(gate) * up and
+    its int8 rows), then down.
 
     Args: h: normed rows [T, d] and x8 their int8 rows or None (normed_rows); experts [T*k]
       (padding: E); k: pairs a token; limit: the SwiGLU's clamp (ModelConfig.swiglu_limit).
@@ -162,15 +162,13 @@ def ffn_rows(lp: dict, h, x8, experts, k: int, qmm, limit: float = 0.0):
     wdt = w_gu.dtype
     x, kw = (h.astype(wdt), {}) if x8 is None else (h, {"x8": x8})  # x8: the kernel's rows
     parts = _pairs(w_gu, qmm)(x, w_gu, experts=experts, fan_out=k, splits=True, **kw)
-    if not isinstance(w_down, QuantWeight):  # expert_rows: the pairs' tokens, for sharing
-        gate, up = jnp.split(parts.sum(0), 2, axis=-1)
-        act, kw = glu(gate, up, limit).astype(wdt), {"per_token": k}
-    elif qmm.glu_int8 is not None and parts.shape[-1] % 64 == 0:
+    quantized = isinstance(w_down, QuantWeight)
+    if quantized and qmm.glu_int8 is not None and parts.shape[-1] % 64 == 0:
         act, act8 = qmm.glu_int8(parts, jnp.int32(parts.shape[1]), dtype=wdt, limit=limit)
         kw = {"x8": act8}
-    else:
+    else:  # expert_rows takes the pairs' tokens, to read an expert's tiles once for them
         gate, up = jnp.split(parts.sum(0), 2, axis=-1)
-        act, kw = glu(gate, up, limit).astype(wdt), {}
+        act, kw = glu(gate, up, limit).astype(wdt), ({} if quantized else {"per_token": k})
     return _pairs(w_down, qmm)(act, w_down, experts=experts, splits=True, **kw)
 
 
