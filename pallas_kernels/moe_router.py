@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
+from .int8_rows import rms_norm
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 NORM_FLOOR = 6.103515625e-5  # llama.cpp clamps the renormalizing sum at 2**-14
@@ -224,9 +225,7 @@ def moe_router(x, router, bias=None, norm=None, *, k: int, scoring: str = "softm
     nw = jnp.ones((d,), jnp.float32) if norm is None else norm.astype(jnp.float32)
     live = jnp.full((1,), T if live is None else live, jnp.int32)
     if not fused_dot:
-        x = x.astype(jnp.float32)
-        if norm is not None:
-            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * nw
+        x = x.astype(jnp.float32) if norm is None else rms_norm(x, nw, eps)
         x = jnp.dot(x, router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         router = jnp.zeros((1, 1), jnp.float32)  # unread
     kernel = functools.partial(

@@ -16,11 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.int8_rows import rms_norm
+
 
 def _flat_normed(X, eps: float):
     """The streams [T, n, D] flattened to [T, n D] and RMS-normed without weights."""
-    v = X.reshape(X.shape[0], -1).astype(jnp.float32)
-    return v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    return rms_norm(X.reshape(X.shape[0], -1), 1.0, eps)
 
 
 def _dot(v, fn):

@@ -15,25 +15,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.int8_rows import rms_norm
+
 from .tail_rope import rope_tail
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def rms(x, w=None, eps: float = 1e-6):
-    """RMSNorm over the last axis (weighted where w is given), float32."""
-    x = x.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return x if w is None else x * w
-
-
 def queries_and_kv(x, lp: dict, pos, freqs, *, heads: int, eps: float):
     """(q [T, H, D] roped, q_lora [T, Rq] (the indexer's input), kv [T, D] roped) of the
     normed layer input x [T, d]."""
-    qr = rms(jnp.dot(x, lp["wq_a"], precision=HIGHEST), lp["q_norm"], eps)
+    qr = rms_norm(jnp.dot(x, lp["wq_a"], precision=HIGHEST), lp["q_norm"], eps)
     q = jnp.dot(qr, lp["wq_b"], precision=HIGHEST).reshape(x.shape[0], heads, -1)
-    q = rope_tail(rms(q, None, eps), pos, freqs)
-    kv = rms(jnp.dot(x, lp["wkv"], precision=HIGHEST), lp["kv_norm"], eps)
+    q = rope_tail(rms_norm(q, 1.0, eps), pos, freqs)  # per head, unweighted
+    kv = rms_norm(jnp.dot(x, lp["wkv"], precision=HIGHEST), lp["kv_norm"], eps)
     return q, qr, rope_tail(kv, pos, freqs)
 
 
