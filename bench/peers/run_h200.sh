@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 comparison runs, one step per argument, as the device calls ran them:
 #
-#   bench/peers/run_h200.sh build models profile      # first call
+#   bench/peers/run_h200.sh build models profile      # first call (profile:T for another type)
 #   bench/peers/run_h200.sh compare:bf16               # later calls, same machine
 #   bench/peers/run_h200.sh compare:q8_0 retrieval:llama retrieval:ours
 #   SHAPE=qwen3-30b-a3b REPS=2 bench/peers/run_h200.sh build models:bf16 moe_kernel
@@ -96,12 +96,16 @@ step_models() {  # $@ weight types (default bf16 q8_0)
   done
 }
 
-step_profile() {
+step_profile() {  # $1 weight type (default bf16): C1 and C8 decode steps of $SHAPE's file,
+  # kept packed unless bf16
+  local t=${1:-bf16} dt=quantized
+  [ "$t" = bf16 ] && dt=auto
   mkdir -p "$RES/raw"
-  python3 bench/engine/profile_step.py --model "$M/qwen3-8b-bf16.gguf" --concurrency 1 8 --ctx 1024 \
-    --steps 8 --compile-cache-dir /tmp/xc --save-raw "$RES/raw" --title "luce_jax decode step profile, random Qwen3-8B-shaped \
-bf16, 1024-token contexts, $(nvidia-smi --query-gpu=name --format=csv,noheader), $DAY, commit \
-${LUCE_COMMIT:-?}" --out "$RES/profile_qwen3-8b-bf16.json" 2>&1 | grep -v "^WARNING"
+  python3 bench/engine/profile_step.py --model "$M/$SHAPE-$t.gguf" --dtype $dt --concurrency 1 8 \
+    --ctx 1024 --steps 8 --compile-cache-dir /tmp/xc --save-raw "$RES/raw" --title "luce_jax decode \
+step profile, random $SHAPE-shaped $t, 1024-token contexts, $(nvidia-smi --query-gpu=name \
+--format=csv,noheader), $DAY, commit ${LUCE_COMMIT:-?}" --out "$RES/profile_$SHAPE-$t.json" 2>&1 |
+    grep -v "^WARNING"
 }
 
 common_args() {
