@@ -48,9 +48,13 @@ class CounterFamily:
     rollback = "kv_length"
     prefix_cacheable = False
     device_proposers = frozenset()
+    rope_scalings = ("none",)
 
     def read_config(self, arch, get, md, n_layers):
         return {"own": CounterConfig(window=int(get("window")))}
+
+    def model_params(self, cfg, t):
+        return {}
 
     def layer_params(self, cfg, i, t):
         return {"shift": t.tensor(f"blk.{i}.shift.weight", out_dtype=t.f32)}

@@ -164,8 +164,10 @@ def model_config(md: dict) -> ModelConfig:
     n_kv = get("attention.head_count_kv", n_heads)
     head_dim = int(get("attention.key_length", d_model // n_heads))
     scaling = md.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
-        raise ValueError(f"unsupported rope scaling {scaling!r}; supported: none, linear")
+    if scaling not in family.rope_scalings:
+        raise ValueError(
+            f"unsupported rope scaling {scaling!r}; supported: {', '.join(family.rope_scalings)}"
+        )
     vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
     # llama.cpp's converter exports MTP (next-token prediction) blocks after the model's own,
     # counted in block_count: the model is the blocks before them, and theirs are not read.

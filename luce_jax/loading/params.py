@@ -67,10 +67,12 @@ def load_params(
     from pallas_kernels.quant_weight import QuantWeight
 
     from .prefetch import Prefetch, load_order
-    from .quants import DEQUANTIZERS, QTYPES, dequantize, prepare
+    from .quants import DEQUANTIZERS, INTEGER_TYPES, QTYPES, dequantize, prepare
 
     dt = jnp.dtype(dtype)
-    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    # never packed: read as they are
+    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+              *INTEGER_TYPES)  # fmt: skip
     unpacked: dict[GGMLQuantizationType, list[str]] = {}  # types that could not stay packed
 
     def raw(n):  # the tensor's bytes, or traced zeros standing for them
@@ -146,8 +148,11 @@ def load_params(
             if out["router_bias"] is None:
                 del out["router_bias"]
             if cfg.shared_expert_ffn_dim:
-                # [d]: llama.cpp's converter writes [1, d] (GGUF [d, 1]), check_shape squeezes it
-                out["shexp_gate"] = tensor(p + "ffn_gate_inp_shexp.weight", out_dtype=f32)
+                # [d]: llama.cpp's converter writes [1, d] (GGUF [d, 1]), check_shape squeezes
+                # it; DeepSeek's shared expert has no gate
+                gate = tensor(p + "ffn_gate_inp_shexp.weight", optional=True, out_dtype=f32)
+                if gate is not None:
+                    out["shexp_gate"] = gate
                 out["w_gu_shexp"] = linear(p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")
                 out["w_down_shexp"] = linear(p + "ffn_down_shexp.weight")
             return out
@@ -159,6 +164,7 @@ def load_params(
             "embed": tensor("token_embd.weight", keep=True),
             "final_norm": tensor("output_norm.weight", out_dtype=f32),
             "layers": layers,
+            **family.model_params(cfg, t),
         }
         lm_head = tensor("output.weight", True, optional=True, keep=True)
         if lm_head is not None:

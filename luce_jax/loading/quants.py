@@ -20,6 +20,7 @@ from pallas_kernels.quant_weight import QuantWeight
 __all__ = [
     "DEQUANTIZERS",
     "HOST_TYPES",
+    "INTEGER_TYPES",
     "QTYPES",
     "dequantize",
     "host_dequantize",
@@ -54,9 +55,22 @@ def _blocks(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
     return np.ascontiguousarray(raw).reshape(-1, size)
 
 
+# Integer tensors (DeepSeek V4's token -> experts table is I32): their values, as they are.
+INTEGER_TYPES = {
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+}
+
+
 def to_device(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> jax.Array:
     """The tensor's bytes on the device, uint8 [n_blocks, type_size] (float32 values for a
-    type gguf-py unpacks on the host, HOST_TYPES), for dequantize's `blocks`."""
+    type gguf-py unpacks on the host, HOST_TYPES; an integer type's values), for dequantize's
+    `blocks`."""
+    if qtype in INTEGER_TYPES:
+        if not isinstance(raw, np.ndarray):  # traced: only its shape matters
+            return jnp.zeros(shape, INTEGER_TYPES[qtype])
+        return jnp.asarray(np.ascontiguousarray(raw).view(INTEGER_TYPES[qtype]).reshape(shape))
     if qtype not in DEQUANTIZERS and qtype in HOST_TYPES:
         if not isinstance(raw, np.ndarray):  # traced: only its shape matters
             return jnp.zeros(shape, jnp.float32)
@@ -87,7 +101,7 @@ def dequantize(
       array of `shape` (last two axes swapped if transposed).
     """
     blocks = to_device(raw, qtype, shape) if blocks is None else blocks
-    if qtype not in DEQUANTIZERS:  # a HOST_TYPES tensor's float32 values
+    if qtype not in DEQUANTIZERS:  # a HOST_TYPES tensor's float32 values, or integers
         return _cast(blocks, jnp.dtype(dtype), transpose)
     return _jitted(qtype, tuple(shape), jnp.dtype(dtype), transpose)(blocks)
 

@@ -248,6 +248,7 @@ class DenseFamily:
     rollback = "kv_length"
     prefix_cacheable = True
     device_proposers = frozenset({"head", "draft", "ngram"})
+    rope_scalings = ("none", "linear")
 
     def read_config(self, arch: str, get, md: dict, n_layers: int) -> dict:
         return dict(
@@ -261,6 +262,9 @@ class DenseFamily:
 
     def layer_params(self, cfg: ModelConfig, i: int, t) -> dict:
         return attention_params(cfg, f"blk.{i}.", t, "ffn_norm")
+
+    def model_params(self, cfg: ModelConfig, t) -> dict:
+        return {}
 
     def tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple]:
         return {}  # attention and FFN tensors only: loading/params.expected_shapes has them

@@ -4,8 +4,8 @@ A family is one module under models/ that registers a `ModelFamily` for the GGUF
 architectures it serves. Everything outside models/ (and the loader, which maps a file's
 tensors) reads a model only through these capabilities and never names a family: a new family
 is a new module, its loader mapping and its tests (docs/architecture.md, "Adding a model
-family"). dense.py (llama, qwen2, qwen3, and qwen3moe's experts) and hybrid.py (qwen35,
-qwen35moe) are the first two.
+family"). dense.py (llama, qwen2, qwen3, and qwen3moe's experts), hybrid.py (qwen35,
+qwen35moe) and deepseek4.py are the three.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class ModelFamily(Protocol):
     rollback: str  # one of ROLLBACKS
     prefix_cacheable: bool  # whether the prefix cache may share its slots' leading blocks
     device_proposers: frozenset  # of DEVICE_PROPOSERS
+    rope_scalings: tuple[str, ...]  # rope.scaling.type values its read_config takes
 
     def read_config(self, arch: str, get: Callable, md: dict, n_layers: int) -> dict:
         """The ModelConfig fields it reads from a file's metadata beyond the shared ones
@@ -96,6 +97,11 @@ class ModelFamily(Protocol):
         """Layer i's params from the file's tensors, in its fused layouts: t has tensor(name,
         transpose, optional, out_dtype, keep), linear(*names) (one projection, outputs
         concatenated), ffn(prefix) (a dense or experts' FFN) and f32 (loading/params.py)."""
+        ...
+
+    def model_params(self, cfg: ModelConfig, t) -> dict:
+        """Params beyond the layers and the shared embed, final_norm and lm_head (t as
+        layer_params'), under names of its own."""
         ...
 
     def tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple]:
@@ -144,7 +150,7 @@ def register(family: ModelFamily) -> ModelFamily:
 
 
 def _registered() -> dict[str, ModelFamily]:
-    from . import dense, hybrid  # noqa: F401  (their registrations)
+    from . import deepseek4, dense, hybrid  # noqa: F401  (their registrations)
 
     return _FAMILIES
 

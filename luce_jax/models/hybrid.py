@@ -259,6 +259,7 @@ class HybridFamily:
     rollback = "refeed"
     prefix_cacheable = False
     device_proposers = frozenset()
+    rope_scalings = ("none", "linear")
 
     def read_config(self, arch: str, get, md: dict, n_layers: int) -> dict:
         """Gated DeltaNet fields, as llama.cpp's qwen35 loader reads them: which layers are
@@ -283,6 +284,9 @@ class HybridFamily:
             own=own,
             **(moe.read_config(get) if arch == "qwen35moe" else {}),
         )
+
+    def model_params(self, cfg: ModelConfig, t) -> dict:
+        return {}
 
     def tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple]:
         """Its linear layers' tensors (loading/params.expected_shapes' form)."""
