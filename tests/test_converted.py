@@ -156,12 +156,19 @@ def free_port() -> int:
 def test_a_converter_made_file_is_served_end_to_end(arch):
     """`python -m luce_jax.serve` on the file answers one chat completion through the
     official client, with the chat template the converter copied from the tokenizer."""
+    ref = converted.reference(arch)
+    check_served(converted.gguf(arch), ref["prompt"].tolist(), ref["greedy"].tolist())
+
+
+def check_served(path, prompt: list[int], greedy: list[int], max_ctx: int = 256):
+    """Serve `path` with `python -m luce_jax.serve`: a chat completion of a few tokens through
+    the official client, then `greedy` (transformers' tokens) for `prompt`."""
     import openai
 
     port = free_port()
-    cmd = [sys.executable, "-m", "luce_jax.serve", "--model", str(converted.gguf(arch)),
-           "--port", str(port), "--max-ctx", "256", "--max-concurrency", "1",
-           "--kv-pool-tokens", "512", "--prefill-chunk", "32",
+    cmd = [sys.executable, "-m", "luce_jax.serve", "--model", str(path),
+           "--port", str(port), "--max-ctx", str(max_ctx), "--max-concurrency", "1",
+           "--kv-pool-tokens", str(2 * max_ctx), "--prefill-chunk", "32",
            "--prefill-token-budget", "32"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
@@ -183,13 +190,11 @@ def test_a_converter_made_file_is_served_end_to_end(arch):
                 time.sleep(0.5)
         assert r.choices[0].finish_reason in ("stop", "length")
         assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 4
-        ref = converted.reference(arch)  # the engine's greedy tokens are transformers'
-        c = client.completions.create(model=r.model, prompt=ref["prompt"].tolist(),
-                                      max_tokens=converted.GREEDY, temperature=0,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
+        c = client.completions.create(model=r.model, prompt=prompt, max_tokens=len(greedy),
+                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
         want = httpx.post(f"http://127.0.0.1:{port}/detokenize",
-                          json={"tokens": ref["greedy"].tolist()}).json()["prompt"]  # fmt: skip
-        assert c.usage.completion_tokens == converted.GREEDY and c.choices[0].text == want
+                          json={"tokens": greedy}).json()["prompt"]  # fmt: skip
+        assert c.usage.completion_tokens == len(greedy) and c.choices[0].text == want
     finally:
         proc.send_signal(signal.SIGINT)
         try:

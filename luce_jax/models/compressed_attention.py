@@ -67,8 +67,11 @@ def write(cache, idx, rows, mask):
     """cache [NB, P, w] with rows [T, w] written at flat entries idx [T] where mask [T]."""
     NB, P, w = cache.shape
     at = jnp.where(mask, idx, NB * P)  # out of range: dropped
-    return cache.reshape(NB * P, w).at[at].set(rows.astype(cache.dtype), mode="drop").reshape(
-        cache.shape
+    return (
+        cache.reshape(NB * P, w)
+        .at[at]
+        .set(rows.astype(cache.dtype), mode="drop")
+        .reshape(cache.shape)
     )
 
 
