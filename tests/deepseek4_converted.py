@@ -124,9 +124,8 @@ def hf_model():
     """The transformers model (float32, eval): random weights at scales that keep every part
     of the block in play, experts already on the MXFP4 grid."""
     import torch
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
-
     from tokenizers import Tokenizer
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     tok = Tokenizer.from_file(str(converted.tokenizer_dir("qwen2") / "tokenizer.json"))
     vocab = tok.get_vocab_size()

@@ -7,6 +7,7 @@ server answers through the official client."""
 
 import logging
 
+import deepseek4_converted as ds4
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +19,6 @@ from luce_jax.models import deepseek4
 from luce_jax.models.family import family_of
 from luce_jax.sampling_params import SamplingParams
 from luce_jax.step_format import GroupShape, Row, lower
-
-import deepseek4_converted as ds4
 
 P, T_BUCKET, MAX_CTX = 16, 256, 512
 GREEDY = SamplingParams(max_tokens=ds4.GREEDY, temperature=0, ignore_eos=True)

@@ -229,8 +229,8 @@ def test_the_pool_is_the_same_size_on_every_start(caplog):
     """Two starts whose allocators report a few MB more or less in use (as the H200 did) get
     one pool size, so the restart's programs are the ones the compile cache holds; an
     allocator holding far more than the weights is counted, with a warning."""
-    from luce_jax.kv_sizing import ALLOCATOR_SLACK
     from luce_jax.config import EngineConfig
+    from luce_jax.kv_sizing import ALLOCATOR_SLACK
 
     class Dev:
         def __init__(self, in_use):

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from test_engine import prompts, run_schedule
 
-from luce_jax.kv_sizing import kv_spaces
 from luce_jax.config import EngineConfig, ModelConfig
 from luce_jax.device.runner import Runner
 from luce_jax.host.engine import StepEngine
+from luce_jax.kv_sizing import kv_spaces
 from luce_jax.loading.gguf import GGUFFile, model_config
 from luce_jax.loading.params import load_params
 from luce_jax.models import family

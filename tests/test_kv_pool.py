@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from luce_jax.kv_sizing import kv_spaces
 from luce_jax.config import EngineConfig
 from luce_jax.host.kv_pool import KVPool
+from luce_jax.kv_sizing import kv_spaces
 from luce_jax.models.family import CacheGroup
 from luce_jax.step_format import SINK_BLOCK, GroupShape, Row, lower
 

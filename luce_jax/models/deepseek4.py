@@ -29,7 +29,7 @@ from ..config import ModelConfig
 from . import moe
 from .compressed_attention import StepTokens, attend
 from .compressor import ring_rows
-from .family import CacheGroup, Kernels, register
+from .family import XLA, CacheGroup, Kernels, register
 from .hyper_connection import hc_head, hc_post, hc_pre
 from .linear import embed, linear
 from .logits import head
@@ -72,6 +72,19 @@ def rope_freqs(cfg: ModelConfig, ratio: int):
     if own.yarn is None:
         return inv_freq(r, own.compress_rope_base)
     return yarn_inv_freq(r, own.compress_rope_base, *own.yarn)
+
+
+# attend's names for a compressed layer's caches and rings -> init_caches' / init_state's keys
+_CACHES = {CSA: {"entries": "csa", "index": "index"}, HCA: {"entries": "hca"}}
+_RINGS = {
+    CSA: {
+        "kv": "csa_kv",
+        "score": "csa_score",
+        "index_kv": "index_kv",
+        "index_score": "index_score",
+    },
+    HCA: {"kv": "hca_kv", "score": "hca_score"},
+}
 
 
 def _groups(cfg: ModelConfig) -> dict[int, int]:
@@ -145,7 +158,7 @@ def layer(lp: dict, X, caches: dict, rings: dict, tok: StepTokens, batch: dict, 
 
 
 def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConfig,
-            kernels: Kernels = Kernels()):  # fmt: skip
+            kernels: Kernels = XLA):  # fmt: skip
     """One step over packed tokens: (logits [R, V] float32, caches, state, pairs per layer).
 
     Args: params (load_params' pytree of a deepseek4 file); caches (init_caches'); state
@@ -162,33 +175,22 @@ def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConf
     state = {k: v.at[:, fresh].set(0.0, mode="drop") for k, v in state.items()}
     X = jnp.repeat(embed(params["embed"], batch["tokens"])[:, None, :], own.streams, axis=1)
     caches = {k: list(v) for k, v in caches.items()}
-    index = {CSA: 0, HCA: 0}
+    index = {CSA: 0, HCA: 0}  # a compressed layer's index among its ratio's
     routing = []
     for i, lp in enumerate(params["layers"]):
         ratio = own.ratios[i]
-        mine = {"window": caches["window"][i]}
-        rings = {}
-        j = index.get(ratio)
-        if ratio == CSA:
-            mine.update(entries=caches["csa"][j], index=caches["index"][j])
-            rings = {"kv": state["csa_kv"][j], "score": state["csa_score"][j],
-                     "index_kv": state["index_kv"][j], "index_score": state["index_score"][j]}  # fmt: skip
-        elif ratio == HCA:
-            mine["entries"] = caches["hca"][j]
-            rings = {"kv": state["hca_kv"][j], "score": state["hca_score"][j]}
-        X, mine, rings, pairs = layer(lp, X, mine, rings, tok, batch, cfg=cfg, kernels=kernels,
-                                      ratio=ratio)  # fmt: skip
+        j = index.get(ratio, 0)
+        names, rings = _CACHES.get(ratio, {}), _RINGS.get(ratio, {})
+        mine = {"window": caches["window"][i], **{k: caches[c][j] for k, c in names.items()}}
+        ring = {k: state[r][j] for k, r in rings.items()}
+        X, mine, ring, pairs = layer(lp, X, mine, ring, tok, batch, cfg=cfg, kernels=kernels,
+                                     ratio=ratio)  # fmt: skip
         routing.append(pairs)
         caches["window"][i] = mine["window"]
-        if ratio == CSA:
-            caches["csa"][j], caches["index"][j] = mine["entries"], mine["index"]
-            for part in ("kv", "score"):
-                state[f"csa_{part}"] = state[f"csa_{part}"].at[j].set(rings[part])
-                state[f"index_{part}"] = state[f"index_{part}"].at[j].set(rings[f"index_{part}"])
-        elif ratio == HCA:
-            caches["hca"][j] = mine["entries"]
-            for part in ("kv", "score"):
-                state[f"hca_{part}"] = state[f"hca_{part}"].at[j].set(rings[part])
+        for k, c in names.items():
+            caches[c][j] = mine[k]
+        for k, r in rings.items():
+            state[r] = state[r].at[j].set(ring[k])
         if ratio:
             index[ratio] += 1
     h = hc_head(X, params["hc_head"], eps=cfg.rms_eps, hc_eps=own.hc_eps)
