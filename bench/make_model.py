@@ -8,6 +8,9 @@ quantize to them), and `--type q4_k_m` mixes Q4_K and Q6_K as llama.cpp's Q4_K_M
 
     python bench/make_model.py --shape qwen3-8b --type bf16 \
         --vocab ../shared/fixtures/tokenizers/ggml-vocab-qwen2.gguf --out qwen3-8b-bf16.gguf
+
+DeepSeek V4 shapes (deepseek4-flash, deepseek4-small) are bench/make_deepseek4.py's, `--type`
+their experts' (mxfp4, q2_k, q4_k, bf16); `--layers N` writes the first N blocks of any shape.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+import make_deepseek4
 from luce_jax.loading.gguf import GGUFFile
 
 log = logging.getLogger("make_model")
@@ -61,6 +65,7 @@ TYPES = {
 # fields set to small finite values (byte offset in the block, magnitude), so the values stay
 # about the size of the others' (0.02) and every loader reads the same valid file.
 RANDOM_SCALES = {
+    T.Q2_K: ((80, 2e-5), (82, 2e-5)),
     T.Q4_K: ((0, 2e-5), (2, 2e-5)),
     T.Q5_K: ((0, 1e-5), (2, 1e-5)),
     T.Q6_K: ((208, 5e-6),),
@@ -106,10 +111,57 @@ def random_rows(rows: int, cols: int, qtype, rng, pool: int = 64) -> np.ndarray:
     return np.tile(packed, (reps, 1))[:rows]
 
 
-def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) -> None:
-    s, fixed = SHAPES[shape], TYPES[type_name]
+def add_tokenizer(w: GGUFWriter, md: dict) -> None:
+    """The vocabulary GGUF's tokenizer and chat template, copied."""
+    w.add_tokenizer_model(md["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(md.get("tokenizer.ggml.pre", "qwen2"))
+    w.add_token_list(md["tokenizer.ggml.tokens"])
+    w.add_token_types(md["tokenizer.ggml.token_type"])
+    w.add_token_merges(md["tokenizer.ggml.merges"])
+    w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
+    w.add_bos_token_id(md.get("tokenizer.ggml.bos_token_id", md["tokenizer.ggml.eos_token_id"]))
+    w.add_add_bos_token(False)
+    if "tokenizer.chat_template" in md:
+        w.add_chat_template(md["tokenizer.chat_template"])
+
+
+def write_deepseek4(shape: str, type_name: str, md: dict, out: str, rng, layers: int) -> None:
+    """A deepseek4 file (make_deepseek4.py): its experts in type_name."""
+    s = make_deepseek4.SHAPES[shape]
+    if type_name not in make_deepseek4.EXPERT_TYPES:
+        raise ValueError(f"--type {type_name}: {shape} takes {sorted(make_deepseek4.EXPERT_TYPES)}")
+    n = min(layers or s["L"], s["L"])
+    V = len(md["tokenizer.ggml.tokens"])
+    w = GGUFWriter(out, make_deepseek4.ARCH)
+    w.add_name(f"random {shape} {type_name}" + (f", first {n} layers" if n < s["L"] else ""))
+    make_deepseek4.keys(w, s, n)
+    add_tokenizer(w, md)
+    drawn = {}
+
+    def mat(name, rows, cols, qtype, experts=0):
+        key = (rows, cols, experts, qtype)
+        if key not in drawn:
+            data = random_rows(max(experts, 1) * rows, cols, qtype, rng)
+            drawn[key] = data.reshape(experts, rows, -1) if experts else data
+        w.add_tensor(name, drawn[key], raw_dtype=qtype)
+
+    make_deepseek4.tensors(w, s, n, V, type_name, mat, rng)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+
+
+def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0,
+          layers: int = 0) -> None:  # fmt: skip
+    """Write shape's random model in type_name (layers: only the first N blocks; 0: all)."""
     rng = np.random.default_rng(seed)
     md = GGUFFile(vocab_path).metadata
+    if shape in make_deepseek4.SHAPES:
+        return write_deepseek4(shape, type_name, md, out, rng, layers)
+    s, fixed = SHAPES[shape], TYPES[type_name]
+    if layers:
+        s = {**s, "L": min(layers, s["L"])}
     tokens = md["tokenizer.ggml.tokens"]
     V = len(tokens)
     moe, hybrid = "E" in s, "Hv" in s
@@ -141,16 +193,7 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0) 
         w.add_rope_dimension_sections([11, 11, 10, 0])
     w.add_rope_freq_base(1e6)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model(md["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(md.get("tokenizer.ggml.pre", "qwen2"))
-    w.add_token_list(tokens)
-    w.add_token_types(md["tokenizer.ggml.token_type"])
-    w.add_token_merges(md["tokenizer.ggml.merges"])
-    w.add_eos_token_id(md["tokenizer.ggml.eos_token_id"])
-    w.add_bos_token_id(md.get("tokenizer.ggml.bos_token_id", md["tokenizer.ggml.eos_token_id"]))
-    w.add_add_bos_token(False)
-    if "tokenizer.chat_template" in md:
-        w.add_chat_template(md["tokenizer.chat_template"])
+    add_tokenizer(w, md)
 
     # One draw per distinct tensor shape, shared by every layer: the writer holds its arrays
     # until the file is written, so a 61 GB file needs one layer's worth of memory, not 61 GB.
@@ -247,15 +290,19 @@ def hybrid_layer(s: dict, i: int, mat, norm, w, rng) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    ap.add_argument("--type", choices=sorted(TYPES), default="bf16")
+    ap.add_argument("--shape", choices=sorted(SHAPES) + sorted(make_deepseek4.SHAPES),
+                    required=True)  # fmt: skip
+    ap.add_argument("--type", choices=sorted({*TYPES, *make_deepseek4.EXPERT_TYPES}),
+                    default="bf16", help="deepseek4 shapes: the routed experts' type")  # fmt: skip
+    ap.add_argument("--layers", type=int, default=0,
+                    help="write only the first N blocks, at full width (0: all)")  # fmt: skip
     ap.add_argument("--vocab", required=True, help="a GGUF whose tokenizer is copied")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
     t = time.time()
-    write(a.shape, a.type, a.vocab, a.out, a.seed)
+    write(a.shape, a.type, a.vocab, a.out, a.seed, a.layers)
     log.info("wrote %s in %.1f s", a.out, time.time() - t)
 
 
