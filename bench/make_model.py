@@ -19,11 +19,11 @@ import argparse
 import logging
 import time
 
+import make_deepseek4
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-import make_deepseek4
 from luce_jax.loading.gguf import GGUFFile
 
 log = logging.getLogger("make_model")

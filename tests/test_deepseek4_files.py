@@ -6,19 +6,18 @@ width (its first block) accepted by our loader."""
 import sys
 from pathlib import Path
 
+import deepseek4_converted as ds4
 import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_deepseek4 import P, spaces_and_tables
 
 from luce_jax.loading.gguf import GGUFFile, model_config
 from luce_jax.loading.params import abstract_params, load_params
 from luce_jax.models import deepseek4
 from luce_jax.step_format import Row, lower
-
-import deepseek4_converted as ds4
-from test_deepseek4 import P, spaces_and_tables
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import make_model  # noqa: E402
