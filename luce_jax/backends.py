@@ -17,6 +17,16 @@ def attention_fn(backend: str):
     return paged_attention_xla
 
 
+def sink_attention_fn(backend: str):
+    """Attention with sinks over keys gathered by row (DeepSeek V4): the kernel with the pallas
+    backend, else None (its XLA reference)."""
+    if backend == "pallas":
+        from pallas_kernels.sink_attention import sink_attention
+
+        return sink_attention
+    return None
+
+
 def gated_delta_fn(backend: str):
     """A hybrid model's gated delta rule for a resolved attention_backend (the sequence mixers
     go together: pallas on GPU, the jnp reference on CPU)."""
@@ -133,4 +143,5 @@ def kernels(config, model_cfg):
         rope_write=rope_write_fn(config.attention_backend),
         gated_delta=gated_delta_fn(config.attention_backend),
         moe_router=moe_router_fn(config.moe_backend),
+        sink_attention=sink_attention_fn(config.attention_backend),
     )

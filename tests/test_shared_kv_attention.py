@@ -1,5 +1,5 @@
 """DeepSeek V4's attention block on a sliding-window layer (luce_jax/models/
-shared_kv_attention.py around sink_attention.py) equals transformers' DeepseekV4Attention on a
+shared_kv_attention.py around pallas_kernels/sink_attention.py) equals transformers' DeepseekV4Attention on a
 prompt longer than the window: the query LoRA and its norms, the shared K = V head, interleaved
 rope on the trailing dims, the sinks, the output's de-rotation and the grouped output LoRA."""
 
@@ -10,8 +10,8 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 from luce_jax.models.shared_kv_attention import output, queries_and_kv
-from luce_jax.models.sink_attention import sink_attention
 from luce_jax.models.tail_rope import inv_freq
+from pallas_kernels.sink_attention import sink_attention_keys
 
 
 def test_a_sliding_layer_attends_as_transformers_does():
@@ -47,6 +47,8 @@ def test_a_sliding_layer_attends_as_transformers_does():
     q, _, kv = queries_and_kv(jnp.asarray(x[0].numpy()), lp, p, freqs, heads=4,
                               eps=cfg.rms_norm_eps)  # fmt: skip
     keys = jnp.broadcast_to(kv[None], (T, T, 16))
-    o = sink_attention(q, keys, jnp.asarray(visible.numpy()), jnp.asarray(sd["sinks"]), 16**-0.5)
+    o = sink_attention_keys(
+        q, keys, jnp.asarray(visible.numpy()), jnp.asarray(sd["sinks"]), 16**-0.5
+    )
     got = output(o, lp, p, freqs)
     np.testing.assert_allclose(np.asarray(got), want[0].numpy(), rtol=1e-4, atol=1e-5)

@@ -1,15 +1,19 @@
-"""Attention with per-head sinks over one shared K = V head (luce_jax/models/sink_attention.py)
+"""Attention with per-head sinks over one shared K = V head (pallas_kernels/sink_attention.py)
 equals transformers' DeepSeek V4 eager attention with its sinks, masked keys included; a sink
-far below the scores changes nothing and one far above them takes almost all the weight."""
+far below the scores changes nothing and one far above them takes almost all the weight; the
+kernel over keys gathered by row index equals its reference."""
 
 from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from luce_jax.models.sink_attention import sink_attention
+from pallas_kernels.sink_attention import sink_attention as sink_attention_kernel
+from pallas_kernels.sink_attention import sink_attention_keys as sink_attention
+from pallas_kernels.sink_attention import sink_attention_reference
 
 
 def test_sinks_join_the_denominator_as_transformers_does():
@@ -33,3 +37,27 @@ def test_sinks_join_the_denominator_as_transformers_does():
     np.testing.assert_allclose(np.asarray(plain), (p @ kv[0, 0]).transpose(0, 1).numpy(),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
     assert np.abs(np.asarray(loud)).max() < 1e-6
+
+
+@pytest.mark.parametrize("H, D", [(4, 64), (20, 32)])
+def test_the_kernel_gathers_each_rows_keys_by_index(H, D):
+    """Two key sets (a window's rows and entries' rows) with rows of -1 among them, some query
+    rows with no key at all (the sink takes all their weight): the kernel in interpret mode
+    equals the reference; heads padded to the kernel's block are never stored."""
+    rng = np.random.default_rng(H)
+    T, NR, NE = 6, 40, 9
+    q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.float32)
+    window = jnp.asarray(rng.standard_normal((NR, D)), jnp.float32)
+    entries = jnp.asarray(rng.standard_normal((NE, D)), jnp.float32)
+    rw = rng.integers(0, NR, (T, 5)).astype(np.int32)
+    re = rng.integers(0, NE, (T, 19)).astype(np.int32)
+    rw[rng.random(rw.shape) < 0.3] = -1
+    re[rng.random(re.shape) < 0.5] = -1
+    rw[0], re[0] = -1, -1
+    sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    args = (q, (window, entries), (jnp.asarray(rw), jnp.asarray(re)), sinks)
+    want = sink_attention_reference(*args, scale=D**-0.5)
+    got = sink_attention_kernel(*args, scale=D**-0.5, interpret=True)
+    assert got.shape == (T, H, D)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(got)[0]).max() == 0  # no keys: the sink's row carries no value

@@ -243,3 +243,16 @@ def test_gated_delta_lowers_to_a_valid_triton_module(verified, dtype, chunk):
     )
     lower_for_cuda(lambda *a: gated_delta_in_place(*a, interpret=False, chunk=chunk), *args)
     assert len(verified) == 1
+
+
+@pytest.mark.parametrize("H, D", [(64, 512), (4, 64)], ids=["flash", "small"])
+def test_sink_attention_lowers_to_a_valid_triton_module(verified, H, D):
+    """DeepSeek V4's attention over a window's and picked entries' rows, bf16 caches."""
+    from pallas_kernels.sink_attention import sink_attention
+
+    T = 8
+    caches = (jnp.zeros((1024, D), jnp.bfloat16), jnp.zeros((512, D), jnp.bfloat16))
+    rows = (jnp.zeros((T, 128), jnp.int32), jnp.zeros((T, 512), jnp.int32))
+    args = (jnp.zeros((T, H, D), jnp.bfloat16), caches, rows, jnp.zeros((H,), jnp.float32))
+    lower_for_cuda(functools.partial(sink_attention, scale=D**-0.5, interpret=False), *args)
+    assert len(verified) == 1

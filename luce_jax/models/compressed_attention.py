@@ -9,8 +9,9 @@ is normed, roped at its block's first position and written at its closing token'
 index in the layer's group before any query of the step reads the cache, so a query reads
 every key from the caches, its own step's included.
 
-Keys are gathered through the block tables (a query row its window and its entries) and the
-softmax is the sink attention's XLA reference (sink_attention.py).
+Each query row's keys are rows of the caches given by index (its window's positions through
+the block tables, then its visible or picked entries), which the sink attention kernel
+(pallas_kernels/sink_attention.py) gathers itself; the indexer's keys are gathered by XLA.
 
 Shapes: T tokens, S segments, H heads, D head width, W window, NE entries a table reaches,
 HI / dI the indexer's heads and width, d model width.
@@ -23,12 +24,12 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from pallas_kernels.int8_rows import rms_norm
+from pallas_kernels.sink_attention import sink_attention_reference
 
 from ..step_format import group_keys
 from .compressor import closes, compress
 from .indexer import index_scores, select_entries, visible_entries
 from .shared_kv_attention import output, queries_and_kv
-from .sink_attention import sink_attention
 from .tail_rope import rope_tail
 
 
@@ -75,11 +76,11 @@ def write(cache, idx, rows, mask):
     )
 
 
-def window_keys(cache, tables, tok: StepTokens, W: int):
-    """(keys [T, W, D], valid [T, W]): each token's positions t - W + 1 .. t."""
+def window_rows(tables, tok: StepTokens, W: int, P: int):
+    """[T, W] flat rows of each token's positions t - W + 1 .. t in the window's cache (-1 before
+    the sequence's start)."""
     p = tok.pos[:, None] - (W - 1) + jnp.arange(W)[None, :]
-    rows = _rows(tables, tok.seg, p, cache.shape[1])
-    return cache.reshape(-1, cache.shape[-1])[rows], p >= 0
+    return jnp.where(p >= 0, _rows(tables, tok.seg, p, P), -1)
 
 
 def entries(lp: dict, x, ring_c, ring_z, tok: StepTokens, *, m: int, overlap: bool, freqs,
@@ -95,7 +96,8 @@ def entries(lp: dict, x, ring_c, ring_z, tok: StepTokens, *, m: int, overlap: bo
 
 
 def attend(lp: dict, x, caches: dict, rings: dict, tok: StepTokens, batch: dict, *, ratio: int,
-           window: int, heads: int, topk: int, freqs, eps: float, groups: tuple, proj):  # fmt: skip
+           window: int, heads: int, topk: int, freqs, eps: float, groups: tuple, proj,
+           attention=None):  # fmt: skip
     """One layer's attention.
 
     Args:
@@ -106,7 +108,8 @@ def attend(lp: dict, x, caches: dict, rings: dict, tok: StepTokens, batch: dict,
         rings: its compressors' rings {"kv", "score"} ("index_kv", "index_score" for CSA's
         indexer) [S_max, R, w]; ratio: 0, 4 (CSA) or 128 (HCA); groups: (window group,
         the layer's compressed group or None) for the batch's tables and write indices;
-        proj: (x, w) -> x @ w.
+        proj: (x, w) -> x @ w; attention: pallas_kernels/sink_attention's kernel, or None
+        (its reference).
     Returns:
       (out [T, d] float32, caches, rings).
     """
@@ -114,7 +117,8 @@ def attend(lp: dict, x, caches: dict, rings: dict, tok: StepTokens, batch: dict,
     q, qr, kv = queries_and_kv(x, lp, pos, freqs, heads=heads, eps=eps, proj=proj)
     wt, ww = group_keys(groups[0])
     caches = dict(caches, window=write(caches["window"], batch[ww], kv, tok.real))
-    keys, valid = window_keys(caches["window"], batch[wt], tok, window)
+    flat = [caches["window"].reshape(-1, kv.shape[-1])]
+    rows = [window_rows(batch[wt], tok, window, caches["window"].shape[1])]
     if ratio:
         et, ew = group_keys(groups[1])
         tables, P = batch[et], caches["entries"].shape[1]
@@ -125,8 +129,8 @@ def attend(lp: dict, x, caches: dict, rings: dict, tok: StepTokens, batch: dict,
                             overlap=csa, freqs=freqs, eps=eps, proj=proj)  # fmt: skip
         rings = dict(rings, kv=rc, score=rz)
         caches["entries"] = write(caches["entries"], batch[ew], e, close)
-        flat = caches["entries"].reshape(-1, e.shape[-1])
-        NE = tables.shape[1] * P
+        flat.append(caches["entries"].reshape(-1, e.shape[-1]))
+        every = jnp.broadcast_to(jnp.arange(tables.shape[1] * P), (x.shape[0], tables.shape[1] * P))
         if csa:
             ie, rc, rz = entries(lp["indexer"]["compressor"], x, rings["index_kv"],
                                  rings["index_score"], tok, m=ratio, overlap=True, freqs=freqs,
@@ -136,14 +140,11 @@ def attend(lp: dict, x, caches: dict, rings: dict, tok: StepTokens, batch: dict,
             iq = proj(qr, lp["indexer"]["wq_b"]).reshape(x.shape[0], -1, ie.shape[-1])
             iq = rope_tail(iq, pos, freqs)
             w = proj(x, lp["indexer"]["proj"]).astype(jnp.float32) * iq.shape[1] ** -0.5
-            rows = _rows(tables, tok.seg, jnp.broadcast_to(jnp.arange(NE), (x.shape[0], NE)), P)
-            ikeys = caches["index"].reshape(-1, ie.shape[-1])[rows]
-            pick = select_entries(index_scores(iq, w, ikeys, n), min(topk, NE), n)
-            ekeys, evalid = flat[_rows(tables, tok.seg, pick, P)], pick >= 0
+            ikeys = caches["index"].reshape(-1, ie.shape[-1])[_rows(tables, tok.seg, every, P)]
+            pick = select_entries(index_scores(iq, w, ikeys, n), min(topk, every.shape[1]), n)
+            rows.append(jnp.where(pick >= 0, _rows(tables, tok.seg, pick, P), -1))
         else:
-            e_idx = jnp.broadcast_to(jnp.arange(NE), (x.shape[0], NE))
-            ekeys, evalid = flat[_rows(tables, tok.seg, e_idx, P)], e_idx < n[:, None]
-        keys = jnp.concatenate([keys, ekeys.astype(keys.dtype)], axis=1)
-        valid = jnp.concatenate([valid, evalid], axis=1)
-    o = sink_attention(q, keys, valid, lp["sinks"], q.shape[-1] ** -0.5)
+            rows.append(jnp.where(every < n[:, None], _rows(tables, tok.seg, every, P), -1))
+    o = (attention or sink_attention_reference)(q, tuple(flat), tuple(rows), lp["sinks"],
+                                                scale=q.shape[-1] ** -0.5)  # fmt: skip
     return output(o, lp, pos, freqs, proj=proj), caches, rings

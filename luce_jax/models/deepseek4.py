@@ -149,7 +149,8 @@ def layer(lp: dict, X, caches: dict, rings: dict, tok: StepTokens, batch: dict, 
     a, caches, rings = attend(lp, x, caches, rings, tok, batch, ratio=ratio, window=own.window,
                               heads=cfg.n_heads, topk=own.index_topk,
                               freqs=rope_freqs(cfg, ratio), eps=eps,
-                              groups=(0, _groups(cfg).get(ratio)), proj=proj)  # fmt: skip
+                              groups=(0, _groups(cfg).get(ratio)), proj=proj,
+                              attention=kernels.sink_attention)  # fmt: skip
     X = hc_post(a, X, post, comb)
     y, post, comb = hc_pre(X, lp["hc_ffn"], **hc)
     f, pairs = moe.ffn(lp, rms_norm(y, lp["ffn_norm"], eps), cfg, kernels.grouped_matmul, live,
@@ -163,7 +164,7 @@ def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConf
 
     Args: params (load_params' pytree of a deepseek4 file); caches (init_caches'); state
       (init_state's); batch (step_format.lower's, with its groups' tables and write indices,
-      slots, fresh and n_draft); kernels: the projections' and MoE's (attention runs on XLA).
+      slots, fresh and n_draft); kernels: the projections', MoE's and the sink attention's.
     """
     own = cfg.own
     tok = StepTokens.of(batch)

@@ -37,6 +37,8 @@ class Kernels(NamedTuple):
     rope_write: Callable | None = None  # q, k norms, rope and the KV write in one kernel
     gated_delta: Callable | None = None  # the gated delta rule in place (hybrid layers)
     moe_router: Callable | None = None  # MoE routing in one kernel (moe.route's decode buckets)
+    # attention with sinks over keys gathered by row (pallas_kernels/sink_attention.py)
+    sink_attention: Callable | None = None
 
 
 XLA = Kernels()  # every op XLA's or the jnp reference's
