@@ -1,7 +1,8 @@
 """DeepSeek V4's attention around its core: the query through its LoRA (q_a, a weighted
 RMSNorm, q_b, an unweighted RMSNorm per head), the one K = V head (kv, its norm), both roped on
-their trailing dims; after the core (pallas_kernels/sink_attention.py) the output's rope slice rotated
-back by the query position, then the grouped output LoRA (wo_a per group of heads, wo_b).
+their trailing dims; after the core (pallas_kernels/sink_attention.py) the output's rope slice
+rotated back by the query position, then the grouped output LoRA (wo_a per group of heads,
+wo_b).
 transformers' DeepseekV4Attention, llama.cpp's build_attention_impl.
 
 Weights as [in, out] arrays: wq_a [d, Rq], q_norm [Rq], wq_b [Rq, H D], wkv [d, D], kv_norm
