@@ -1,7 +1,8 @@
 """DeepSeek V4's attention block on a sliding-window layer (luce_jax/models/
 shared_kv_attention.py around pallas_kernels/sink_attention.py) equals transformers'
-DeepseekV4Attention on a prompt longer than the window: the query LoRA and its norms, the shared K = V head, interleaved
-rope on the trailing dims, the sinks, the output's de-rotation and the grouped output LoRA."""
+DeepseekV4Attention on a prompt longer than the window: the query LoRA and its norms, the
+shared K = V head, interleaved rope on the trailing dims, the sinks, the output's de-rotation and
+the grouped output LoRA."""
 
 import jax.numpy as jnp
 import numpy as np
