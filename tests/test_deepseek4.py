@@ -5,6 +5,7 @@ any point ends in the caches and rings of one pass; the engine gives each reques
 its tokens alone, reuses slots from empty state and compiles nothing after warmup; and the
 server answers through the official client."""
 
+import functools
 import logging
 
 import deepseek4_converted as ds4
@@ -16,9 +17,10 @@ import pytest
 from luce_jax.loading.gguf import model_config, open_gguf
 from luce_jax.loading.params import load_params
 from luce_jax.models import deepseek4
-from luce_jax.models.family import family_of
+from luce_jax.models.family import XLA, Kernels, family_of
 from luce_jax.sampling_params import SamplingParams
 from luce_jax.step_format import GroupShape, Row, lower
+from pallas_kernels.sink_attention import sink_attention
 
 P, T_BUCKET, MAX_CTX = 16, 256, 512
 GREEDY = SamplingParams(max_tokens=ds4.GREEDY, temperature=0, ignore_eos=True)
@@ -42,14 +44,15 @@ def spaces_and_tables(cfg, slots=1):
     return out
 
 
-_step = jax.jit(deepseek4.forward, static_argnums=(4,))
+_step = jax.jit(deepseek4.forward, static_argnums=(4, 5))
 
 
 class Runner:
     """The family's forward on caches of its own: steps of rows on slots (Row.slot)."""
 
-    def __init__(self, cfg, params, slots=1):
+    def __init__(self, cfg, params, slots=1, kernels=XLA):
         self.cfg, self.params, self.groups = cfg, params, spaces_and_tables(cfg, slots)
+        self.kernels = kernels
         family = family_of(cfg)
         spaces = [s for s, _ in self.groups]
         self.caches = family.init_caches(cfg, spaces, jnp.float32, jnp.float32)
@@ -64,7 +67,7 @@ class Runner:
                                   [0] * (self.slots - len(rows)))  # fmt: skip
         batch = {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in batch.items()}
         logits, self.caches, self.state, _ = _step(self.params, self.caches, self.state, batch,
-                                                   self.cfg)  # fmt: skip
+                                                   self.cfg, self.kernels)  # fmt: skip
         return np.asarray(logits)[: len(rows)]
 
     def prompt(self, tokens, chunk, slot=0) -> np.ndarray:
@@ -92,11 +95,16 @@ def test_the_file_describes_the_layers_it_holds(model, caplog):
     assert kinds == [("sliding", 1, 16), ("compressed", 4, 0), ("compressed", 128, 0)]
 
 
-def test_logits_are_transformers_over_a_prompt_and_greedy_steps(model):
+SINK_KERNEL = Kernels(sink_attention=functools.partial(sink_attention, interpret=True))
+
+
+@pytest.mark.parametrize("kernels", [XLA, SINK_KERNEL], ids=["xla", "sink-kernel"])
+def test_logits_are_transformers_over_a_prompt_and_greedy_steps(model, kernels):
     """float32 logits at the prompt's last position and after each of 16 greedy tokens within
-    1e-3 of transformers, the same greedy tokens; position 255 closes HCA entry 1 meanwhile."""
+    1e-3 of transformers, the same greedy tokens; position 255 closes HCA entry 1 meanwhile.
+    With the sink attention kernel (interpret mode) as with its XLA reference."""
     ref = ds4.reference()
-    r = Runner(*model)
+    r = Runner(*model, kernels=kernels)
     prompt = ref["prompt"].tolist()
     out = [r.prompt(prompt, T_BUCKET)]
     for i in range(ds4.GREEDY):
