@@ -160,7 +160,7 @@ def test_a_converter_made_file_is_served_end_to_end(arch):
     check_served(converted.gguf(arch), ref["prompt"].tolist(), ref["greedy"].tolist())
 
 
-def check_served(path, prompt: list[int], greedy: list[int], max_ctx: int = 256):
+def check_served(path, prompt: list[int], greedy: list[int], max_ctx: int = 256, chunk: int = 32):
     """Serve `path` with `python -m luce_jax.serve`: a chat completion of a few tokens through
     the official client, then `greedy` (transformers' tokens) for `prompt`."""
     import openai
@@ -168,8 +168,8 @@ def check_served(path, prompt: list[int], greedy: list[int], max_ctx: int = 256)
     port = free_port()
     cmd = [sys.executable, "-m", "luce_jax.serve", "--model", str(path),
            "--port", str(port), "--max-ctx", str(max_ctx), "--max-concurrency", "1",
-           "--kv-pool-tokens", str(2 * max_ctx), "--prefill-chunk", "32",
-           "--prefill-token-budget", "32"]  # fmt: skip
+           "--kv-pool-tokens", str(2 * max_ctx), "--prefill-chunk", str(chunk),
+           "--prefill-token-budget", str(chunk)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
     try:

@@ -107,18 +107,20 @@ def test_logits_are_transformers_over_a_prompt_and_greedy_steps(model, kernels):
     r = Runner(*model, kernels=kernels)
     prompt = ref["prompt"].tolist()
     out = [r.prompt(prompt, T_BUCKET)]
-    for i in range(ds4.GREEDY):
+    steps = ds4.GREEDY if kernels is XLA else 3  # the kernel: the prompt and 3 decode steps
+    for i in range(steps):
         tok = int(out[-1].argmax())
         out.append(r.step([Row(0, (tok,), len(prompt) + i, True)])[0])
     got = np.stack(out)
-    assert got[:-1].argmax(-1).tolist() == ref["greedy"].tolist()
-    np.testing.assert_allclose(got, ref["logits"], atol=1e-3, rtol=0)
+    assert got[:-1].argmax(-1).tolist() == ref["greedy"][:steps].tolist()
+    np.testing.assert_allclose(got, ref["logits"][: steps + 1], atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("chunk", [7, 50])
+@pytest.mark.parametrize("chunk", [7])
 def test_a_prompt_split_over_steps_ends_in_the_state_of_one_pass(model, chunk):
-    """Chunks of 7 cut CSA blocks, chunks of 50 the first HCA block: the logits, every cache
-    entry and every ring equal one pass's."""
+    """Chunks of 7 cut CSA blocks (4 tokens) and HCA blocks (128: the chunk from 126 closes
+    entry 0 at 127 and runs on): the logits, every cache entry and every ring equal one
+    pass's."""
     prompt = ds4.reference()["prompt"].tolist()
     whole, split = Runner(*model), Runner(*model)
     want = whole.prompt(prompt, T_BUCKET)
@@ -127,27 +129,6 @@ def test_a_prompt_split_over_steps_ends_in_the_state_of_one_pass(model, chunk):
     for a, b in zip(jax.tree.leaves((split.caches, split.state)),
                     jax.tree.leaves((whole.caches, whole.state)), strict=True):  # fmt: skip
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
-
-
-def test_rows_of_several_slots_in_one_step_are_each_their_own(model):
-    """Two prompts of different lengths packed into the steps of one run, on two slots, give
-    the logits each gives alone, and a slot reused for a new sequence starts from empty
-    rings."""
-    cfg, params = model
-    rng = np.random.default_rng(3)
-    a, b = (rng.integers(0, cfg.vocab_size, n).tolist() for n in (150, 37))
-    alone = [Runner(cfg, params).prompt(p, 30) for p in (a, b)]
-    r = Runner(cfg, params, slots=2)
-    for s in range(0, 150, 30):  # b's chunks ride in a's first steps
-        rows = [Row(0, tuple(a[s : s + 30]), s, True)]
-        if s < 37:
-            rows.append(Row(1, tuple(b[s : s + 30]), s, True))
-        out = r.step(rows, fresh={0, 1} if s == 0 else ())
-        if s == 30:
-            np.testing.assert_allclose(out[1], alone[1], atol=1e-5, rtol=0)
-    np.testing.assert_allclose(out[0], alone[0], atol=1e-5, rtol=0)
-    again = r.prompt(b, 30, slot=0)  # slot 0 held a's 150 tokens
-    np.testing.assert_allclose(again, alone[1], atol=1e-5, rtol=0)
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -162,13 +143,14 @@ def engine(compile_cache):
 
     cfg = EngineConfig(model=str(ds4.gguf()), compile_cache_dir=compile_cache,
                        **{**TINY_ENGINE, "max_ctx": 320, "kv_pool_tokens": 1280,
-                          "prefill_chunk": 16})  # fmt: skip
+                          "prefill_chunk": 16, "prefill_token_budget": 16})  # fmt: skip
     return cfg, *load_engine(cfg)
 
 
 def test_engine_batched_equals_one_at_a_time_without_compiling(engine):
-    """Requests of 140 to 200 tokens (past an HCA block) arriving at different steps on 4
-    slots, prompts in chunks of 16 beside decode rows, give each its tokens alone; the
+    """Requests of 130 to 170 tokens (past an HCA block) arriving at different steps on 4
+    slots (one waits for a slot), prompts in chunks beside decode rows, give each its tokens
+    alone; the
     transformers prompt gives transformers' tokens; nothing compiles after warmup."""
     from test_engine import run_schedule
 
@@ -179,8 +161,8 @@ def test_engine_batched_equals_one_at_a_time_without_compiling(engine):
     first = run_schedule(eng, tok, [(0, ref["prompt"].tolist(), GREEDY)])[0][0]
     assert first == ref["greedy"].tolist()
     rng = np.random.default_rng(5)
-    ps = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(140, 200, 6)]
-    sp = GREEDY.replace(max_tokens=8)
+    ps = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(130, 170, 5)]
+    sp = GREEDY.replace(max_tokens=6)
     alone = [run_schedule(eng, tok, [(0, p, sp)])[0][0] for p in ps]
     batched, _ = run_schedule(eng, tok, [(i * 3, p, sp) for i, p in enumerate(ps)])
     assert batched == alone
@@ -227,45 +209,30 @@ def test_a_vision_routing_bias_is_ignored_with_a_log_line(tmp_path, caplog):
     """A file of the vision variant holds exp_probs_b_vl.bias on its layers: read past, said."""
     import gguf
 
-    from luce_jax.loading.gguf import GGUFFile
-
-    src = GGUFFile(ds4.gguf())
+    src = open_gguf(ds4.gguf())
     path = tmp_path / "vl.gguf"
     w = gguf.GGUFWriter(str(path), "deepseek4")
     for k, v in src.metadata.items():
-        if k.startswith("deepseek4.") and not isinstance(v, list):
-            w.add_key_value(k, v, _value_type(v))
-        elif k.startswith("deepseek4."):
+        if k.startswith("deepseek4.") and isinstance(v, list):
             w.add_array(k, v)
+        elif k.startswith("deepseek4."):
+            w.add_key_value(k, v, src.value_types[k])
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(50)])
-    reader = gguf.GGUFReader(str(ds4.gguf()))
-    for t in reader.tensors:
-        data = np.asarray(t.data)
-        if t.name in ("token_embd.weight", "output.weight"):
-            data = data[:50]
-        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    for name, t in src.tensors.items():  # the bytes as they are, the vocabulary cut to 50
+        raw = np.asarray(src.raw(name)).reshape(*t.shape[:-1], -1)
+        if name in ("token_embd.weight", "output.weight"):
+            raw = raw[:50]
+        w.add_tensor(name, raw, raw_dtype=t.qtype)
     w.add_tensor("blk.2.exp_probs_b_vl.bias", np.zeros(8, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    f = GGUFFile(path)
+    f = open_gguf(path)
     with caplog.at_level(logging.INFO, logger="luce_jax.models.deepseek4"):
         cfg, params = load_params(f, model_config(f.metadata), "float32")
     assert cfg.vocab_size == 50 and "exp_probs_b_vl" not in str(jax.tree.structure(params))
     assert "blk.2.exp_probs_b_vl.bias" in caplog.text
-
-
-def _value_type(v):
-    import gguf
-
-    if isinstance(v, bool):
-        return gguf.GGUFValueType.BOOL
-    if isinstance(v, int):
-        return gguf.GGUFValueType.UINT32
-    if isinstance(v, float):
-        return gguf.GGUFValueType.FLOAT32
-    return gguf.GGUFValueType.STRING
 
 
 def test_the_converter_made_file_is_served_end_to_end():
@@ -274,4 +241,4 @@ def test_the_converter_made_file_is_served_end_to_end():
     from test_converted import check_served
 
     ref = ds4.reference()
-    check_served(ds4.gguf(), ref["prompt"].tolist(), ref["greedy"].tolist(), max_ctx=320)
+    check_served(ds4.gguf(), ref["prompt"].tolist(), ref["greedy"].tolist(), max_ctx=320, chunk=16)

@@ -20,21 +20,25 @@ from luce_jax.models import deepseek4
 from luce_jax.step_format import Row, lower
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from luce_jax.config import DEFAULT_MODEL  # noqa: E402
+
 import make_model  # noqa: E402
+
+VOCAB = str(DEFAULT_MODEL)  # the embedded model's 8192 tokens: the files' vocabulary
 
 
 def _fields(path) -> dict:
-    r = gguf.GGUFReader(str(path))
-    return {k: [t.name for t in f.types] for k, f in r.fields.items() if k.startswith("deepseek4.")}
+    f = GGUFFile(path)
+    return {k: t for k, t in f.value_types.items() if k.startswith("deepseek4.")}
 
 
 def _layer(f: GGUFFile, i: int) -> set[str]:
     return {n.split(".", 2)[2] for n in f.tensors if n.startswith(f"blk.{i}.")}
 
 
-def test_a_small_file_has_the_converters_keys_and_tensor_names(tmp_path, tiny_gguf):
+def test_a_small_file_has_the_converters_keys_and_tensor_names(tmp_path):
     path = tmp_path / "s.gguf"
-    make_model.write("deepseek4-small", "mxfp4", tiny_gguf, str(path))
+    make_model.write("deepseek4-small", "mxfp4", VOCAB, str(path))
     assert _fields(path) == _fields(ds4.gguf())  # every key, with its value type
     ours, theirs = GGUFFile(path), GGUFFile(ds4.gguf())
     assert {n for n in ours.tensors if "blk." not in n} == {
@@ -48,13 +52,11 @@ def test_a_small_file_has_the_converters_keys_and_tensor_names(tmp_path, tiny_gg
 
 
 @pytest.mark.parametrize("expert_type", ["mxfp4", "q2_k", "q4_k"])
-def test_experts_kept_in_their_blocks_compute_what_they_do_dequantized(
-    tmp_path, tiny_gguf, expert_type
-):
+def test_experts_kept_in_their_blocks_compute_what_they_do_dequantized(tmp_path, expert_type):
     """A prompt and a decode row through every layer kind of the small shape: the same logits
     with the weights kept in their blocks as dequantized at load."""
     path = str(tmp_path / "s.gguf")
-    make_model.write("deepseek4-small", expert_type, tiny_gguf, path)
+    make_model.write("deepseek4-small", expert_type, VOCAB, path)
     outs = []
     for quantized in (True, False):
         f = GGUFFile(path)
@@ -79,12 +81,12 @@ def test_experts_kept_in_their_blocks_compute_what_they_do_dequantized(
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4 * np.abs(outs[1]).max())
 
 
-def test_the_flash_shape_at_full_width_is_accepted_by_the_loader(tmp_path, tiny_gguf):
+def test_the_flash_shape_at_full_width_is_accepted_by_the_loader(tmp_path):
     """`--shape deepseek4-flash --type q2_k --layers 1`: Flash's first block at full width
     (4096 wide, 64 heads of 512, 256 experts of 2048 in Q2_K), read from its header as the
     server reads it before loading, its experts kept in their blocks."""
     path = tmp_path / "flash.gguf"
-    make_model.write("deepseek4-flash", "q2_k", tiny_gguf, str(path), layers=1)
+    make_model.write("deepseek4-flash", "q2_k", VOCAB, str(path), layers=1)
     f = GGUFFile(path)
     cfg, shapes = abstract_params(f, model_config(f.metadata), "bfloat16", quantized=True)
     assert (cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.n_layers) == (4096, 64, 512, 1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ..config import ModelConfig
 
@@ -79,9 +79,18 @@ class GGUFFile:
             raise ValueError(f"{self.path}: unsupported GGUF version {version}")
         n_tensors, n_kv = self._unpack("<Q"), self._unpack("<Q")
         self.metadata: dict = {}
+        # each key's GGUF value type (an array's: (ARRAY, its element type)): what a reader
+        # that checks types (llama.cpp's) sees beside the value
+        self.value_types: dict = {}
         for _ in range(n_kv):
             key = self._string()
-            self.metadata[key] = self._value(self._unpack("<I"))
+            vtype = self._unpack("<I")
+            if vtype == _ARRAY:
+                etype = struct.unpack_from("<I", self._mm, self._pos)[0]
+                self.value_types[key] = (GGUFValueType(vtype), GGUFValueType(etype))
+            else:
+                self.value_types[key] = GGUFValueType(vtype)
+            self.metadata[key] = self._value(vtype)
         infos = []
         for _ in range(n_tensors):
             name = self._string()
