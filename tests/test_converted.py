@@ -160,15 +160,17 @@ def test_a_converter_made_file_is_served_end_to_end(arch):
     check_served(converted.gguf(arch), ref["prompt"].tolist(), ref["greedy"].tolist())
 
 
-def check_served(path, prompt: list[int], greedy: list[int], max_ctx: int = 256, chunk: int = 32):
+def check_served(path, prompt: list[int], greedy: list[int], max_ctx: int = 256, chunk: int = 32,
+                 slots: int = 1, pool: int = 0):  # fmt: skip
     """Serve `path` with `python -m luce_jax.serve`: a chat completion of a few tokens through
-    the official client, then `greedy` (transformers' tokens) for `prompt`."""
+    the official client, then `greedy` (transformers' tokens) for `prompt`. (A test's engine
+    of the same shapes has left the programs in the run's compile cache.)"""
     import openai
 
     port = free_port()
     cmd = [sys.executable, "-m", "luce_jax.serve", "--model", str(path),
-           "--port", str(port), "--max-ctx", str(max_ctx), "--max-concurrency", "1",
-           "--kv-pool-tokens", str(2 * max_ctx), "--prefill-chunk", str(chunk),
+           "--port", str(port), "--max-ctx", str(max_ctx), "--max-concurrency", str(slots),
+           "--kv-pool-tokens", str(pool or 2 * max_ctx), "--prefill-chunk", str(chunk),
            "--prefill-token-budget", str(chunk)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip

@@ -133,23 +133,24 @@ def test_a_prompt_split_over_steps_ends_in_the_state_of_one_pass(model, chunk):
 
 # -- the engine ------------------------------------------------------------------------------
 
+# the engine's and the server's shapes (the server then finds the engine's programs compiled)
+ENGINE = dict(dtype="float32", cache_type_k="f32", cache_type_v="f32", max_concurrency=2,
+              max_ctx=320, kv_pool_tokens=1280, prefill_chunk=16,
+              prefill_token_budget=16)  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def engine(compile_cache):
     from luce_jax.build import load_engine
     from luce_jax.config import EngineConfig
 
-    from conftest import TINY_ENGINE
-
-    cfg = EngineConfig(model=str(ds4.gguf()), compile_cache_dir=compile_cache,
-                       **{**TINY_ENGINE, "max_ctx": 320, "kv_pool_tokens": 1280,
-                          "prefill_chunk": 16, "prefill_token_budget": 16})  # fmt: skip
+    cfg = EngineConfig(model=str(ds4.gguf()), compile_cache_dir=compile_cache, **ENGINE)
     return cfg, *load_engine(cfg)
 
 
 def test_engine_batched_equals_one_at_a_time_without_compiling(engine):
-    """Requests of 130 to 170 tokens (past an HCA block) arriving at different steps on 4
-    slots (one waits for a slot), prompts in chunks beside decode rows, give each its tokens
+    """Requests of 130 to 170 tokens (past an HCA block) arriving at different steps on 2
+    slots (some wait for one), prompts in chunks beside decode rows, give each its tokens
     alone; the
     transformers prompt gives transformers' tokens; nothing compiles after warmup."""
     from test_engine import run_schedule
@@ -241,4 +242,6 @@ def test_the_converter_made_file_is_served_end_to_end():
     from test_converted import check_served
 
     ref = ds4.reference()
-    check_served(ds4.gguf(), ref["prompt"].tolist(), ref["greedy"].tolist(), max_ctx=320, chunk=16)
+    e = ENGINE
+    check_served(ds4.gguf(), ref["prompt"].tolist(), ref["greedy"].tolist(), e["max_ctx"],
+                 e["prefill_chunk"], e["max_concurrency"], e["kv_pool_tokens"])  # fmt: skip
