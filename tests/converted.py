@@ -218,26 +218,37 @@ def quantized(arch: str) -> tuple[Path, str]:
 def reference(name: str) -> dict:
     """transformers on the variant: a 40-token prompt, 16 greedy tokens after it, and the
     float32 logits of the prompt's last position and of each greedy step ([17, V])."""
+
+    def model():
+        m = hf_model(name)
+        # llama.cpp's converter writes no expert_weights_norm for qwen3moe and llama.cpp
+        # always renormalizes its top-k (src/models/qwen3moe.cpp): that is what the file means
+        for module in m.modules():
+            if hasattr(module, "norm_topk_prob"):
+                module.norm_topk_prob = True
+        return m
+
     out = folder() / f"{name}-reference.npz"
+    return greedy_reference(out, model, VARIANTS[name].seed, PROMPT_LEN, GREEDY)
+
+
+def greedy_reference(out: Path, model_fn, seed: int, prompt_len: int, greedy: int) -> dict:
+    """transformers' model_fn() on a random prompt_len prompt (of the seed), `greedy` greedy
+    tokens after it, and the float32 logits of the prompt's last position and of each greedy
+    step ([greedy + 1, V]): made once into `out`, then read."""
 
     def make(partial):
         import torch
 
-        model = hf_model(name)
-        # llama.cpp's converter writes no expert_weights_norm for qwen3moe and llama.cpp
-        # always renormalizes its top-k (src/models/qwen3moe.cpp): that is what the file means
-        for m in model.modules():
-            if hasattr(m, "norm_topk_prob"):
-                m.norm_topk_prob = True
-        vocab = model.config.vocab_size
-        prompt = np.random.default_rng(VARIANTS[name].seed).integers(0, vocab, PROMPT_LEN)
+        model = model_fn()
+        prompt = np.random.default_rng(seed).integers(0, model.config.vocab_size, prompt_len)
         seq = prompt.tolist()
         with torch.no_grad():
-            for _ in range(GREEDY):
+            for _ in range(greedy):
                 seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            logits = model(torch.tensor([seq])).logits[0, PROMPT_LEN - 1 :].numpy()
+            logits = model(torch.tensor([seq])).logits[0, prompt_len - 1 :].numpy()
         with open(partial, "wb") as fh:
-            np.savez(fh, prompt=prompt, greedy=np.array(seq[PROMPT_LEN:]), logits=logits)
+            np.savez(fh, prompt=prompt, greedy=np.array(seq[prompt_len:]), logits=logits)
 
     llama_cpp.made(out, make)
     with np.load(out) as z:

@@ -227,24 +227,7 @@ def reference() -> dict:
     """transformers on the model: a PROMPT_LEN prompt, GREEDY greedy tokens after it, and the
     float32 logits of the prompt's last position and of each greedy step ([GREEDY + 1, V])."""
     out = folder() / "deepseek4-reference.npz"
-
-    def make(partial):
-        import torch
-
-        model = hf_model()
-        vocab = model.config.vocab_size
-        prompt = np.random.default_rng(SEED).integers(0, vocab, PROMPT_LEN)
-        seq = prompt.tolist()
-        with torch.no_grad():
-            for _ in range(GREEDY):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-            logits = model(torch.tensor([seq])).logits[0, PROMPT_LEN - 1 :].numpy()
-        with open(partial, "wb") as fh:
-            np.savez(fh, prompt=prompt, greedy=np.array(seq[PROMPT_LEN:]), logits=logits)
-
-    llama_cpp.made(out, make)
-    with np.load(out) as z:
-        return {k: z[k] for k in z.files}
+    return converted.greedy_reference(out, hf_model, SEED, PROMPT_LEN, GREEDY)
 
 
 if __name__ == "__main__":  # make the file and reference ahead of the suite
