@@ -160,7 +160,7 @@ def test_a_converter_made_file_is_served_end_to_end(arch):
     check_served(converted.gguf(arch), ref["prompt"].tolist(), ref["greedy"].tolist())
 
 
-def check_served(path, prompt: list[int], greedy: list[int], max_ctx: int = 256, chunk: int = 32,
+def check_served(path, prompt: list[int], greedy: list[int], max_ctx: int = 256, chunk: int = 16,
                  slots: int = 1, pool: int = 0):  # fmt: skip
     """Serve `path` with `python -m luce_jax.serve`: a chat completion of a few tokens through
     the official client, then `greedy` (transformers' tokens) for `prompt`. (A test's engine
