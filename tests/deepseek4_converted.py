@@ -217,9 +217,11 @@ def checkpoint() -> Path:
 def gguf() -> Path:
     """The model converted by convert_hf_to_gguf.py (float32 but for the MXFP4 experts)."""
     out = folder() / "deepseek4-f32.gguf"
-    if not out.is_file():
-        llama_cpp.convert(checkpoint(), out)
-        shutil.rmtree(checkpoint())
+    with llama_cpp.locked("deepseek4-gguf"):  # one worker makes it, the other waits
+        if not out.is_file():
+            path = checkpoint()
+            llama_cpp.convert(path, out)
+            shutil.rmtree(path, ignore_errors=True)
     return out
 
 
