@@ -3,7 +3,7 @@
 Kernel, wrapper and pure-jnp reference together, in the style of JAX's Pallas ops.
 
 Work split. The M rows (token, expert) pairs, already grouped by expert (models/moe.py's stable
-sort), are cut into row tiles of BM rows of one expert (`query_blocks`, shared with the paged
+sort), are cut into row tiles of BM rows of one expert (`query_blocks.py`, shared with the paged
 attention kernel: a tile never straddles two experts). Program (i, j) takes row tile i and
 column tile j of BN output columns and runs over the contraction in BK chunks with that
 expert's weights. An expert gets ceil(rows / BM) tiles, so nothing is padded to the largest
@@ -37,9 +37,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from .call_options import call_options, whole
 from .ggml_blocks import block_loaders, contract_block
-from .paged_attention import query_blocks
 from .quant_matmul import dot_nn, dot_nt
 from .quant_weight import QuantWeight, dequantize_weight
+from .query_blocks import query_blocks
 from .swiglu import swiglu as glu
 
 

@@ -6,7 +6,7 @@ import pytest
 from test_quant_matmul import weight
 
 from pallas_kernels.moe_grouping import grouped_matmul, grouped_matmul_reference
-from pallas_kernels.paged_attention import query_blocks
+from pallas_kernels.query_blocks import query_blocks
 
 
 def case(sizes, K, N, pad_rows=0, dtype=jnp.float32, seed=0):

@@ -6,12 +6,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kv_cache
-from pallas_kernels.paged_attention import (
-    paged_attention,
-    paged_attention_reference,
-    plan_tiles,
-    query_blocks,
-)
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference, plan_tiles
+from pallas_kernels.query_blocks import query_blocks
 
 
 def make_step(segs, *, H, K, D, P, pad_rows=3, dtype=jnp.float32, seed=0, extra_blocks=5):
