@@ -71,8 +71,8 @@ def load_params(
 
     dt = jnp.dtype(dtype)
     # never packed: read as they are
-    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-              *INTEGER_TYPES)  # fmt: skip
+    plain = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+             *INTEGER_TYPES)  # fmt: skip
     unpacked: dict[GGMLQuantizationType, list[str]] = {}  # types that could not stay packed
 
     def raw(n):  # the tensor's bytes, or traced zeros standing for them
@@ -106,7 +106,7 @@ def load_params(
             t = f.tensors[name]
             want = shapes.get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
             squeeze = want is not None and check_shape(f.path, name, t.shape, want)
-            if t.qtype not in floats and (
+            if t.qtype not in plain and (
                 (keep and quantized and t.qtype not in QTYPES) or t.qtype not in DEQUANTIZERS
             ):
                 unpacked.setdefault(t.qtype, []).append(name)

@@ -160,7 +160,8 @@ def layer(lp: dict, X, caches: dict, rings: dict, tok: StepTokens, batch: dict, 
 
 def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConfig,
             kernels: Kernels = XLA):  # fmt: skip
-    """One step over packed tokens: (logits [R, V] float32, caches, state, pairs per layer).
+    """One step over packed tokens: (logits [R, V] float32, caches, state, stats: expert_counts
+    [L, E] int32, as dense.forward's).
 
     Args: params (load_params' pytree of a deepseek4 file); caches (init_caches'); state
       (init_state's); batch (step_format.lower's, with its groups' tables and write indices,
@@ -196,7 +197,8 @@ def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConf
             index[ratio] += 1
     h = hc_head(X, params["hc_head"], eps=cfg.rms_eps, hc_eps=own.hc_eps)
     logits = head(params, h, batch, cfg, kernels.quant_matmul)
-    return logits, caches, state, routing
+    stats = {"expert_counts": moe.expert_counts(jnp.stack(routing), cfg.n_experts)}
+    return logits, caches, state, stats
 
 
 class DeepSeek4Family:
@@ -356,9 +358,7 @@ class DeepSeek4Family:
 
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
         assert not hidden, "no device proposer reads a DeepSeek V4 model's hidden states"
-        logits, caches, slot_state, routing = forward(params, caches, slot_state, batch, cfg,
-                                                      kernels)  # fmt: skip
-        return logits, caches, slot_state, {}
+        return forward(params, caches, slot_state, batch, cfg, kernels)
 
 
 FAMILY = register(DeepSeek4Family())
