@@ -28,49 +28,46 @@ N_HC, ARCH = 4, "deepseek4"
 
 
 def keys(w, s: dict, n_layers: int) -> None:
-    """The deepseek4.* metadata of shape s with its first n_layers blocks."""
-    u32 = lambda k, v: w.add_uint32(f"{ARCH}.{k}", int(v))  # noqa: E731
-    f32 = lambda k, v: w.add_float32(f"{ARCH}.{k}", float(v))  # noqa: E731
-    for k, v in (
-        ("block_count", n_layers),
-        ("context_length", 1048576),
-        ("embedding_length", s["d"]),
-        ("attention.head_count", s["H"]),
-        ("attention.head_count_kv", 1),
-        ("attention.key_length", s["D"]),
-        ("attention.value_length", s["D"]),
-        ("rope.dimension_count", s["r"]),
-        ("attention.q_lora_rank", s["Rq"]),
-        ("attention.sliding_window", s["W"]),
-        ("expert_count", s["E"]),
-        ("expert_used_count", s["k"]),
-        ("expert_gating_func", 4),
-        ("expert_feed_forward_length", s["Fe"]),
-        ("expert_shared_count", 1),
-        ("attention.indexer.head_count", s["HI"]),
-        ("attention.indexer.key_length", s["dI"]),
-        ("attention.indexer.top_k", s["topk"]),
-        ("attention.output_group_count", s["g"]),
-        ("attention.output_lora_rank", s["Ro"]),
-        ("hyper_connection.count", N_HC),
-        ("hyper_connection.sinkhorn_iterations", 20),
-        ("hash_layer_count", min(s["hash"], n_layers)),
-        ("embedding_length_out", s["d"] * N_HC),
-    ):
-        u32(k, v)  # fmt: skip
-    for k, v in (
-        ("rope.freq_base", 10000.0),
-        ("attention.layer_norm_rms_epsilon", 1e-6),
-        ("expert_weights_scale", 1.5),
-        ("attention.compress_rope_freq_base", 160000.0),
-        ("hyper_connection.epsilon", 1e-6),
-        ("rope.scaling.factor", 16.0),
-        ("rope.scaling.yarn_beta_fast", 32.0),
-        ("rope.scaling.yarn_beta_slow", 1.0),
-    ):
-        f32(k, v)  # fmt: skip
+    """The deepseek4.* metadata of shape s with its first n_layers blocks: ints as UINT32,
+    floats as FLOAT32, as the converter writes them."""
+    values = {
+        "block_count": n_layers,
+        "context_length": 1048576,
+        "embedding_length": s["d"],
+        "attention.head_count": s["H"],
+        "attention.head_count_kv": 1,
+        "attention.key_length": s["D"],
+        "attention.value_length": s["D"],
+        "rope.dimension_count": s["r"],
+        "attention.q_lora_rank": s["Rq"],
+        "attention.sliding_window": s["W"],
+        "expert_count": s["E"],
+        "expert_used_count": s["k"],
+        "expert_gating_func": 4,
+        "expert_feed_forward_length": s["Fe"],
+        "expert_shared_count": 1,
+        "attention.indexer.head_count": s["HI"],
+        "attention.indexer.key_length": s["dI"],
+        "attention.indexer.top_k": s["topk"],
+        "attention.output_group_count": s["g"],
+        "attention.output_lora_rank": s["Ro"],
+        "hyper_connection.count": N_HC,
+        "hyper_connection.sinkhorn_iterations": 20,
+        "hash_layer_count": min(s["hash"], n_layers),
+        "embedding_length_out": s["d"] * N_HC,
+        "rope.scaling.original_context_length": 65536,
+        "rope.freq_base": 10000.0,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "expert_weights_scale": 1.5,
+        "attention.compress_rope_freq_base": 160000.0,
+        "hyper_connection.epsilon": 1e-6,
+        "rope.scaling.factor": 16.0,
+        "rope.scaling.yarn_beta_fast": 32.0,
+        "rope.scaling.yarn_beta_slow": 1.0,
+    }
+    for k, v in values.items():
+        (w.add_float32 if isinstance(v, float) else w.add_uint32)(f"{ARCH}.{k}", v)
     w.add_string(f"{ARCH}.rope.scaling.type", "yarn")
-    u32("rope.scaling.original_context_length", 65536)
     w.add_bool(f"{ARCH}.expert_weights_norm", True)
     w.add_array(f"{ARCH}.attention.compress_ratios", s["ratios"][:n_layers])
     w.add_array(f"{ARCH}.swiglu_clamp_exp", [10.0] * n_layers)
