@@ -69,9 +69,12 @@ def kv_spaces(
         )
     out = []
     for s, f in zip(shapes, fixed, strict=True):
-        # from memory: whole blocks that fit; asked for: blocks that hold them all
-        blocks = f or (
-            tokens // (s.block_size * s.tokens_per_entry) if whole else s.blocks_for(tokens)
-        )
+        # from memory: whole blocks that fit; asked for: blocks that hold them all, however
+        # max_concurrency sequences of at most max_ctx split them (each sequence's partial
+        # last block counts: n sequences of t tokens in all need at most blocks_for(t) + n - 1
+        # blocks, and a compressed block spans P * m tokens, 2048 for m = 128)
+        n = c.max_concurrency
+        asked = min(s.blocks_for(tokens) + n - 1, n * s.max_blocks)
+        blocks = f or (tokens // (s.block_size * s.tokens_per_entry) if whole else asked)
         out.append(dataclasses.replace(s, num_blocks=blocks + 1))
     return out

@@ -140,7 +140,8 @@ def test_prefix_sharing_covers_whole_blocks_of_every_group():
 
 
 def test_groups_are_sized_from_the_token_budget_and_device_memory():
-    """kv_pool_tokens sizes every full or compressed group for that many tokens; a window's
+    """kv_pool_tokens sizes every full or compressed group for that many tokens, however the
+    slots split them (each slot's sequence rounds up to a block); a window's
     group gets its cap per slot; with kv_pool_tokens 0, the window's fixed bytes come off the
     memory first and the rest is tokens over the other groups' bytes per token."""
     c = EngineConfig(max_ctx=1024, kv_block_size=16, kv_pool_tokens=2048, max_concurrency=4,
@@ -151,10 +152,16 @@ def test_groups_are_sized_from_the_token_budget_and_device_memory():
         CacheGroup("compressed", 2, 250.0, tokens_per_entry=4, block_size=32),
     ]
     full, window, comp = kv_spaces(c, groups, None)
-    assert (full.num_blocks, full.max_blocks) == (2048 // 16 + 1, 1024 // 16)
+    # 4 sequences of 2048 tokens in all each round up to whole blocks: 3 blocks more
+    assert (full.num_blocks, full.max_blocks) == (2048 // 16 + 3 + 1, 1024 // 16)
     cap = -(-(128 + c.step_span) // 16) + 1
     assert window.num_blocks == 4 * cap + 1 and window.window == 128
-    assert (comp.num_blocks, comp.max_blocks) == (2048 // 128 + 1, 1024 // 128)
+    assert (comp.num_blocks, comp.max_blocks) == (2048 // 128 + 3 + 1, 1024 // 128)
+    spaces = dict(zip(("full", "window", "comp"), (full, window, comp), strict=True))
+    for n in (2, 3, 4):  # any n sequences (of at most max_ctx) of 2048 tokens in all fit
+        pool = KVPool([full, window, comp], max_slots=4, span=c.step_span)
+        lengths = [2048 // n + (i < 2048 % n) for i in range(n)]
+        assert all(pool.reserve(i, t) for i, t in enumerate(lengths)), (n, lengths, spaces)
 
     class Dev:
         def memory_stats(self):

@@ -38,8 +38,8 @@ from meta import run_meta, write_result  # noqa: E402
 
 log = logging.getLogger("profile_step")
 
-SCOPES = ("draft", "draft_head", "embed", "qkv", "kv_write", "attention", "attn_out", "mlp",
-          "lm_head", "sampling")  # fmt: skip
+SCOPES = ("draft", "draft_head", "embed", "qkv", "kv_write", "compressor", "indexer",
+          "attention", "attn_out", "mlp", "hyper_connection", "lm_head", "sampling")  # fmt: skip
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
 
 

@@ -87,11 +87,11 @@ llm.close()
 PY
 }
 
-step_models() {  # $@ weight types (default bf16 q8_0)
+step_models() {  # $@ weight types (default bf16 q8_0); LAYERS: only the first N blocks
   local types=("$@")
   [ $# -gt 0 ] || types=(bf16 q8_0)
   for t in "${types[@]}"; do
-    python3 bench/make_model.py --shape "$SHAPE" --type $t \
+    python3 bench/make_model.py --shape "$SHAPE" --type $t ${LAYERS:+--layers $LAYERS} \
       --vocab .bench_data/ggml-vocab-qwen2.gguf --out "$M/$SHAPE-$t.gguf" 2>&1 | tail -1
   done
 }
@@ -235,18 +235,21 @@ step_moe_decode() {  # $1 weight type (default q4_k_m): the MoE decode FFN's ker
   done
 }
 
-step_retrieval() {  # $1 ours|llama, $2.. lengths; KV: both servers' KV cache type
-  local who=$1 model="$M/qwen3-8b-bf16.gguf" cmd kv=""
+step_retrieval() {  # $1 ours|llama, $2.. lengths; $SHAPE's file of type RTYPE (default bf16);
+  # KV: both servers' KV cache type; RCS: the concurrencies (default 1 5); RCTX: our max ctx
+  # for every length (one set of programs; default each length's own)
+  local who=$1 t=${RTYPE:-bf16} cmd kv="" flags=""
+  local model="$M/$SHAPE-$t.gguf"
   shift
   [ -n "${KV:-}" ] && kv="--cache-type-k $KV --cache-type-v $KV"
-  if [ "$who" = ours ]; then cmd="$(ours_cmd "$model" "{ctx}") $kv"; else
+  if [ "$who" = ours ]; then cmd="$(ours_cmd "$model" "${RCTX:-{ctx\}}") $kv" flags=${OURS_FLAGS:-}; else
     cmd="$LLB/bin/llama-server -m $model --port {port} -ngl 999 -fa on -np 5 -c {ctx_total} $kv"
   fi
   python3 bench/serving/retrieval.py --tokenizer "$model" --lengths "$@" --server-cmd "$cmd" \
-    --server-log "$RES/retrieval_$who.log" --start-timeout 600 \
-    --title "$who, long-prompt retrieval, random Qwen3-8B-shaped bf16${KV:+, $KV KV} (labels \
-cannot be found with random weights)" \
-    --out "$RES/retrieval_${who}_qwen3-8b-bf16${KV:+_kv$KV}.json"
+    --server-log "$RES/retrieval_$who.log" --start-timeout 600 --concurrency ${RCS:-1 5} \
+    --title "$who, long-prompt retrieval, random $SHAPE-shaped $t${KV:+, $KV KV}${flags:+, $flags} \
+(labels cannot be found with random weights)" \
+    --out "$RES/retrieval_${who}_$SHAPE-$t${KV:+_kv$KV}.json"
 }
 
 for s in "$@"; do

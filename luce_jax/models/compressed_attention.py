@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.int8_rows import rms_norm
@@ -114,9 +115,11 @@ def attend(lp: dict, x, caches: dict, rings: dict, tok: StepTokens, batch: dict,
       (out [T, d] float32, caches, rings).
     """
     pos = tok.pos
-    q, qr, kv = queries_and_kv(x, lp, pos, freqs, heads=heads, eps=eps, proj=proj)
+    with jax.named_scope("qkv"):
+        q, qr, kv = queries_and_kv(x, lp, pos, freqs, heads=heads, eps=eps, proj=proj)
     wt, ww = group_keys(groups[0])
-    caches = dict(caches, window=write(caches["window"], batch[ww], kv, tok.real))
+    with jax.named_scope("kv_write"):
+        caches = dict(caches, window=write(caches["window"], batch[ww], kv, tok.real))
     flat = [caches["window"].reshape(-1, kv.shape[-1])]
     rows = [window_rows(batch[wt], tok, window, caches["window"].shape[1])]
     if ratio:
@@ -125,26 +128,31 @@ def attend(lp: dict, x, caches: dict, rings: dict, tok: StepTokens, batch: dict,
         n = visible_entries(pos, ratio)
         close = tok.real & closes(pos, ratio)
         csa = "index" in caches
-        e, rc, rz = entries(lp["compressor"], x, rings["kv"], rings["score"], tok, m=ratio,
-                            overlap=csa, freqs=freqs, eps=eps, proj=proj)  # fmt: skip
-        rings = dict(rings, kv=rc, score=rz)
-        caches["entries"] = write(caches["entries"], batch[ew], e, close)
+        with jax.named_scope("compressor"):
+            e, rc, rz = entries(lp["compressor"], x, rings["kv"], rings["score"], tok, m=ratio,
+                                overlap=csa, freqs=freqs, eps=eps, proj=proj)  # fmt: skip
+            rings = dict(rings, kv=rc, score=rz)
+            caches["entries"] = write(caches["entries"], batch[ew], e, close)
         flat.append(caches["entries"].reshape(-1, e.shape[-1]))
         every = jnp.broadcast_to(jnp.arange(tables.shape[1] * P), (x.shape[0], tables.shape[1] * P))
         if csa:
-            ie, rc, rz = entries(lp["indexer"]["compressor"], x, rings["index_kv"],
-                                 rings["index_score"], tok, m=ratio, overlap=True, freqs=freqs,
-                                 eps=eps, proj=proj)  # fmt: skip
-            rings = dict(rings, index_kv=rc, index_score=rz)
-            caches["index"] = write(caches["index"], batch[ew], ie, close)
-            iq = proj(qr, lp["indexer"]["wq_b"]).reshape(x.shape[0], -1, ie.shape[-1])
-            iq = rope_tail(iq, pos, freqs)
-            w = proj(x, lp["indexer"]["proj"]).astype(jnp.float32) * iq.shape[1] ** -0.5
-            ikeys = caches["index"].reshape(-1, ie.shape[-1])[_rows(tables, tok.seg, every, P)]
-            pick = select_entries(index_scores(iq, w, ikeys, n), min(topk, every.shape[1]), n)
-            rows.append(jnp.where(pick >= 0, _rows(tables, tok.seg, pick, P), -1))
+            with jax.named_scope("indexer"):
+                ix = lp["indexer"]
+                ring = rings["index_kv"], rings["index_score"]
+                ie, rc, rz = entries(ix["compressor"], x, *ring, tok, m=ratio, overlap=True,
+                                     freqs=freqs, eps=eps, proj=proj)  # fmt: skip
+                rings = dict(rings, index_kv=rc, index_score=rz)
+                caches["index"] = write(caches["index"], batch[ew], ie, close)
+                iq = proj(qr, ix["wq_b"]).reshape(x.shape[0], -1, ie.shape[-1])
+                iq = rope_tail(iq, pos, freqs)
+                w = proj(x, ix["proj"]).astype(jnp.float32) * iq.shape[1] ** -0.5
+                ikeys = caches["index"].reshape(-1, ie.shape[-1])[_rows(tables, tok.seg, every, P)]
+                pick = select_entries(index_scores(iq, w, ikeys, n), min(topk, every.shape[1]), n)
+                rows.append(jnp.where(pick >= 0, _rows(tables, tok.seg, pick, P), -1))
         else:
             rows.append(jnp.where(every < n[:, None], _rows(tables, tok.seg, every, P), -1))
-    o = (attention or sink_attention_reference)(q, tuple(flat), tuple(rows), lp["sinks"],
-                                                scale=q.shape[-1] ** -0.5)  # fmt: skip
-    return output(o, lp, pos, freqs, proj=proj), caches, rings
+    with jax.named_scope("attention"):
+        o = (attention or sink_attention_reference)(q, tuple(flat), tuple(rows), lp["sinks"],
+                                                    scale=q.shape[-1] ** -0.5)  # fmt: skip
+    with jax.named_scope("attn_out"):
+        return output(o, lp, pos, freqs, proj=proj), caches, rings

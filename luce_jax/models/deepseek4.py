@@ -144,18 +144,22 @@ def layer(lp: dict, X, caches: dict, rings: dict, tok: StepTokens, batch: dict, 
         return linear(x, w, qmm, live)
 
     hc = dict(eps=eps, hc_eps=own.hc_eps, iters=own.sinkhorn_iters)
-    y, post, comb = hc_pre(X, lp["hc_attn"], **hc)
-    x = rms_norm(y, lp["attn_norm"], eps)
+    with jax.named_scope("hyper_connection"):
+        y, post, comb = hc_pre(X, lp["hc_attn"], **hc)
+        x = rms_norm(y, lp["attn_norm"], eps)
     a, caches, rings = attend(lp, x, caches, rings, tok, batch, ratio=ratio, window=own.window,
                               heads=cfg.n_heads, topk=own.index_topk,
                               freqs=rope_freqs(cfg, ratio), eps=eps,
                               groups=(0, _groups(cfg).get(ratio)), proj=proj,
                               attention=kernels.sink_attention)  # fmt: skip
-    X = hc_post(a, X, post, comb)
-    y, post, comb = hc_pre(X, lp["hc_ffn"], **hc)
-    f, pairs = moe.ffn(lp, rms_norm(y, lp["ffn_norm"], eps), cfg, kernels.grouped_matmul, live,
-                       qmm, kernels.moe_router, tokens=batch["tokens"])  # fmt: skip
-    return hc_post(f, X, post, comb), caches, rings, pairs
+    with jax.named_scope("hyper_connection"):
+        X = hc_post(a, X, post, comb)
+        y, post, comb = hc_pre(X, lp["hc_ffn"], **hc)
+    with jax.named_scope("mlp"):
+        f, pairs = moe.ffn(lp, rms_norm(y, lp["ffn_norm"], eps), cfg, kernels.grouped_matmul,
+                           live, qmm, kernels.moe_router, tokens=batch["tokens"])  # fmt: skip
+    with jax.named_scope("hyper_connection"):
+        return hc_post(f, X, post, comb), caches, rings, pairs
 
 
 def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConfig,
@@ -175,7 +179,8 @@ def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConf
     S_max = next(iter(state.values())).shape[1]
     fresh = jnp.where((batch["fresh"] == 1) & (slots >= 0), slots, S_max)
     state = {k: v.at[:, fresh].set(0.0, mode="drop") for k, v in state.items()}
-    X = jnp.repeat(embed(params["embed"], batch["tokens"])[:, None, :], own.streams, axis=1)
+    with jax.named_scope("embed"):
+        X = jnp.repeat(embed(params["embed"], batch["tokens"])[:, None, :], own.streams, axis=1)
     caches = {k: list(v) for k, v in caches.items()}
     index = {CSA: 0, HCA: 0}  # a compressed layer's index among its ratio's
     routing = []
@@ -195,7 +200,8 @@ def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConf
             state[r] = state[r].at[j].set(ring[k])
         if ratio:
             index[ratio] += 1
-    h = hc_head(X, params["hc_head"], eps=cfg.rms_eps, hc_eps=own.hc_eps)
+    with jax.named_scope("hyper_connection"):
+        h = hc_head(X, params["hc_head"], eps=cfg.rms_eps, hc_eps=own.hc_eps)
     logits = head(params, h, batch, cfg, kernels.quant_matmul)
     stats = {"expert_counts": moe.expert_counts(jnp.stack(routing), cfg.n_experts)}
     return logits, caches, state, stats
