@@ -88,7 +88,14 @@ def _load(config: EngineConfig, clock: StartupClock):
 
         head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
     weights = weight_bytes(shapes) + (weight_bytes(draft[1]) if draft else 0)
-    spaces = kv_spaces(config, groups, jax.devices()[0], state_bytes(mc, config), weights)
+    placement = _placement(config, mc)
+    device = jax.devices()[0] if placement is None else placement.mesh.devices.flat[0]
+    if placement is not None:  # one device's share: the pool is sized for each alike
+        weights //= placement.n
+        if mc.n_kv_heads % placement.n == 0:
+            groups = [dataclasses.replace(g, bytes_per_token=g.bytes_per_token / placement.n)
+                      for g in groups]  # fmt: skip
+    spaces = kv_spaces(config, groups, device, state_bytes(mc, config), weights)
     # started after the pool is sized: a load in progress would move the allocator's figures
     loading = _in_background(load_params, f, file_cfg, config.dtype, quantized)
     for g, s in zip(groups, spaces, strict=True):
@@ -128,6 +135,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         Runner, mc, shapes, max_proposals=spec_k, graph_max_tokens=config.cuda_graph_max_tokens,
         head=head, draft=on_device, head_lookup=config.head_lookup,
         ngram=config.spec_mode == "ngram" and "ngram" in family.device_proposers,
+        placement=placement,
     )  # fmt: skip
     engine = StepEngine(config, runner)
     # structured output: xgrammar loads on the first request that asks for it
@@ -153,6 +161,19 @@ def _load(config: EngineConfig, clock: StartupClock):
         return tokenizer, engine
     enable_speculation(config, engine, draft, runner_for, pairs, clock)
     return tokenizer, engine
+
+
+def _placement(config: EngineConfig, mc):
+    """Where the step's arrays live on several devices (device/mesh.py), or None for one."""
+    from .device.mesh import Placement, make_mesh
+
+    mesh = make_mesh(config.devices, config.tensor_parallel)
+    if mesh is None:
+        return None
+    ep = config.expert_parallel or config.tensor_parallel
+    placement = Placement(mesh, expert_parallel=ep > 1 and mc.n_experts > 0)
+    log.info("%d devices: %s", placement.n, ", ".join(str(d) for d in mesh.devices.flat))
+    return placement
 
 
 def _in_background(fn, *args):

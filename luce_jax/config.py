@@ -161,6 +161,12 @@ class EngineConfig:
     head_lookup: bool = True
     compile_cache_dir: str | None = field(default_factory=default_compile_cache_dir)
     seed: int = 0
+    # several devices (device/mesh.py): the model split over tensor_parallel of them; the
+    # stacked experts split over their axis with expert_parallel equal to it (0: so on MoE
+    # models), or over their FFN width with 1; devices: local device indices (None: the first)
+    tensor_parallel: int = 1
+    expert_parallel: int = 0
+    devices: tuple[int, ...] | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -205,6 +211,17 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 bad(name, "must be a positive integer")
+        tp = self.tensor_parallel
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0:
+            bad("tensor_parallel", "must be a positive integer")
+        if self.expert_parallel not in (0, 1, tp):
+            bad("expert_parallel", f"must be 0 (auto), 1 or tensor_parallel={tp}")
+        if self.devices is not None:
+            d = self.devices
+            if not isinstance(d, tuple) or not all(isinstance(i, int) and i >= 0 for i in d):
+                bad("devices", "must be a tuple of device indices >= 0")
+            if len(set(d)) != len(d) or len(d) != tp:
+                bad("devices", f"must name tensor_parallel={tp} distinct devices")
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             bad("draft_tokens", f"must be at most {MAX_DRAFT_TOKENS}")
         if self.kv_block_size & (self.kv_block_size - 1):

@@ -79,6 +79,12 @@ HELP = {
     "head_lookup": "with --spec-mode head, a sequence whose last 3 tokens occurred before "
     "verifies prompt lookup's proposals instead of the head's",
     "seed": "seed for requests that do not give one",
+    "tensor_parallel": "devices the model is split over (its heads, FFN width and vocabulary; "
+    "docs/parallelism.md)",
+    "expert_parallel": "MoE models: the experts split over the devices with N = "
+    "--tensor-parallel, over their FFN width with 1 (0: auto, = --tensor-parallel)",
+    "devices": "local device indices to run on, comma-separated (default: the first "
+    "--tensor-parallel ones)",
 }
 
 
@@ -175,6 +181,11 @@ def parse_config(argv=None) -> tuple[argparse.Namespace, EngineConfig]:
         args.default_max_tokens = EMBEDDED_CHAT_MAX_TOKENS
     if kw["model_name"] is None:
         kw["model_name"] = Path(kw["model"]).stem
+    if kw["devices"] is not None:
+        try:
+            kw["devices"] = tuple(int(i) for i in kw["devices"].split(","))
+        except ValueError:
+            ap.error(f"--devices {kw['devices']}: must be device indices, as 0,1")
     if not 0 < args.port < 65536:
         ap.error(f"--port {args.port}: must be in 1..65535")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:

@@ -14,8 +14,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # threads the busy cores do not have took 5-10% off again (a quant_matmul subset 56.7 -> 53.5
 # s, the kernel engine of the embedded model 30.9 -> 27.8 s). Subprocesses (servers, the
 # notebook's kernel) inherit the flags.
+# Four CPU devices in every process, for the tests of a model split over several
+# (test_tensor_parallel.py); one-device engines use the first.
 FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-         "--xla_cpu_parallel_codegen_split_count=1")  # fmt: skip
+         "--xla_cpu_parallel_codegen_split_count=1",
+         "--xla_force_host_platform_device_count=4")  # fmt: skip
 for _flag in FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()

@@ -32,6 +32,7 @@ from ..step_format import GroupShape, layout_size, mask_words, step_layout, unpa
 from . import proposals, sampling
 from .draft_model import DraftModel
 from .head_proposer import HeadProposer
+from .mesh import Placement
 from .ngram_lookup import NgramLookup
 from .programs import BucketPrograms, compile_all, graph_options
 from .step_io import Forward, Launched, outputs, sample_inputs, sample_size, upload
@@ -67,6 +68,7 @@ class Runner:
         the proposals as a head's (device/draft_model.py).
       ngram: prompt lookup on the device (device/ngram_lookup.py): a token
         cache on the target's block ids, proposals found in it.
+      placement: where the arrays live on several devices (device/mesh.py), or None (one).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class Runner:
         draft=None,
         ngram: bool = False,
         head_lookup: bool = False,
+        placement: Placement | None = None,
     ):
         self.cfg, self.family, self.kernels = cfg, family_of(cfg), kernels
         self.spaces = tuple(spaces)
@@ -111,7 +114,7 @@ class Runner:
         # claims blocks for them (host/engine.py).
         self.writes_ahead = self.draft.writes_ahead if self.draft is not None else 0
         self.k = max_proposals
-        self.params = params
+        self.placement = placement
         self.block_size = block_size
         self.max_slots = max_slots
         self.max_blocks = spaces[0].max_blocks
@@ -128,10 +131,21 @@ class Runner:
             dkv = self.draft.init_kv(self.spaces[0]) if self.draft is not None else None
             return kv, state, dkv
 
-        self._allocate = allocate
         # Abstract params (loading.params.abstract_params): compile now, `materialize` later.
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        self._held = None  # on a mesh: the shardings of (kv, state, draft kv) and of params
+        if placement is not None:
+            kv, state, dkv = jax.eval_shape(allocate)
+            held = (placement.caches(kv), placement.replicate(state), placement.replicate(dkv))
+            self._held = held, placement.params(params)
+            allocate = jax.jit(allocate, out_shardings=held)
+        self._allocate = allocate
+        self.params = self._place(params)
         self.kv, self.state, self.draft_kv = jax.eval_shape(allocate) if abstract else allocate()
+        if abstract and placement is not None:
+            self.kv, self.state, self.draft_kv = placement.abstract(
+                (self.kv, self.state, self.draft_kv), self._held[0]
+            )
         # set by bucket_runs.time_steps: seconds per bucket, and what proposing adds to a step
         self.step_time: dict[tuple[int, int], float] = {}
         self.propose_time = 0.0
@@ -153,8 +167,30 @@ class Runner:
         the device with the loader's transient buffers."""
         shape = functools.partial(jax.tree.map, lambda x: (x.shape, jnp.dtype(x.dtype)))
         assert shape(params) == shape(self.params), "params differ from those compiled for"
-        self.params = params
+        self.params = self._place(params)
         self.kv, self.state, self.draft_kv = self._allocate()
+
+    def _place(self, params):
+        """params on the mesh (abstract ones carrying their shardings), or as they are."""
+        if self.placement is None:
+            return params
+        shardings = self._held[1]
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+            return self.placement.abstract(params, shardings)
+        return self.placement.put(params, shardings)
+
+    def _keep(self, x, which: int):
+        """Inside a program: x (kv 0, draft kv 2) where it was, or replicated (which -1); the
+        identity on one device."""
+        if self.placement is None or x is None:
+            return x
+        held = self.placement.replicate(x) if which < 0 else self._held[0][which]
+        return self.placement.constrain(x, held)
+
+    def _arg(self, shape, dtype):
+        """An abstract program argument (replicated on a mesh)."""
+        sharding = None if self.placement is None else self.placement.replicated
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     @property
     def compiles(self) -> int:
@@ -198,6 +234,11 @@ class Runner:
         if self.draft is not None:  # a draft's KV or the lookup's tokens of every token fed
             with jax.named_scope("draft"):
                 dkv, reads = self.draft.feed(dparams, dkv, batch, reads)
+        if self.placement is not None:  # every step leaves its state where it found it
+            kv, dkv = self._keep(kv, 0), self._keep(dkv, 2)
+            # the slot state (the family's and the sampler's) is replicated
+            model_state, prompt_mask = self._keep(model_state, -1), self._keep(prompt_mask, -1)
+            logits = self._keep(logits, -1)
         out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, dkv, stats)
         return out + (reads, ints[layout_size(layout) :])
 
@@ -235,6 +276,8 @@ class Runner:
                     props, dkv = self.draft.propose(reads[-1], dkv, reads[:-1], packed, batch,
                                                     floats, filtered)  # fmt: skip
             state.update(proposals.update(ahead, packed, batch, R, props))
+        if self.placement is not None:
+            state, dkv = self._keep(state, -1), self._keep(dkv, 2)
         return packed, top_ids, top_lp, state, dkv
 
     def _reads(self, fwd_reads):
@@ -258,7 +301,7 @@ class Runner:
     def step_function(self, T: int, S: int):
         """The forward pass of bucket (T, S) and abstract arguments to trace or lower it with."""
         n = layout_size(self.layout(T, S)) + sample_size(self.logit_width(T, S), S)
-        ints = jax.ShapeDtypeStruct((n,), jnp.int32)
+        ints = self._arg((n,), jnp.int32)
         st = self.state
         args = (self.params, self.kv, st.get("model"), st["prompt_mask"], self.draft_kv,
                 st["last"], self._ahead(st), self._dparams(), ints)  # fmt: skip
@@ -267,10 +310,10 @@ class Runner:
     def sample_function(self, R: int, S: int, filtered: bool, logprobs: bool, propose: bool):
         """The sampling program for R logits rows and S rows (and the variant: filtered,
         logprobs, propose), and abstract arguments for it."""
-        sample_in = jax.ShapeDtypeStruct((sample_size(R, S),), jnp.int32)
-        logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32)
-        row_tokens = jax.ShapeDtypeStruct((R, self.k + 1), jnp.int32)
-        allow = jax.ShapeDtypeStruct((S, mask_words(self.cfg.vocab_size)), jnp.int32)
+        sample_in = self._arg((sample_size(R, S),), jnp.int32)
+        logits = self._arg((R, self.cfg.vocab_size), jnp.float32)
+        row_tokens = self._arg((R, self.k + 1), jnp.int32)
+        allow = self._arg((S, mask_words(self.cfg.vocab_size)), jnp.int32)
         fwd_reads = self.draft.read_shapes(R, S, self.max_blocks) if self.ahead else None
         args = (logits, row_tokens, self._sampler_state(), self.draft_kv, self.state["prompt_mask"],
                 sample_in, allow, self._reads(fwd_reads))  # fmt: skip
@@ -344,7 +387,9 @@ class Runner:
         """The all-allowed masks [S, words] of S rows, made once (at warmup: making one is a
         small compile)."""
         if S not in self._open:
-            self._open[S] = jnp.full((S, mask_words(self.cfg.vocab_size)), -1, jnp.int32)
+            mask = jnp.full((S, mask_words(self.cfg.vocab_size)), -1, jnp.int32)
+            self._open[S] = mask if self.placement is None else self.placement.put(
+                mask, self.placement.replicated)  # fmt: skip
         return self._open[S]
 
     def fetch(self, launched: Launched) -> dict[str, np.ndarray]:

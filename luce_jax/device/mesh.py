@@ -1,0 +1,127 @@
+"""Several devices as one: a 1-D mesh and where each array of a step lives on it.
+
+Tensor parallelism here is GSPMD's: the params and the KV caches are placed with
+`NamedSharding`s, every step program is compiled for those placements, and XLA partitions the
+model's ops and inserts the collectives (over NCCL on GPUs). The model code does not change.
+Placement rules, by a param's name (loading/params.py's keys):
+
+- column-parallel (the output axis split): the fused q/k/v and gate/up projections, their
+  biases, the shared expert's gate/up and the lm_head (split by vocabulary);
+- row-parallel (the input axis split; one reduction per layer follows): the attention output
+  and down projections;
+- experts: with expert parallelism the stacked experts' axis E, else their FFN width as a
+  column / row pair;
+- KV caches of four axes [NB, P, K, D] (and a quantized cache's data and scales): the KV-head
+  axis K; the block tables are the host's and do not change;
+- everything else (norms, the router, the embedding table, the sampler's and the families'
+  per-slot state): replicated.
+
+An axis that does not divide by the mesh size stays whole (KV heads fewer than devices are
+replicated). A QuantWeight keeps its blocks whole: it is split by output rows only (its `head`
+[..., hK, N] on its last axis, `body` [..., N, bytes] on its second last), and a row-parallel
+one is replicated. Arrays of one device (mesh None) are placed as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+log = logging.getLogger(__name__)
+
+AXIS = "tensor"
+
+COLUMN = frozenset({"wqkv", "bqkv", "w_gu", "w_gu_shexp", "lm_head"})
+ROW = frozenset({"wo", "w_down", "w_down_shexp"})
+EXPERTS = {"w_gu_exps": COLUMN, "w_down_exps": ROW}  # without expert parallelism: as these
+
+
+def make_mesh(devices: Sequence[int] | None, tensor_parallel: int) -> Mesh | None:
+    """The 1-D mesh of `tensor_parallel` local devices (`devices`: their indices, default the
+    first ones), or None for one device and no choice of it."""
+    if tensor_parallel == 1 and devices is None:
+        return None
+    local = jax.local_devices()
+    picked = list(devices) if devices is not None else list(range(tensor_parallel))
+    if len(picked) != tensor_parallel:
+        raise ValueError(f"devices {picked}: tensor_parallel={tensor_parallel} needs as many")
+    bad = [i for i in picked if not 0 <= i < len(local)]
+    if bad:
+        raise ValueError(f"devices {bad}: this process has {len(local)} local devices")
+    return Mesh(np.array([local[i] for i in picked]), (AXIS,))
+
+
+class Placement:
+    """Where a step's arrays live on `mesh`; expert_parallel: split the stacked experts over
+    their axis E (else over their FFN width)."""
+
+    def __init__(self, mesh: Mesh, expert_parallel: bool):
+        self.mesh, self.expert_parallel = mesh, expert_parallel
+        self.n = mesh.devices.size
+        self.replicated = NamedSharding(mesh, P())
+
+    def _split(self, shape: tuple, axis: int) -> NamedSharding:
+        """Split along `axis` if it divides by the mesh size, else replicated."""
+        axis %= len(shape)
+        if shape[axis] % self.n:
+            return self.replicated
+        spec = [None] * len(shape)
+        spec[axis] = AXIS
+        return NamedSharding(self.mesh, P(*spec))
+
+    def _param(self, name: str, field: str | None, shape: tuple) -> NamedSharding:
+        """The sharding of one param leaf: `name` its key, `field` "head" / "body" for a
+        QuantWeight's arrays (None for a float array [in, out] or [E, in, out])."""
+        if name in EXPERTS and self.expert_parallel and len(shape) == 3:
+            return self._split(shape, 0)
+        role = EXPERTS.get(name) or (COLUMN if name in COLUMN else ROW if name in ROW else None)
+        if role is None or len(shape) == 0:
+            return self.replicated
+        if field is not None:  # output rows only: a split along K could cut a block
+            return self._split(shape, -1 if field == "head" else -2) if role is COLUMN else (
+                self.replicated)  # fmt: skip
+        if len(shape) == 1:  # a bias [out]
+            return self._split(shape, 0) if role is COLUMN else self.replicated
+        return self._split(shape, -1 if role is COLUMN else -2)
+
+    def params(self, params):
+        """A sharding per leaf of a params pytree (arrays or ShapeDtypeStructs)."""
+
+        def one(path, x):
+            keys = [getattr(k, "key", None) for k in path]
+            name = next((k for k in reversed(keys) if isinstance(k, str)
+                         and k not in ("head", "body")), "")  # fmt: skip
+            field = getattr(path[-1], "name", None) if path else None
+            field = field if field in ("head", "body") else None
+            return self._param(name, field, tuple(x.shape))
+
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    def caches(self, caches):
+        """KV caches: four-axis leaves split by KV head (axis 2); others replicated."""
+        return jax.tree.map(
+            lambda x: self._split(x.shape, 2) if len(x.shape) == 4 else self.replicated, caches
+        )
+
+    def replicate(self, tree):
+        return jax.tree.map(lambda _: self.replicated, tree)
+
+    def abstract(self, tree, shardings):
+        """ShapeDtypeStructs of `tree` carrying `shardings` (what a program is lowered with)."""
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+        )
+
+    def put(self, tree, shardings):
+        """`tree` on the mesh: each device receives only its shard of a split array."""
+        return jax.device_put(tree, shardings)
+
+    def constrain(self, tree, shardings):
+        """Inside a program: outputs kept where their inputs were (donated buffers are reused
+        and the next step's program takes them as they are)."""
+        return jax.lax.with_sharding_constraint(tree, shardings)

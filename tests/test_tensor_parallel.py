@@ -1,0 +1,110 @@
+"""A model split over several devices (device/mesh.py) serves what one device serves: greedy
+tokens of batched, chunked requests equal one device's for dense, MoE, hybrid and DeepSeek V4
+models, with experts split by expert or by FFN width, speculation on; each device holds only
+its share of a split weight and of the KV heads; nothing compiles after warmup. The suite's
+processes have four CPU devices (conftest.py)."""
+
+import gc
+
+import deepseek4_converted as ds4
+import jax
+import pytest
+
+from luce_jax import LLM, SamplingParams
+from luce_jax.config import EngineConfig
+
+from hf_gguf import hf_to_gguf, make_hf_model
+
+PROMPTS = [list(range(5, 45)), [30, 31, 32], [7] * 21, [100, 101, 102, 103, 104]]
+SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+# chunks of 16 prompt tokens: the 40-token prompt is prefilled over three steps beside decodes
+ENGINE = dict(max_concurrency=4, max_ctx=96, prefill_chunk=16, prefill_token_budget=16,
+              dtype="float32")  # fmt: skip
+
+
+def run(path: str, **kw) -> tuple[list[list[int]], LLM]:
+    """Greedy tokens of PROMPTS, all at once, and the (still open) LLM."""
+    llm = LLM(path, **ENGINE, **kw)
+    before = llm.engine.runner.compiles
+    out = [o.token_ids for o in llm.generate(PROMPTS, SP)]
+    assert llm.engine.runner.compiles == before, "compiled while serving"
+    return out, llm
+
+
+def same_as_one_device(path: str, **kw) -> LLM:
+    """Assert the split engine's tokens equal one device's (same flags); return it open."""
+    alone = {k: v for k, v in kw.items() if k not in ("tensor_parallel", "expert_parallel")}
+    one, llm = run(path, **alone)
+    llm.close()
+    del llm
+    gc.collect()  # the one-device engine's arrays go (the check of split weights sees none)
+    split, llm = run(path, **kw)
+    assert split == one, kw
+    return llm
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_models):
+    return {arch: str(tiny_models[arch][1]) for arch in ("qwen3", "qwen3moe")}
+
+
+def shard_shapes(x) -> list[tuple]:
+    return [s.data.shape for s in x.addressable_shards]
+
+
+def test_a_dense_model_split_over_two_and_four_devices_serves_one_devices_tokens(paths):
+    llm = same_as_one_device(paths["qwen3"], tensor_parallel=2)
+    lp = llm.engine.runner.params["layers"][0]
+    d, qkv = lp["wqkv"].shape
+    assert shard_shapes(lp["wqkv"]) == [(d, qkv // 2)] * 2  # column-parallel
+    assert shard_shapes(lp["wo"]) == [(lp["wo"].shape[0] // 2, d)] * 2  # row-parallel
+    kc = llm.engine.runner.kv[0][0]  # [NB, P, K, D]: each device holds half the KV heads
+    NB, P, K, D = kc.shape
+    assert shard_shapes(kc) == [(NB, P, K // 2, D)] * 2
+    # no device holds a whole split weight besides its shard (the loader's copies are gone)
+    whole = {x.shape for x in (lp["wqkv"], lp["wo"], llm.engine.runner.params["lm_head"])}
+    for a in jax.live_arrays():
+        assert not (len(a.devices()) == 1 and a.shape in whole), a.shape
+    llm.close()
+    # four devices: the model's 2 KV heads are replicated, its 4 query heads split
+    llm = same_as_one_device(paths["qwen3"], tensor_parallel=4)
+    kc = llm.engine.runner.kv[0][0]
+    assert shard_shapes(kc) == [kc.shape] * 4
+    llm.close()
+
+
+@pytest.mark.parametrize("ep", [0, 1])
+def test_a_moe_model_splits_its_experts_or_their_width(paths, ep):
+    llm = same_as_one_device(paths["qwen3moe"], tensor_parallel=2, expert_parallel=ep)
+    w = llm.engine.runner.params["layers"][0]["w_gu_exps"]  # [E, d, 2F]
+    E, d, F2 = w.shape
+    want = (E // 2, d, F2) if ep == 0 else (E, d, F2 // 2)
+    assert shard_shapes(w) == [want] * 2
+    llm.close()
+
+
+def test_a_hybrid_model_split_serves_one_devices_tokens(tmp_path):
+    path = hf_to_gguf(make_hf_model("qwen35", seed=1), "qwen35", tmp_path / "qwen35.gguf")
+    same_as_one_device(str(path), tensor_parallel=2).close()
+
+
+def test_deepseek4_split_serves_one_devices_tokens():
+    same_as_one_device(str(ds4.gguf()), tensor_parallel=2, cache_type_k="f32",
+                       cache_type_v="f32").close()  # fmt: skip
+
+
+def test_speculation_split_serves_one_devices_tokens(paths):
+    same_as_one_device(paths["qwen3"], tensor_parallel=2, spec_mode="ngram").close()
+
+
+def test_bad_parallel_settings_name_their_field():
+    for kw, field in [
+        (dict(tensor_parallel=0), "tensor_parallel"),
+        (dict(tensor_parallel=2, expert_parallel=3), "expert_parallel"),
+        (dict(tensor_parallel=2, devices=(0,)), "devices"),
+        (dict(tensor_parallel=2, devices=(1, 1)), "devices"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{field}="):
+            EngineConfig(**kw)
+    with pytest.raises(ValueError, match="devices \\[9\\]"):  # at start: 4 local devices
+        LLM(None, tensor_parallel=2, devices=(0, 9))
