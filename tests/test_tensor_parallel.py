@@ -5,6 +5,7 @@ its share of a split weight and of the KV heads; nothing compiles after warmup. 
 processes have four CPU devices (conftest.py)."""
 
 import gc
+import re
 
 import deepseek4_converted as ds4
 import jax
@@ -108,3 +109,23 @@ def test_bad_parallel_settings_name_their_field():
             EngineConfig(**kw)
     with pytest.raises(ValueError, match="devices \\[9\\]"):  # at start: 4 local devices
         LLM(None, tensor_parallel=2, devices=(0, 9))
+
+
+def test_a_split_step_moves_no_weight_and_no_kv_between_devices(paths):
+    """The Pallas attention kernels run on each device's heads (device/sharded_kernels.py)
+    and the logits are computed split by vocabulary: the only all-gather of a step is of its
+    logits rows, and the only all-reduces are the row-parallel projections' [T, d] sums."""
+    llm = same_as_one_device(paths["qwen3"], tensor_parallel=2, attention_backend="pallas")
+    runner = llm.engine.runner
+    d = runner.cfg.d_model
+    kv_shape = ",".join(map(str, runner.kv[0][0].shape))
+    for T, S in runner.programs._exec:
+        text = runner.executable(T, S).as_text()
+        ops = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all)\(", text)
+        R, V = runner.logit_width(T, S), runner.cfg.vocab_size
+        for shape, op in ops:
+            dims = tuple(int(x) for x in shape.split(","))
+            want = (R, V) if op == "all-gather" else (T, d)
+            assert dims == want and shape != kv_shape, (T, S, op, dims)
+        assert "all-gather" in dict((o, s) for s, o in ops), "logits gathered once"
+    llm.close()

@@ -65,7 +65,7 @@ class Placement:
         self.n = mesh.devices.size
         self.replicated = NamedSharding(mesh, P())
 
-    def _split(self, shape: tuple, axis: int) -> NamedSharding:
+    def split(self, shape: tuple, axis: int) -> NamedSharding:
         """Split along `axis` if it divides by the mesh size, else replicated."""
         axis %= len(shape)
         if shape[axis] % self.n:
@@ -78,16 +78,16 @@ class Placement:
         """The sharding of one param leaf: `name` its key, `field` "head" / "body" for a
         QuantWeight's arrays (None for a float array [in, out] or [E, in, out])."""
         if name in EXPERTS and self.expert_parallel and len(shape) == 3:
-            return self._split(shape, 0)
+            return self.split(shape, 0)
         role = EXPERTS.get(name) or (COLUMN if name in COLUMN else ROW if name in ROW else None)
         if role is None or len(shape) == 0:
             return self.replicated
         if field is not None:  # output rows only: a split along K could cut a block
-            return self._split(shape, -1 if field == "head" else -2) if role is COLUMN else (
+            return self.split(shape, -1 if field == "head" else -2) if role is COLUMN else (
                 self.replicated)  # fmt: skip
         if len(shape) == 1:  # a bias [out]
-            return self._split(shape, 0) if role is COLUMN else self.replicated
-        return self._split(shape, -1 if role is COLUMN else -2)
+            return self.split(shape, 0) if role is COLUMN else self.replicated
+        return self.split(shape, -1 if role is COLUMN else -2)
 
     def params(self, params):
         """A sharding per leaf of a params pytree (arrays or ShapeDtypeStructs)."""
@@ -105,7 +105,7 @@ class Placement:
     def caches(self, caches):
         """KV caches: four-axis leaves split by KV head (axis 2); others replicated."""
         return jax.tree.map(
-            lambda x: self._split(x.shape, 2) if len(x.shape) == 4 else self.replicated, caches
+            lambda x: self.split(x.shape, 2) if len(x.shape) == 4 else self.replicated, caches
         )
 
     def replicate(self, tree):

@@ -35,6 +35,7 @@ from .head_proposer import HeadProposer
 from .mesh import Placement
 from .ngram_lookup import NgramLookup
 from .programs import BucketPrograms, compile_all, graph_options
+from .sharded_kernels import shard_kernels
 from .step_io import Forward, Launched, outputs, sample_inputs, sample_size, upload
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class Runner:
         head_lookup: bool = False,
         placement: Placement | None = None,
     ):
+        if placement is not None:  # the attention kernels run on each device's heads
+            kernels = shard_kernels(kernels, cfg, placement)
         self.cfg, self.family, self.kernels = cfg, family_of(cfg), kernels
         self.spaces = tuple(spaces)
         block_size = spaces[0].block_size
@@ -238,7 +241,11 @@ class Runner:
             kv, dkv = self._keep(kv, 0), self._keep(dkv, 2)
             # the slot state (the family's and the sampler's) is replicated
             model_state, prompt_mask = self._keep(model_state, -1), self._keep(prompt_mask, -1)
-            logits = self._keep(logits, -1)
+            # computed split by vocabulary (the lm_head's columns stay where they are), then
+            # gathered: [R, V] rows, not the [d, V] weight, cross between devices
+            logits = self._keep(
+                self.placement.constrain(logits, self.placement.split(logits.shape, -1)), -1
+            )
         out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, dkv, stats)
         return out + (reads, ints[layout_size(layout) :])
 

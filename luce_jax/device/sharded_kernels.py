@@ -1,0 +1,93 @@
+"""The attention kernels on a mesh: each device runs them on its own heads (`jax.shard_map`).
+
+XLA partitions its own ops by their inputs' shardings, but not a Pallas kernel (a custom call
+to it): given split operands it gathers them whole onto every device first, which for the
+attention would gather every layer's KV cache each step. Attention is per head, and the KV
+caches are split by KV head (device/mesh.py), so each device runs the kernel on its H / n
+query heads and K / n KV heads, as written for one device, with no collective. This holds
+where both head counts divide by the mesh size n; elsewhere (fewer KV heads than devices) the
+kernels stay as they are, whole on every device.
+
+DeepSeek V4's sink attention has one K = V head, replicated; its query heads and their sinks
+are split.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.sink_attention import sink_attention_reference
+
+from ..config import ModelConfig
+from ..models.family import Kernels
+from .mesh import AXIS, Placement
+
+HEADS = P(None, AXIS, None)  # [T, H, D] and the row-major views of a fused projection
+CACHE = P(None, None, AXIS, None)  # [NB, P, K, D] (a quantized cache's data and scales)
+WHOLE = P()
+
+
+def _attention(attn, mesh, q, kc, vc, seg_ids, positions, block_tables, kv_lens, *, scale,
+               cu_q_lens=None):  # fmt: skip
+    """Paged attention (paged_attention_xla's signature) on each device's heads."""
+
+    def local(q, kc, vc, seg_ids, positions, block_tables, kv_lens, cu_q_lens):
+        return attn(q, kc, vc, seg_ids, positions, block_tables, kv_lens, scale=scale,
+                    cu_q_lens=cu_q_lens)  # fmt: skip
+
+    specs = (HEADS, CACHE, CACHE) + (WHOLE,) * 5
+    f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=HEADS, check_vma=False)
+    return f(q, kc, vc, seg_ids, positions, block_tables, kv_lens, cu_q_lens)
+
+
+def shard_major(qkv, heads: int, kv_heads: int, n: int):
+    """A fused q|k|v projection's rows [T, (H + 2K) * D] as [T, n, (H + 2K) / n * D]: device
+    i's part holds its query heads, then its K / n KV heads' k and v (heads in order)."""
+    T = qkv.shape[0]
+    D = qkv.shape[1] // (heads + 2 * kv_heads)
+    q, k, v = jnp.split(qkv, [heads * D, (heads + kv_heads) * D], axis=1)
+    return jnp.concatenate([x.reshape(T, n, -1) for x in (q, k, v)], axis=2)
+
+
+def _rope_write(rope_write, mesh, n, qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads,
+                kv_heads, **kw):  # fmt: skip
+    """rope_write (pallas_kernels/rope_write.py) on each device's heads: (q [T, H, D], kc,
+    vc)."""
+
+    def local(qkv, q_w, k_w, cos, sin, write_idx, kc, vc):
+        return rope_write(qkv[:, 0], q_w, k_w, cos, sin, write_idx, kc, vc, heads=heads // n,
+                          kv_heads=kv_heads // n, **kw)  # fmt: skip
+
+    specs = (HEADS,) + (WHOLE,) * 5 + (CACHE, CACHE)
+    f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(HEADS, CACHE, CACHE),
+                      check_vma=False)  # fmt: skip
+    return f(shard_major(qkv, heads, kv_heads, n), q_w, k_w, cos, sin, write_idx, kc, vc)
+
+
+def _sink_attention(attn, mesh, q, caches, rows, sinks, *, scale):
+    """Sink attention (DeepSeek V4) on each device's query heads; the keys are replicated."""
+
+    def local(q, caches, rows, sinks):
+        return attn(q, caches, rows, sinks, scale=scale)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(HEADS, WHOLE, WHOLE, P(AXIS)),
+                      out_specs=HEADS, check_vma=False)  # fmt: skip
+    return f(q, tuple(caches), tuple(rows), sinks)
+
+
+def shard_kernels(kernels: Kernels, cfg: ModelConfig, placement: Placement) -> Kernels:
+    """`kernels` with the attention kernels run per device where the heads divide evenly."""
+    mesh, n = placement.mesh, placement.n
+    out = {}
+    if cfg.n_heads % n == 0 and cfg.n_kv_heads % n == 0:
+        out["attention"] = functools.partial(_attention, kernels.attention, mesh)
+        if kernels.rope_write is not None:
+            out["rope_write"] = functools.partial(_rope_write, kernels.rope_write, mesh, n)
+    if cfg.n_heads % n == 0:  # a family without sink attention never calls it
+        attn = kernels.sink_attention or sink_attention_reference
+        out["sink_attention"] = functools.partial(_sink_attention, attn, mesh)
+    return kernels._replace(**out)
