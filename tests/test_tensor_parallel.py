@@ -127,5 +127,5 @@ def test_a_split_step_moves_no_weight_and_no_kv_between_devices(paths):
             dims = tuple(int(x) for x in shape.split(","))
             want = (R, V) if op == "all-gather" else (T, d)
             assert dims == want and shape != kv_shape, (T, S, op, dims)
-        assert "all-gather" in dict((o, s) for s, o in ops), "logits gathered once"
+        assert any(op == "all-gather" for _, op in ops), "the logits are gathered"
     llm.close()
