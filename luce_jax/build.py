@@ -171,7 +171,9 @@ def _placement(config: EngineConfig, mc):
     if mesh is None:
         return None
     ep = config.expert_parallel or config.tensor_parallel
-    placement = Placement(mesh, expert_parallel=ep > 1 and mc.n_experts > 0)
+    placement = Placement(mesh, expert_parallel=ep > 1 and mc.n_experts > 0,
+                          split_quantized=config.quant_backend != "pallas",
+                          split_experts=config.moe_backend != "pallas")  # fmt: skip
     log.info("%d devices: %s", placement.n, ", ".join(str(d) for d in mesh.devices.flat))
     return placement
 

@@ -129,3 +129,39 @@ def test_a_split_step_moves_no_weight_and_no_kv_between_devices(paths):
             assert dims == want and shape != kv_shape, (T, S, op, dims)
         assert any(op == "all-gather" for _, op in ops), "the logits are gathered"
     llm.close()
+
+
+def test_placement_splits_each_weight_by_its_role():
+    """Column-parallel weights split their outputs, row-parallel ones their inputs, experts
+    their axis E (or width); a QuantWeight only by output rows, and no weight a Pallas kernel
+    reads whole is split where that kernel does not run per device."""
+    from jax import ShapeDtypeStruct as A
+
+    from luce_jax.device.mesh import Placement, make_mesh
+    from pallas_kernels.quant_weight import QuantWeight
+
+    f = "float32"
+    q = QuantWeight(head=A((8, 256), "uint16"), body=A((256, 256), "uint8"), qtype="q8_0")
+    params = {"lm_head": A((64, 320), f), "embed": A((320, 64), f), "layers": [
+        {"wqkv": A((64, 256), f), "bqkv": A((256,), f), "wo": A((128, 64), f),
+         "attn_norm": A((64,), f), "w_gu_exps": A((8, 64, 96), f), "w_down_exps": A((8, 48, 64), f)},
+        {"wqkv": q, "wo": q, "w_gu": A((64, 6), f), "w_down": A((3, 64), f)},
+    ]}  # fmt: skip
+    mesh = make_mesh(None, 2)
+
+    def specs(**kw):
+        tree = Placement(mesh, **kw).params(params)
+        return jax.tree.map(lambda s: tuple(s.spec), tree)
+
+    t = "tensor"
+    s = specs(expert_parallel=True)
+    assert s["lm_head"] == (None, t) and s["embed"] == ()
+    a, b = s["layers"]
+    assert (a["wqkv"], a["bqkv"], a["wo"], a["attn_norm"]) == ((None, t), (t,), (t, None), ())
+    assert a["w_gu_exps"] == (t, None, None) and a["w_down_exps"] == (t, None, None)
+    assert (b["wqkv"].head, b["wqkv"].body) == ((None, t), (t, None))  # output rows N
+    assert b["wo"].body == () and b["w_down"] == ()  # 3 rows do not divide by 2: whole
+    s = specs(expert_parallel=False)["layers"][0]  # the experts' width instead
+    assert s["w_gu_exps"] == (None, None, t) and s["w_down_exps"] == (None, t, None)
+    s = specs(expert_parallel=True, split_quantized=False, split_experts=False)["layers"]
+    assert s[0]["w_gu_exps"] == () and s[1]["wqkv"].body == () and s[0]["wqkv"] == (None, t)

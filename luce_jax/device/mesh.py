@@ -57,11 +57,20 @@ def make_mesh(devices: Sequence[int] | None, tensor_parallel: int) -> Mesh | Non
 
 
 class Placement:
-    """Where a step's arrays live on `mesh`; expert_parallel: split the stacked experts over
-    their axis E (else over their FFN width)."""
+    """Where a step's arrays live on `mesh`.
 
-    def __init__(self, mesh: Mesh, expert_parallel: bool):
+    Args:
+      expert_parallel: split the stacked experts over their axis E (else their FFN width).
+      split_quantized, split_experts: split QuantWeights / the stacked experts at all. A Pallas
+        kernel is not partitioned by XLA (device/sharded_kernels.py): given a split weight it
+        would gather it whole onto every device each step, so the weights that the quantized
+        or grouped-expert kernels read stay whole on each device where those kernels run.
+    """
+
+    def __init__(self, mesh: Mesh, expert_parallel: bool, split_quantized: bool = True,
+                 split_experts: bool = True):  # fmt: skip
         self.mesh, self.expert_parallel = mesh, expert_parallel
+        self.split_quantized, self.split_experts = split_quantized, split_experts
         self.n = mesh.devices.size
         self.replicated = NamedSharding(mesh, P())
 
@@ -77,6 +86,8 @@ class Placement:
     def _param(self, name: str, field: str | None, shape: tuple) -> NamedSharding:
         """The sharding of one param leaf: `name` its key, `field` "head" / "body" for a
         QuantWeight's arrays (None for a float array [in, out] or [E, in, out])."""
+        if (name in EXPERTS and not self.split_experts) or (field and not self.split_quantized):
+            return self.replicated
         if name in EXPERTS and self.expert_parallel and len(shape) == 3:
             return self.split(shape, 0)
         role = EXPERTS.get(name) or (COLUMN if name in COLUMN else ROW if name in ROW else None)
