@@ -144,7 +144,8 @@ def test_placement_splits_each_weight_by_its_role():
     q = QuantWeight(head=A((8, 256), "uint16"), body=A((256, 256), "uint8"), qtype="q8_0")
     params = {"lm_head": A((64, 320), f), "embed": A((320, 64), f), "layers": [
         {"wqkv": A((64, 256), f), "bqkv": A((256,), f), "wo": A((128, 64), f),
-         "attn_norm": A((64,), f), "w_gu_exps": A((8, 64, 96), f), "w_down_exps": A((8, 48, 64), f)},
+         "attn_norm": A((64,), f), "w_gu_exps": A((8, 64, 96), f),
+         "w_down_exps": A((8, 48, 64), f)},
         {"wqkv": q, "wo": q, "w_gu": A((64, 6), f), "w_down": A((3, 64), f)},
     ]}  # fmt: skip
     mesh = make_mesh(None, 2)
