@@ -41,7 +41,7 @@ LONG_FIRST = ("test_converted", "test_quantized_weights", "test_quant_matmul", "
               "test_moe_decode", "test_notebook", "test_hybrid_model", "test_paged_attention",
               "test_server", "test_speculation", "test_default_model", "test_moe_launches",
               "test_soak", "test_draft_head", "test_structured_output", "test_tokenizer",
-              "test_kv_cache")  # fmt: skip
+              "test_tensor_parallel", "test_kv_cache")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):

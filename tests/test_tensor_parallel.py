@@ -19,7 +19,7 @@ from hf_gguf import hf_to_gguf, make_hf_model
 PROMPTS = [list(range(5, 45)), [30, 31, 32], [7] * 21, [100, 101, 102, 103, 104]]
 SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 # chunks of 16 prompt tokens: the 40-token prompt is prefilled over three steps beside decodes
-ENGINE = dict(max_concurrency=4, max_ctx=96, prefill_chunk=16, prefill_token_budget=16,
+ENGINE = dict(max_concurrency=2, max_ctx=96, prefill_chunk=16, prefill_token_budget=16,
               dtype="float32")  # fmt: skip
 
 
