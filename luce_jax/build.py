@@ -35,6 +35,11 @@ def _load(config: EngineConfig, clock: StartupClock):
     """load_engine's steps, each timed as a phase of `clock`."""
     import jax
 
+    if config.num_processes > 1 and not jax.distributed.is_initialized():
+        from .device.distributed import initialize
+
+        initialize(config.coordinator, config.num_processes, config.process_id)
+
     from .backends import kernels, quant_activations_for, quant_matmul_fn
     from .device import bucket_runs
     from .device.programs import enable_compile_cache
@@ -49,7 +54,7 @@ def _load(config: EngineConfig, clock: StartupClock):
 
     with clock.phase("model file, device and tokenizer"):
         f = open_gguf(config.model or DEFAULT_MODEL)
-        quantized = keep_quantized(config.dtype, f, jax.devices()[0])
+        quantized = keep_quantized(config.dtype, f, jax.local_devices()[0])
         config = config.resolved(jax.default_backend())
         enable_compile_cache(config.compile_cache_dir)
         template = None
@@ -89,7 +94,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
     weights = weight_bytes(shapes) + (weight_bytes(draft[1]) if draft else 0)
     placement = _placement(config, mc)
-    device = jax.devices()[0] if placement is None else placement.mesh.devices.flat[0]
+    device = jax.local_devices()[0] if placement is None else placement.first_local_device
     if placement is not None:  # one device's share: the pool is sized for each alike
         weights //= placement.n
         if mc.n_kv_heads % placement.n == 0:
@@ -336,6 +341,7 @@ class EngineHandle:
 
     def close(self) -> None:
         self.loop.stop()
+        self.engine.runner.close()
 
 
 def start_engine(config: EngineConfig) -> EngineHandle:
@@ -345,5 +351,18 @@ def start_engine(config: EngineConfig) -> EngineHandle:
 
     tokenizer, engine = load_engine(config)
     c = engine.config
+    if c.num_processes > 1:  # the other processes launch every program this one launches
+        from .device.distributed import StepStream
+
+        engine.runner.stream = StepStream()
     scheduler = Scheduler(engine, tokenizer, c.max_queue, c.admission_coalesce_ms)
     return EngineHandle(tokenizer, engine, scheduler, EngineLoop(scheduler).start())
+
+
+def follow(config: EngineConfig) -> None:
+    """A process other than 0 of several: load and warm up as process 0 does, then launch the
+    programs it launches, with its inputs, until it stops (device/distributed.py)."""
+    from .device.distributed import follow_stream
+
+    _, engine = load_engine(config)
+    follow_stream(engine.runner)

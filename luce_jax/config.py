@@ -167,6 +167,11 @@ class EngineConfig:
     tensor_parallel: int = 1
     expert_parallel: int = 0
     devices: tuple[int, ...] | None = None
+    # several hosts (device/distributed.py): jax.distributed's coordinator address of process
+    # 0, the processes and this one's index; process 0 serves, the others follow its steps
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self):
         def bad(name, why):
@@ -222,6 +227,13 @@ class EngineConfig:
                 bad("devices", "must be a tuple of device indices >= 0")
             if len(set(d)) != len(d) or len(d) != tp:
                 bad("devices", f"must name tensor_parallel={tp} distinct devices")
+        n = self.num_processes
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            bad("num_processes", "must be a positive integer")
+        if not isinstance(self.process_id, int) or not 0 <= self.process_id < n:
+            bad("process_id", f"must be in 0..{n - 1} (num_processes={n})")
+        if n > 1 and not (isinstance(self.coordinator, str) and ":" in self.coordinator):
+            bad("coordinator", "must be host:port of process 0 with num_processes > 1")
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             bad("draft_tokens", f"must be at most {MAX_DRAFT_TOKENS}")
         if self.kv_block_size & (self.kv_block_size - 1):

@@ -85,6 +85,9 @@ HELP = {
     "--tensor-parallel, over their FFN width with 1 (0: auto, = --tensor-parallel)",
     "devices": "local device indices to run on, comma-separated (default: the first "
     "--tensor-parallel ones)",
+    "coordinator": "several hosts: host:port where process 0 coordinates (jax.distributed)",
+    "num_processes": "several hosts: processes in all (--tensor-parallel = all their devices)",
+    "process_id": "several hosts: this process's index; 0 serves HTTP, the others follow it",
 }
 
 
@@ -283,6 +286,11 @@ def main(argv=None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     quiet_logs()
+    if config.process_id > 0:  # no server here: this process runs the steps process 0 plans
+        from .build import follow
+
+        follow(config)
+        return 0
     if args.api_key is None and not loopback(args.host):
         log.warning("listening on %s with no --api-key: anyone who can reach it can use it",
                     args.host)  # fmt: skip
@@ -324,6 +332,8 @@ def main(argv=None) -> int:
     code = 1 if failed else 0
     if state.engine is not None:
         state.engine.loop.stop(timeout=1.0)
+        if not state.engine.loop.running:  # processes that follow this one's steps stop
+            state.engine.engine.runner.close()
     if loader.is_alive() or (state.engine is not None and state.engine.loop.running):
         # Loading and compiling cannot be interrupted, nor can a step on the device (a long
         # CPU prefill): exit now rather than when they end, as a user pressing Ctrl-C expects

@@ -43,7 +43,15 @@ EXPERTS = {"w_gu_exps": COLUMN, "w_down_exps": ROW}  # without expert parallelis
 
 def make_mesh(devices: Sequence[int] | None, tensor_parallel: int) -> Mesh | None:
     """The 1-D mesh of `tensor_parallel` local devices (`devices`: their indices, default the
-    first ones), or None for one device and no choice of it."""
+    first ones), or None for one device and no choice of it. With several processes
+    (device/distributed.py), every device of every process, in process order."""
+    if jax.process_count() > 1:
+        if devices is not None or tensor_parallel != jax.device_count():
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel}, devices={devices}: several processes split "
+                f"the model over all their {jax.device_count()} devices (devices unset)"
+            )
+        return Mesh(np.array(jax.devices()), (AXIS,))
     if tensor_parallel == 1 and devices is None:
         return None
     local = jax.local_devices()
@@ -129,8 +137,36 @@ class Placement:
         )
 
     def put(self, tree, shardings):
-        """`tree` on the mesh: each device receives only its shard of a split array."""
+        """`tree` on the mesh: each device receives only its shard of a split array (with
+        several processes, from this process's host copy: each sends its devices' shards)."""
+        if jax.process_count() > 1:
+            return jax.tree.map(self._from_host, tree, shardings)
         return jax.device_put(tree, shardings)
+
+    @staticmethod
+    def _from_host(x, sharding):
+        """A global array of x's values (the same on every process), each process putting
+        its own devices' shards (jax.device_put would compare the copies first)."""
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+    def host_input(self, x: np.ndarray):
+        """A step's host array as a program argument: replicated (with several processes,
+        each holding the same values, a global array of their copies)."""
+        if jax.process_count() == 1:
+            return x
+        return self._from_host(x, self.replicated)
+
+    def local(self, x):
+        """This process's copy of replicated outputs (a pytree or None)."""
+        return jax.tree.map(
+            lambda a: a if a.is_fully_addressable else a.addressable_shards[0].data, x
+        )
+
+    @property
+    def first_local_device(self):
+        """This process's first device of the mesh (whose memory sizes the KV pool)."""
+        return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
 
     def constrain(self, tree, shardings):
         """Inside a program: outputs kept where their inputs were (donated buffers are reused

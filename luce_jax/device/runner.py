@@ -30,6 +30,7 @@ from ..config import ModelConfig
 from ..models.family import XLA, Kernels, family_of
 from ..step_format import GroupShape, layout_size, mask_words, step_layout, unpack
 from . import proposals, sampling
+from .distributed import FORWARD, SAMPLE, STOP
 from .draft_model import DraftModel
 from .head_proposer import HeadProposer
 from .mesh import Placement
@@ -163,6 +164,9 @@ class Runner:
         # and the host picks its variant (sampling.py says why it is no lax.cond)
         self.sample_programs = BucketPrograms(self.sample_function, donate=(2, 3), name="sampling")
         self._open: dict[int, jax.Array] = {}  # S -> all-allowed masks [S, words]
+        # process 0 of several: each program it launches is sent to the others (serving only:
+        # the start-up is the same on every process); set by build.py
+        self.stream = None
 
     def materialize(self, params: dict) -> None:
         """Take the loaded params of a runner built (and warmed up) with their abstract_params,
@@ -354,8 +358,15 @@ class Runner:
 
     def launch_forward(self, b: dict[str, np.ndarray], T: int, S: int) -> Forward:
         """Dispatch a step's forward pass; its sampling waits for launch_sample."""
-        R = self.logit_width(T, S)
-        ints = upload(b, self.layout(T, S), R, S)
+        ints = upload(b, self.layout(T, S), self.logit_width(T, S), S)
+        if self.stream is not None:  # the other processes launch it too
+            self.stream.send(FORWARD, (T, S), [ints])
+        return self.forward(ints, T, S)
+
+    def forward(self, ints: np.ndarray, T: int, S: int) -> Forward:
+        """launch_forward's program on its uploaded int32 buffer."""
+        if self.placement is not None:
+            ints = self.placement.host_input(ints)
         st = self.state
         out = self.programs[(T, S)](
             self.params, self.kv, st.get("model"), st["prompt_mask"], self.draft_kv, st["last"],
@@ -365,7 +376,7 @@ class Runner:
         self.last_stats = out[6]
         if model_state is not None:
             st["model"] = model_state
-        return Forward(logits, row_tokens, R, S, out[8], out[7])
+        return Forward(logits, row_tokens, self.logit_width(T, S), S, out[8], out[7])
 
     def launch_sample(self, fwd: Forward, b: dict[str, np.ndarray]) -> Launched:
         """Dispatch the sampling of a launched forward pass (b: its lowered arrays; "allow",
@@ -374,18 +385,30 @@ class Runner:
         Sampling programs run in launch order, each after the forward pass it samples, so
         the next forward pass reads the tokens this one samples."""
         allow = b.get("allow")
-        if allow is None:  # no row under a grammar: a mask kept on the device, never sent
-            allow = self._open_mask(fwd.S)
         want_top = bool(b["want_logprobs"][0])
         propose = self.ahead and bool(b.get("propose", False))
         filtered = sampling.needs_filter(b["floats"], b["top_k"])
         variant = (fwd.R, fwd.S, filtered, want_top, propose)
+        if self.stream is not None:
+            masks = [] if allow is None else [allow]
+            self.stream.send(SAMPLE, variant, masks)
+        return self.sample(fwd, variant, allow)
+
+    def sample(self, fwd: Forward, variant: tuple, allow: np.ndarray | None) -> Launched:
+        """launch_sample's program `variant` (R, S, filtered, logprobs, propose); allow None
+        where no row is under a grammar (a mask kept on the device, never sent)."""
+        if allow is None:
+            allow = self._open_mask(fwd.S)
+        elif self.placement is not None:
+            allow = self.placement.host_input(allow)
         packed, top_ids, top_lp, state, self.draft_kv = self.sample_programs[variant](
             fwd.logits, fwd.row_tokens, self._sampler_state(), self.draft_kv,
             self.state["prompt_mask"], fwd.sample_in, allow, self._reads(fwd.reads),
         )  # fmt: skip
         self.state.update(state)
-        top = (top_ids, top_lp) if want_top else None
+        top = (top_ids, top_lp) if variant[3] else None
+        if self.placement is not None:  # this process's copy of the (replicated) outputs
+            packed, top = self.placement.local(packed), self.placement.local(top)
         for x in (packed, *(top or ())):
             x.copy_to_host_async()
         return Launched(packed, top, fwd.R)
@@ -394,10 +417,16 @@ class Runner:
         """The all-allowed masks [S, words] of S rows, made once (at warmup: making one is a
         small compile)."""
         if S not in self._open:
-            mask = jnp.full((S, mask_words(self.cfg.vocab_size)), -1, jnp.int32)
-            self._open[S] = mask if self.placement is None else self.placement.put(
+            mask = np.full((S, mask_words(self.cfg.vocab_size)), -1, np.int32)
+            self._open[S] = jnp.asarray(mask) if self.placement is None else self.placement.put(
                 mask, self.placement.replicated)  # fmt: skip
         return self._open[S]
+
+    def close(self) -> None:
+        """After the last step: the processes that follow this one's stream stop."""
+        if self.stream is not None:
+            self.stream.send(STOP, (), [])
+            self.stream = None
 
     def fetch(self, launched: Launched) -> dict[str, np.ndarray]:
         """Wait for a launched step's outputs (step_io.outputs)."""

@@ -1,0 +1,77 @@
+"""Two processes as one mesh (device/distributed.py): process 0 serves HTTP and plans every
+step, process 1 follows its step stream, the model split over both processes' devices (two
+CPU devices each, talking through gloo). Requests through the official client get what one
+device serves, and process 1 ends when process 0 does."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+
+from luce_jax import LLM, SamplingParams
+
+PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push", "x = [1, 2"]
+FLAGS = ["--max-concurrency", "2", "--max-ctx", "256", "--prefill-chunk", "32",
+         "--prefill-token-budget", "32", "--compile-cache-dir", ""]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_serve_one_devices_tokens(tmp_path):
+    http, coordinator = free_port(), free_port()
+    # two CPU devices a process (the suite's processes have four: conftest.py)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": flags + " --xla_force_host_platform_device_count=2"}  # fmt: skip
+    cmd = [sys.executable, "-m", "luce_jax.serve", *FLAGS, "--tensor-parallel", "4",
+           "--num-processes", "2", "--coordinator", f"127.0.0.1:{coordinator}"]  # fmt: skip
+    logs = [tmp_path / f"process{i}.log" for i in (0, 1)]
+    procs = [
+        subprocess.Popen(cmd + ["--process-id", str(i)] + (["--port", str(http)] if i == 0 else []),
+                         stdout=open(logs[i], "wb"), stderr=subprocess.STDOUT, env=env)
+        for i in (0, 1)
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            for p, log in zip(procs, logs, strict=True):
+                assert p.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none")
+
+        def complete(prompt):
+            r = client.completions.create(model="luce-stdlib-main", prompt=prompt, max_tokens=12,
+                                          temperature=0)  # fmt: skip
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(2) as pool:  # two at a time: batched steps
+            served = list(pool.map(complete, PROMPTS))
+        procs[0].send_signal(signal.SIGINT)
+        assert procs[0].wait(60) == 0, logs[0].read_text()[-3000:]
+        assert procs[1].wait(60) == 0, logs[1].read_text()[-3000:]  # it followed to the end
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "process 0 stopped after" in logs[1].read_text()
+    llm = LLM(None, max_concurrency=2, max_ctx=256, prefill_chunk=32, prefill_token_budget=32)
+    alone = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))]
+    llm.close()
+    assert served == alone
