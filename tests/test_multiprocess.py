@@ -16,10 +16,11 @@ import httpx
 import openai
 
 from luce_jax import LLM, SamplingParams
+from luce_jax.config import DEFAULT_DRAFT
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push", "x = [1, 2"]
-FLAGS = ["--max-concurrency", "2", "--max-ctx", "256", "--prefill-chunk", "32",
-         "--prefill-token-budget", "32", "--compile-cache-dir", ""]  # fmt: skip
+FLAGS = ["--model", str(DEFAULT_DRAFT), "--max-concurrency", "2", "--max-ctx", "256",
+         "--prefill-chunk", "32", "--prefill-token-budget", "32", "--compile-cache-dir", ""]  # fmt: skip
 
 
 def free_port() -> int:
@@ -57,7 +58,7 @@ def test_two_processes_serve_one_devices_tokens(tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none")
 
         def complete(prompt):
-            r = client.completions.create(model="luce-stdlib-main", prompt=prompt, max_tokens=12,
+            r = client.completions.create(model="luce-stdlib-draft", prompt=prompt, max_tokens=12,
                                           temperature=0)  # fmt: skip
             return r.choices[0].text
 
@@ -71,7 +72,13 @@ def test_two_processes_serve_one_devices_tokens(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert "process 0 stopped after" in logs[1].read_text()
-    llm = LLM(None, max_concurrency=2, max_ctx=256, prefill_chunk=32, prefill_token_budget=32)
+    llm = LLM(
+        str(DEFAULT_DRAFT),
+        max_concurrency=2,
+        max_ctx=256,
+        prefill_chunk=32,
+        prefill_token_budget=32,
+    )
     alone = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))]
     llm.close()
     assert served == alone

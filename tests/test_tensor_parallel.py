@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from luce_jax import LLM, SamplingParams
-from luce_jax.config import EngineConfig
+from luce_jax.config import DEFAULT_DRAFT, EngineConfig
 
 from hf_gguf import hf_to_gguf, make_hf_model
 
@@ -182,14 +182,14 @@ def mixed_work(llm: LLM) -> list:
 
 
 def test_speculation_prefix_cache_quantized_kv_sampling_and_json_split_as_on_one_device():
-    """The embedded model (6 query heads, 2 KV heads) over two devices with q8_0 KV caches and
-    prompt lookup speculation: prefix cache hits, a seeded sampled request and a
-    JSON-constrained one as on one."""
+    """The embedded draft model (a 4-layer model with the embedded model's tokenizer; 4 query
+    heads, 2 KV heads) over two devices with q8_0 KV caches and prompt lookup speculation:
+    prefix cache hits, a seeded sampled request and a JSON-constrained one as on one."""
     kw = dict(max_concurrency=2, max_ctx=192, prefill_chunk=32, prefill_token_budget=32,
               cache_type_k="q8_0", cache_type_v="q8_0", spec_mode="ngram")  # fmt: skip
     outs = []
     for tp in (1, 2):
-        llm = LLM(None, tensor_parallel=tp, **kw)
+        llm = LLM(str(DEFAULT_DRAFT), tensor_parallel=tp, **kw)
         before = llm.engine.runner.compiles
         outs.append(mixed_work(llm))
         assert llm.engine.runner.compiles == before
