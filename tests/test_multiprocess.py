@@ -20,7 +20,8 @@ from luce_jax.config import DEFAULT_DRAFT
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push", "x = [1, 2"]
 FLAGS = ["--model", str(DEFAULT_DRAFT), "--max-concurrency", "2", "--max-ctx", "256",
-         "--prefill-chunk", "32", "--prefill-token-budget", "32", "--compile-cache-dir", ""]  # fmt: skip
+         "--prefill-chunk", "32", "--prefill-token-budget", "32",
+         "--compile-cache-dir", ""]  # fmt: skip
 
 
 def free_port() -> int:
