@@ -168,7 +168,34 @@ class Placement:
         """This process's first device of the mesh (whose memory sizes the KV pool)."""
         return next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
 
+    def allocator(self, allocate, params):
+        """allocate () -> (kv caches, slot state, draft caches) made on the mesh, and the
+        shardings ((kv, state, draft kv), params) the step programs keep them in."""
+        kv, state, dkv = jax.eval_shape(allocate)
+        held = (self.caches(kv), self.replicate(state), self.replicate(dkv))
+        return jax.jit(allocate, out_shardings=held), (held, self.params(params))
+
+    def place(self, params, shardings):
+        """params on the mesh, or abstract ones carrying their shardings (what a program is
+        compiled for before the weights load)."""
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+            return self.abstract(params, shardings)
+        return self.put(params, shardings)
+
     def constrain(self, tree, shardings):
         """Inside a program: outputs kept where their inputs were (donated buffers are reused
-        and the next step's program takes them as they are)."""
+        and the next step's program takes them as they are). shardings None: replicated; an
+        int: split along that axis (each leaf, where it divides)."""
+        if tree is None:
+            return None
+        if shardings is None:
+            shardings = self.replicate(tree)
+        elif isinstance(shardings, int):
+            shardings = jax.tree.map(lambda x: self.split(x.shape, shardings), tree)
         return jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def abstract_arg(placement: Placement | None, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+    """An abstract program argument: replicated on a mesh."""
+    sharding = None if placement is None else placement.replicated
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)

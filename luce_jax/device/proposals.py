@@ -20,6 +20,30 @@ from . import sampling
 KEYS = ("acc", "props")  # the state's entries, beside the sampler's in the runner's state
 
 
+def proposer(cfg, family, kernels, k: int, block_size: int, head, draft, ngram: bool,
+             head_lookup: bool):  # fmt: skip
+    """The device proposer of a Runner's arguments (runner.py says what each is): a draft
+    head's, a draft model's, prompt lookup's, or None."""
+    from .draft_model import DraftModel
+    from .head_proposer import HeadProposer
+    from .ngram_lookup import NgramLookup
+
+    # build.py runs a proposer here only where the family runs it on the device
+    proposers = {"head": head, "draft": draft, "ngram": ngram or None}
+    for name, x in proposers.items():
+        assert x is None or (name in family.device_proposers and k), name
+    assert sum(x is not None for x in proposers.values()) <= 1, "one proposer"
+    if head is not None:
+        return HeadProposer(cfg, *head, kernels.quant_matmul, k=k, block_size=block_size,
+                            lookup=head_lookup)  # fmt: skip
+    if draft is not None:
+        return DraftModel(*draft[:3], kernels._replace(quant_matmul=draft[3]), k=k,
+                          block_size=block_size, vocab=cfg.vocab_size)  # fmt: skip
+    if ngram:
+        return NgramLookup(k=k, block_size=block_size)
+    return None
+
+
 def of(state: dict) -> dict:
     """This state's entries out of the runner's state (a forward pass reads them)."""
     return {k: state[k] for k in KEYS}

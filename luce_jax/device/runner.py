@@ -31,10 +31,7 @@ from ..models.family import XLA, Kernels, family_of
 from ..step_format import GroupShape, layout_size, mask_words, step_layout, unpack
 from . import proposals, sampling
 from .distributed import FORWARD, SAMPLE, STOP
-from .draft_model import DraftModel
-from .head_proposer import HeadProposer
-from .mesh import Placement
-from .ngram_lookup import NgramLookup
+from .mesh import Placement, abstract_arg
 from .programs import BucketPrograms, compile_all, graph_options
 from .sharded_kernels import shard_kernels
 from .step_io import Forward, Launched, outputs, sample_inputs, sample_size, upload
@@ -94,23 +91,10 @@ class Runner:
         self.cfg, self.family, self.kernels = cfg, family_of(cfg), kernels
         self.spaces = tuple(spaces)
         block_size = spaces[0].block_size
-        # build.py runs a proposer here only where the family runs it on the device
-        proposers = {"head": head, "draft": draft, "ngram": ngram or None}
-        for name, x in proposers.items():
-            assert x is None or (name in self.family.device_proposers and max_proposals), name
-        assert sum(x is not None for x in proposers.values()) <= 1, "one proposer"
         # self.draft: the proposer (a draft head, a draft model or the lookup), whose caches
         # (if any) mirror the pool
-        self.draft = None
-        if head is not None:
-            self.draft = HeadProposer(cfg, *head, kernels.quant_matmul, k=max_proposals,
-                                      block_size=block_size, lookup=head_lookup)  # fmt: skip
-        elif draft is not None:
-            self.draft = DraftModel(*draft[:3], kernels._replace(quant_matmul=draft[3]),
-                                    k=max_proposals, block_size=block_size,
-                                    vocab=cfg.vocab_size)  # fmt: skip
-        elif ngram:
-            self.draft = NgramLookup(k=max_proposals, block_size=block_size)
+        self.draft = proposals.proposer(cfg, self.family, kernels, max_proposals, block_size,
+                                        head, draft, ngram, head_lookup)  # fmt: skip
         self.ahead = self.draft is not None  # proposals kept on the device
         # a proposer's caches and a row's catch-up (sampling.catch_up) follow group 0 alone
         assert not self.ahead or len(self.spaces) == 1, "device proposers need one cache group"
@@ -139,12 +123,9 @@ class Runner:
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         self._held = None  # on a mesh: the shardings of (kv, state, draft kv) and of params
         if placement is not None:
-            kv, state, dkv = jax.eval_shape(allocate)
-            held = (placement.caches(kv), placement.replicate(state), placement.replicate(dkv))
-            self._held = held, placement.params(params)
-            allocate = jax.jit(allocate, out_shardings=held)
+            allocate, self._held = placement.allocator(allocate, params)
         self._allocate = allocate
-        self.params = self._place(params)
+        self.params = params if placement is None else placement.place(params, self._held[1])
         self.kv, self.state, self.draft_kv = jax.eval_shape(allocate) if abstract else allocate()
         if abstract and placement is not None:
             self.kv, self.state, self.draft_kv = placement.abstract(
@@ -174,30 +155,16 @@ class Runner:
         the device with the loader's transient buffers."""
         shape = functools.partial(jax.tree.map, lambda x: (x.shape, jnp.dtype(x.dtype)))
         assert shape(params) == shape(self.params), "params differ from those compiled for"
-        self.params = self._place(params)
+        if self.placement is not None:
+            params = self.placement.place(params, self._held[1])
+        self.params = params
         self.kv, self.state, self.draft_kv = self._allocate()
 
-    def _place(self, params):
-        """params on the mesh (abstract ones carrying their shardings), or as they are."""
-        if self.placement is None:
-            return params
-        shardings = self._held[1]
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
-            return self.placement.abstract(params, shardings)
-        return self.placement.put(params, shardings)
-
     def _keep(self, x, which: int):
-        """Inside a program: x (kv 0, draft kv 2) where it was, or replicated (which -1); the
-        identity on one device."""
-        if self.placement is None or x is None:
-            return x
-        held = self.placement.replicate(x) if which < 0 else self._held[0][which]
+        """Inside a program on a mesh: x (kv 0, draft kv 2) where it was, or replicated
+        (which -1)."""
+        held = None if which < 0 else self._held[0][which]
         return self.placement.constrain(x, held)
-
-    def _arg(self, shape, dtype):
-        """An abstract program argument (replicated on a mesh)."""
-        sharding = None if self.placement is None else self.placement.replicated
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     @property
     def compiles(self) -> int:
@@ -247,9 +214,7 @@ class Runner:
             model_state, prompt_mask = self._keep(model_state, -1), self._keep(prompt_mask, -1)
             # computed split by vocabulary (the lm_head's columns stay where they are), then
             # gathered: [R, V] rows, not the [d, V] weight, cross between devices
-            logits = self._keep(
-                self.placement.constrain(logits, self.placement.split(logits.shape, -1)), -1
-            )
+            logits = self._keep(self.placement.constrain(logits, -1), -1)
         out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, dkv, stats)
         return out + (reads, ints[layout_size(layout) :])
 
@@ -312,7 +277,7 @@ class Runner:
     def step_function(self, T: int, S: int):
         """The forward pass of bucket (T, S) and abstract arguments to trace or lower it with."""
         n = layout_size(self.layout(T, S)) + sample_size(self.logit_width(T, S), S)
-        ints = self._arg((n,), jnp.int32)
+        ints = abstract_arg(self.placement, (n,), jnp.int32)
         st = self.state
         args = (self.params, self.kv, st.get("model"), st["prompt_mask"], self.draft_kv,
                 st["last"], self._ahead(st), self._dparams(), ints)  # fmt: skip
@@ -321,10 +286,11 @@ class Runner:
     def sample_function(self, R: int, S: int, filtered: bool, logprobs: bool, propose: bool):
         """The sampling program for R logits rows and S rows (and the variant: filtered,
         logprobs, propose), and abstract arguments for it."""
-        sample_in = self._arg((sample_size(R, S),), jnp.int32)
-        logits = self._arg((R, self.cfg.vocab_size), jnp.float32)
-        row_tokens = self._arg((R, self.k + 1), jnp.int32)
-        allow = self._arg((S, mask_words(self.cfg.vocab_size)), jnp.int32)
+        arg = functools.partial(abstract_arg, self.placement)
+        sample_in = arg((sample_size(R, S),), jnp.int32)
+        logits = arg((R, self.cfg.vocab_size), jnp.float32)
+        row_tokens = arg((R, self.k + 1), jnp.int32)
+        allow = arg((S, mask_words(self.cfg.vocab_size)), jnp.int32)
         fwd_reads = self.draft.read_shapes(R, S, self.max_blocks) if self.ahead else None
         args = (logits, row_tokens, self._sampler_state(), self.draft_kv, self.state["prompt_mask"],
                 sample_in, allow, self._reads(fwd_reads))  # fmt: skip
