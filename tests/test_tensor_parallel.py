@@ -60,12 +60,12 @@ def shard_shapes(x) -> list[tuple]:
 
 
 def test_a_dense_model_split_over_two_and_four_devices_serves_one_devices_tokens(paths):
-    """On two devices with the Pallas attention kernels (interpret mode here), each device
-    holds half of each split weight and of the KV heads, and a compiled step moves no weight
-    and no KV between devices: its only all-gather is of the logits rows (computed split by
+    """On two devices each holds half of each split weight and of the KV heads, and a
+    compiled step moves no weight and no KV between devices (the attention runs on each
+    device's heads): its only all-gather is of the logits rows (computed split by
     vocabulary), its all-reduces the row-parallel projections' [T, d] sums. On four, the
     model's 2 KV heads are replicated and its 4 query heads split."""
-    llm = same_as_one_device(paths["qwen3"], tensor_parallel=2, attention_backend="pallas")
+    llm = same_as_one_device(paths["qwen3"], tensor_parallel=2)
     runner = llm.engine.runner
     lp = runner.params["layers"][0]
     d, qkv = lp["wqkv"].shape
@@ -109,9 +109,21 @@ def test_a_hybrid_model_split_serves_one_devices_tokens(tmp_path):
     same_as_one_device(str(path), tensor_parallel=2).close()
 
 
-def test_deepseek4_split_serves_one_devices_tokens():
-    same_as_one_device(str(ds4.gguf()), tensor_parallel=2, cache_type_k="f32",
-                       cache_type_v="f32").close()  # fmt: skip
+def test_deepseek4_split_serves_transformers_tokens_and_batched_equals_alone():
+    """DeepSeek V4 (the converter-made tiny model) over two devices: transformers' greedy
+    tokens for its reference prompt (250 tokens: the decode closes a compressed entry), and
+    PROMPTS batched as each alone, with nothing compiled after warmup."""
+    ref = ds4.reference()
+    llm = LLM(str(ds4.gguf()), tensor_parallel=2, max_concurrency=2, max_ctx=288,
+              prefill_chunk=16, prefill_token_budget=16, dtype="float32", cache_type_k="f32",
+              cache_type_v="f32")  # fmt: skip
+    before = llm.engine.runner.compiles
+    greedy = SamplingParams(max_tokens=len(ref["greedy"]), temperature=0)
+    assert llm.generate([ref["prompt"].tolist()], greedy)[0].token_ids == ref["greedy"].tolist()
+    batched = [o.token_ids for o in llm.generate(PROMPTS, SP)]
+    assert batched == [llm.generate([p], SP)[0].token_ids for p in PROMPTS]
+    assert llm.engine.runner.compiles == before
+    llm.close()
 
 
 def test_bad_parallel_settings_name_their_field():
@@ -199,3 +211,41 @@ def test_speculation_prefix_cache_quantized_kv_sampling_and_json_split_as_on_one
         llm.close()
     assert outs[0] == outs[1]
     assert outs[1][-1].startswith("{"), outs[1][-1]  # the schema's object, not code
+
+
+def test_the_pallas_attention_kernels_run_on_each_devices_heads():
+    """The paged attention and the fused norm/rope/KV-write kernels (interpret mode here)
+    wrapped to run per device on split heads and caches compute what they compute whole."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from luce_jax.device.mesh import Placement, make_mesh
+    from luce_jax.device.sharded_kernels import _attention, _rope_write
+    from pallas_kernels.paged_attention import paged_attention
+    from pallas_kernels.rope_write import rope_write
+
+    mesh = make_mesh(None, 2)
+    place = Placement(mesh, expert_parallel=False)
+    rng = np.random.default_rng(0)
+    T, H, K, D, NB, P = 6, 4, 2, 32, 5, 4
+    qkv = jnp.asarray(rng.standard_normal((T, (H + 2 * K) * D)), jnp.float32)
+    kc, vc = (jnp.asarray(rng.standard_normal((NB, P, K, D)), jnp.float32) for _ in range(2))
+    qw, kw = (jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.float32) for _ in range(2))
+    ang = rng.uniform(0, 3, (T, D // 2))
+    cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+    write_idx = jnp.asarray([4, 5, 6, 8, 9, 10], jnp.int32)  # blocks 1 and 2
+    kw_args = dict(heads=H, kv_heads=K, eps=1e-6, neox=True, out_dtype=jnp.float32)
+    whole = rope_write(qkv, qw, kw, cos, sin, write_idx, kc, vc, **kw_args)
+    split_caches = place.put((kc, vc), place.caches((kc, vc)))
+    split = jax.jit(lambda *a: _rope_write(rope_write, mesh, 2, *a, **kw_args))(
+        qkv, qw, kw, cos, sin, write_idx, *split_caches)  # fmt: skip
+    for a, b in zip(whole, split, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    q, kc, vc = whole
+    args = (jnp.asarray([0, 0, 0, 1, 1, 1], jnp.int32), jnp.asarray([0, 1, 2, 0, 1, 2], jnp.int32),
+            jnp.asarray([[1, 0], [2, 0]], jnp.int32), jnp.asarray([3, 3], jnp.int32))  # fmt: skip
+    kw_attn = dict(scale=D**-0.5, cu_q_lens=jnp.asarray([0, 3, 6], jnp.int32))
+    want = paged_attention(q, kc, vc, *args, **kw_attn)
+    got = jax.jit(lambda q, kc, vc: _attention(paged_attention, mesh, q, kc, vc, *args, **kw_attn))(
+        q, *place.put((kc, vc), place.caches((kc, vc))))  # fmt: skip
+    np.testing.assert_allclose(np.asarray(want), np.asarray(got), rtol=1e-5, atol=1e-5)

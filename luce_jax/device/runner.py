@@ -252,8 +252,9 @@ class Runner:
                     props, dkv = self.draft.propose(reads[-1], dkv, reads[:-1], packed, batch,
                                                     floats, filtered)  # fmt: skip
             state.update(proposals.update(ahead, packed, batch, R, props))
-        if self.placement is not None:
+        if self.placement is not None:  # outputs whole on each device: the host reads one
             state, dkv = self._keep(state, -1), self._keep(dkv, 2)
+            packed, top_ids, top_lp = self._keep((packed, top_ids, top_lp), -1)
         return packed, top_ids, top_lp, state, dkv
 
     def _reads(self, fwd_reads):
