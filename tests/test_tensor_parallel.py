@@ -18,6 +18,9 @@ from hf_gguf import hf_to_gguf, make_hf_model
 
 PROMPTS = [list(range(5, 45)), [30, 31, 32], [7] * 21, [100, 101, 102, 103, 104]]
 SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+# greedy rows beside a seeded sampled one (top-k and top-p): its draws are the same too
+SPS = [SP] * 3 + [SamplingParams(max_tokens=10, temperature=0.9, top_k=40, top_p=0.9, seed=7,
+                                 ignore_eos=True)]  # fmt: skip
 # chunks of 16 prompt tokens: the 40-token prompt is prefilled over three steps beside decodes
 ENGINE = dict(max_concurrency=2, max_ctx=96, prefill_chunk=16, prefill_token_budget=16,
               dtype="float32")  # fmt: skip
@@ -27,7 +30,7 @@ def run(path: str, **kw) -> tuple[list[list[int]], LLM]:
     """Greedy tokens of PROMPTS, all at once, and the (still open) LLM."""
     llm = LLM(path, **ENGINE, **kw)
     before = llm.engine.runner.compiles
-    out = [o.token_ids for o in llm.generate(PROMPTS, SP)]
+    out = [o.token_ids for o in llm.generate(PROMPTS, SPS)]
     assert llm.engine.runner.compiles == before, "compiled while serving"
     return out, llm
 
@@ -120,8 +123,9 @@ def test_deepseek4_split_serves_transformers_tokens_and_batched_equals_alone():
     before = llm.engine.runner.compiles
     greedy = SamplingParams(max_tokens=len(ref["greedy"]), temperature=0)
     assert llm.generate([ref["prompt"].tolist()], greedy)[0].token_ids == ref["greedy"].tolist()
-    batched = [o.token_ids for o in llm.generate(PROMPTS, SP)]
-    assert batched == [llm.generate([p], SP)[0].token_ids for p in PROMPTS]
+    batched = [o.token_ids for o in llm.generate(PROMPTS, SPS)]
+    pairs = zip(PROMPTS, SPS, strict=True)
+    assert batched == [llm.generate([p], sp)[0].token_ids for p, sp in pairs]
     assert llm.engine.runner.compiles == before
     llm.close()
 
@@ -177,8 +181,8 @@ def test_placement_splits_each_weight_by_its_role():
 
 
 def mixed_work(llm: LLM) -> list:
-    """A prompt, then a longer one sharing its first 64 tokens (served from the prefix cache),
-    then a seeded sampled request beside one constrained by a JSON schema."""
+    """Greedy: a prompt, then a longer one sharing its first 64 tokens (served from the prefix
+    cache), then a request beside one constrained by a JSON schema."""
     code = "import os\nimport sys\n\n\ndef read_lines(path):\n" * 6
     greedy = SamplingParams(max_tokens=16, temperature=0)
     first = llm.generate([code], greedy)[0]
@@ -186,22 +190,23 @@ def mixed_work(llm: LLM) -> list:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     rest = llm.generate(
         ["def add(a, b):\n", "import json\n"],
-        [SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=3),
-         SamplingParams(max_tokens=24, temperature=0, json_schema=schema)],
-    )  # fmt: skip
+        [greedy, SamplingParams(max_tokens=24, temperature=0, json_schema=schema)],
+    )
     assert again.cached_tokens >= 64, again.cached_tokens
     return [first.token_ids, again.token_ids, again.cached_tokens] + [o.text for o in rest]
 
 
-def test_speculation_prefix_cache_quantized_kv_sampling_and_json_split_as_on_one_device():
+def test_speculation_prefix_cache_quantized_kv_and_json_split_as_on_one_device():
     """The embedded draft model (a 4-layer model with the embedded model's tokenizer; 4 query
-    heads, 2 KV heads) over two devices with q8_0 KV caches and prompt lookup speculation:
-    prefix cache hits, a seeded sampled request and a JSON-constrained one as on one."""
+    heads, 2 KV heads) with q8_0 KV caches, over two devices with prompt lookup speculation:
+    prefix cache hits and a JSON-constrained request, greedy tokens as one device's without
+    speculation."""
     kw = dict(max_concurrency=2, max_ctx=192, prefill_chunk=32, prefill_token_budget=32,
-              cache_type_k="q8_0", cache_type_v="q8_0", spec_mode="ngram")  # fmt: skip
+              cache_type_k="q8_0", cache_type_v="q8_0")  # fmt: skip
     outs = []
     for tp in (1, 2):
-        llm = LLM(str(DEFAULT_DRAFT), tensor_parallel=tp, **kw)
+        spec = {"spec_mode": "ngram"} if tp == 2 else {}
+        llm = LLM(str(DEFAULT_DRAFT), tensor_parallel=tp, **kw, **spec)
         before = llm.engine.runner.compiles
         outs.append(mixed_work(llm))
         assert llm.engine.runner.compiles == before
