@@ -40,7 +40,8 @@ ONE_DEVICE = {}  # (path, flags) -> one device's tokens
 
 def same_as_one_device(path: str, **kw) -> LLM:
     """Assert the split engine's tokens equal one device's (same flags); return it open."""
-    alone = {k: v for k, v in kw.items() if k not in ("tensor_parallel", "expert_parallel")}
+    mesh_flags = ("tensor_parallel", "expert_parallel", "devices")
+    alone = {k: v for k, v in kw.items() if k not in mesh_flags}
     key = (path, tuple(sorted(alone.items())))
     if key not in ONE_DEVICE:
         ONE_DEVICE[key], llm = run(path, **alone)
@@ -99,11 +100,15 @@ def test_a_dense_model_split_over_two_and_four_devices_serves_one_devices_tokens
 
 @pytest.mark.parametrize("ep", [0, 1])
 def test_a_moe_model_splits_its_experts_or_their_width(paths, ep):
-    llm = same_as_one_device(paths["qwen3moe"], tensor_parallel=2, expert_parallel=ep)
+    """By expert on the first two devices, or by FFN width on the devices asked for."""
+    devices = None if ep == 0 else (3, 1)
+    llm = same_as_one_device(paths["qwen3moe"], tensor_parallel=2, expert_parallel=ep,
+                             devices=devices)  # fmt: skip
     w = llm.engine.runner.params["layers"][0]["w_gu_exps"]  # [E, d, 2F]
     E, d, F2 = w.shape
     want = (E // 2, d, F2) if ep == 0 else (E, d, F2 // 2)
     assert shard_shapes(w) == [want] * 2
+    assert {d.id for d in w.devices()} == set(devices or (0, 1))
     llm.close()
 
 
@@ -141,6 +146,8 @@ def test_bad_parallel_settings_name_their_field():
             EngineConfig(**kw)
     with pytest.raises(ValueError, match="devices \\[9\\]"):  # at start: 4 local devices
         LLM(None, tensor_parallel=2, devices=(0, 9))
+    with pytest.raises(ValueError, match="tensor_parallel=8: this process has 4"):
+        LLM(None, tensor_parallel=8)
 
 
 def test_placement_splits_each_weight_by_its_role():

@@ -55,6 +55,10 @@ def make_mesh(devices: Sequence[int] | None, tensor_parallel: int) -> Mesh | Non
     if tensor_parallel == 1 and devices is None:
         return None
     local = jax.local_devices()
+    if devices is None and tensor_parallel > len(local):
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel}: this process has {len(local)} local devices"
+        )
     picked = list(devices) if devices is not None else list(range(tensor_parallel))
     if len(picked) != tensor_parallel:
         raise ValueError(f"devices {picked}: tensor_parallel={tensor_parallel} needs as many")
