@@ -92,14 +92,14 @@ def _load(config: EngineConfig, clock: StartupClock):
         from .models import draft_head
 
         head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
-    weights = weight_bytes(shapes) + (weight_bytes(draft[1]) if draft else 0)
     placement = _placement(config, mc)
     device = jax.local_devices()[0] if placement is None else placement.first_local_device
-    if placement is not None:  # one device's share: the pool is sized for each alike
-        weights //= placement.n
-        if mc.n_kv_heads % placement.n == 0:
-            groups = [dataclasses.replace(g, bytes_per_token=g.bytes_per_token / placement.n)
-                      for g in groups]  # fmt: skip
+    # one device's share of the weights (the draft's whole): the pool is sized for each alike
+    target = weight_bytes(shapes) if placement is None else placement.device_bytes(shapes)
+    weights = target + (weight_bytes(draft[1]) if draft else 0)
+    if placement is not None and mc.n_kv_heads % placement.n == 0:  # Placement.caches' split
+        groups = [dataclasses.replace(g, bytes_per_token=g.bytes_per_token / placement.n)
+                  for g in groups]  # fmt: skip
     spaces = kv_spaces(config, groups, device, state_bytes(mc, config), weights)
     # started after the pool is sized: a load in progress would move the allocator's figures
     loading = _in_background(load_params, f, file_cfg, config.dtype, quantized)

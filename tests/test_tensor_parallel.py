@@ -5,10 +5,12 @@ its share of a split weight and of the KV heads; nothing compiles after warmup. 
 processes have four CPU devices (conftest.py)."""
 
 import gc
+import math
 import re
 
 import deepseek4_converted as ds4
 import jax
+import numpy as np
 import pytest
 
 from luce_jax import LLM, SamplingParams
@@ -185,6 +187,12 @@ def test_placement_splits_each_weight_by_its_role():
     assert s["w_gu_exps"] == (None, None, t) and s["w_down_exps"] == (None, t, None)
     s = specs(expert_parallel=True, split_quantized=False, split_experts=False)["layers"]
     assert s[0]["w_gu_exps"] == () and s[1]["wqkv"].body == () and s[0]["wqkv"] == (None, t)
+    # what one device holds (the KV pool is sized from it): split leaves' halves, the rest
+    whole = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    split = Placement(mesh, expert_parallel=True, split_quantized=False, split_experts=False)
+    kept = 2 * (8 * 256 * 2 + 256 * 256) + 3 * 64 * 4 + 320 * 64 * 4  # q twice, w_down, embed
+    kept += 64 * 4 + (8 * 64 * 96 + 8 * 48 * 64) * 4  # attn_norm, the experts (whole)
+    assert split.device_bytes(params) == kept + (whole - kept) // 2
 
 
 def mixed_work(llm: LLM) -> list:

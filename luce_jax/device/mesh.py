@@ -25,6 +25,7 @@ one is replicated. Arrays of one device (mesh None) are placed as before.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import jax
@@ -116,9 +117,8 @@ class Placement:
         """A sharding per leaf of a params pytree (arrays or ShapeDtypeStructs)."""
 
         def one(path, x):
-            keys = [getattr(k, "key", None) for k in path]
-            name = next((k for k in reversed(keys) if isinstance(k, str)
-                         and k not in ("head", "body")), "")  # fmt: skip
+            keys = [getattr(k, "key", None) for k in path]  # dict keys (a QuantWeight's: None)
+            name = next((k for k in reversed(keys) if isinstance(k, str)), "")
             field = getattr(path[-1], "name", None) if path else None
             field = field if field in ("head", "body") else None
             return self._param(name, field, tuple(x.shape))
@@ -129,6 +129,15 @@ class Placement:
         """KV caches: four-axis leaves split by KV head (axis 2); others replicated."""
         return jax.tree.map(
             lambda x: self.split(x.shape, 2) if len(x.shape) == 4 else self.replicated, caches
+        )
+
+    def device_bytes(self, params) -> int:
+        """Bytes of a params pytree (arrays or ShapeDtypeStructs) on each device: a split
+        leaf's shard, a replicated leaf whole."""
+        shardings = self.params(params)
+        return sum(
+            math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+            for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True)
         )
 
     def replicate(self, tree):
