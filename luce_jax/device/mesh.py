@@ -208,7 +208,33 @@ class Placement:
         return jax.lax.with_sharding_constraint(tree, shardings)
 
 
-def abstract_arg(placement: Placement | None, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+class OneDevice:
+    """Placement's interface for one device (no mesh): arrays stay where JAX puts them."""
+
+    replicated = None
+
+    def allocator(self, allocate, params):
+        return allocate, ((None, None, None), None)
+
+    def place(self, params, shardings):
+        return params
+
+    def abstract(self, tree, shardings):
+        return tree
+
+    def constrain(self, tree, shardings):
+        return tree
+
+    def host_input(self, x):
+        return x
+
+    def local(self, x):
+        return x
+
+    def put(self, x, sharding):
+        return jax.numpy.asarray(x)
+
+
+def abstract_arg(placement: Placement | OneDevice, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
     """An abstract program argument: replicated on a mesh."""
-    sharding = None if placement is None else placement.replicated
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=placement.replicated)

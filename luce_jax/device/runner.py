@@ -31,7 +31,7 @@ from ..models.family import XLA, Kernels, family_of
 from ..step_format import GroupShape, layout_size, mask_words, step_layout, unpack
 from . import proposals, sampling
 from .distributed import FORWARD, SAMPLE, STOP
-from .mesh import Placement, abstract_arg
+from .mesh import OneDevice, Placement, abstract_arg
 from .programs import BucketPrograms, compile_all, graph_options
 from .sharded_kernels import shard_kernels
 from .step_io import Forward, Launched, outputs, sample_inputs, sample_size, upload
@@ -102,7 +102,8 @@ class Runner:
         # claims blocks for them (host/engine.py).
         self.writes_ahead = self.draft.writes_ahead if self.draft is not None else 0
         self.k = max_proposals
-        self.placement = placement
+        # where the arrays live: on one device, OneDevice's methods leave them as they are
+        self.placement = placement or OneDevice()
         self.block_size = block_size
         self.max_slots = max_slots
         self.max_blocks = spaces[0].max_blocks
@@ -121,14 +122,13 @@ class Runner:
 
         # Abstract params (loading.params.abstract_params): compile now, `materialize` later.
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
-        self._held = None  # on a mesh: the shardings of (kv, state, draft kv) and of params
-        if placement is not None:
-            allocate, self._held = placement.allocator(allocate, params)
+        # the shardings of (kv, state, draft kv) and of params
+        allocate, self._held = self.placement.allocator(allocate, params)
         self._allocate = allocate
-        self.params = params if placement is None else placement.place(params, self._held[1])
+        self.params = self.placement.place(params, self._held[1])
         self.kv, self.state, self.draft_kv = jax.eval_shape(allocate) if abstract else allocate()
-        if abstract and placement is not None:
-            self.kv, self.state, self.draft_kv = placement.abstract(
+        if abstract:
+            self.kv, self.state, self.draft_kv = self.placement.abstract(
                 (self.kv, self.state, self.draft_kv), self._held[0]
             )
         # set by bucket_runs.time_steps: seconds per bucket, and what proposing adds to a step
@@ -155,14 +155,11 @@ class Runner:
         the device with the loader's transient buffers."""
         shape = functools.partial(jax.tree.map, lambda x: (x.shape, jnp.dtype(x.dtype)))
         assert shape(params) == shape(self.params), "params differ from those compiled for"
-        if self.placement is not None:
-            params = self.placement.place(params, self._held[1])
-        self.params = params
+        self.params = self.placement.place(params, self._held[1])
         self.kv, self.state, self.draft_kv = self._allocate()
 
     def _keep(self, x, which: int):
-        """Inside a program on a mesh: x (kv 0, draft kv 2) where it was, or replicated
-        (which -1)."""
+        """Inside a program: x (kv 0, draft kv 2) where it was, or replicated (which -1)."""
         held = None if which < 0 else self._held[0][which]
         return self.placement.constrain(x, held)
 
@@ -208,13 +205,13 @@ class Runner:
         if self.draft is not None:  # a draft's KV or the lookup's tokens of every token fed
             with jax.named_scope("draft"):
                 dkv, reads = self.draft.feed(dparams, dkv, batch, reads)
-        if self.placement is not None:  # every step leaves its state where it found it
-            kv, dkv = self._keep(kv, 0), self._keep(dkv, 2)
-            # the slot state (the family's and the sampler's) is replicated
-            model_state, prompt_mask = self._keep(model_state, -1), self._keep(prompt_mask, -1)
-            # computed split by vocabulary (the lm_head's columns stay where they are), then
-            # gathered: [R, V] rows, not the [d, V] weight, cross between devices
-            logits = self._keep(self.placement.constrain(logits, -1), -1)
+        # every step leaves its state where it found it; the slot state (the family's and the
+        # sampler's) is replicated
+        kv, dkv = self._keep(kv, 0), self._keep(dkv, 2)
+        model_state, prompt_mask = self._keep(model_state, -1), self._keep(prompt_mask, -1)
+        # computed split by vocabulary (the lm_head's columns stay where they are), then
+        # gathered: [R, V] rows, not the [d, V] weight, cross between devices
+        logits = self._keep(self.placement.constrain(logits, -1), -1)
         out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, dkv, stats)
         return out + (reads, ints[layout_size(layout) :])
 
@@ -252,9 +249,9 @@ class Runner:
                     props, dkv = self.draft.propose(reads[-1], dkv, reads[:-1], packed, batch,
                                                     floats, filtered)  # fmt: skip
             state.update(proposals.update(ahead, packed, batch, R, props))
-        if self.placement is not None:  # outputs whole on each device: the host reads one
-            state, dkv = self._keep(state, -1), self._keep(dkv, 2)
-            packed, top_ids, top_lp = self._keep((packed, top_ids, top_lp), -1)
+        # outputs whole on each device: the host reads one
+        state, dkv = self._keep(state, -1), self._keep(dkv, 2)
+        packed, top_ids, top_lp = self._keep((packed, top_ids, top_lp), -1)
         return packed, top_ids, top_lp, state, dkv
 
     def _reads(self, fwd_reads):
@@ -332,8 +329,7 @@ class Runner:
 
     def forward(self, ints: np.ndarray, T: int, S: int) -> Forward:
         """launch_forward's program on its uploaded int32 buffer."""
-        if self.placement is not None:
-            ints = self.placement.host_input(ints)
+        ints = self.placement.host_input(ints)
         st = self.state
         out = self.programs[(T, S)](
             self.params, self.kv, st.get("model"), st["prompt_mask"], self.draft_kv, st["last"],
@@ -364,18 +360,15 @@ class Runner:
     def sample(self, fwd: Forward, variant: tuple, allow: np.ndarray | None) -> Launched:
         """launch_sample's program `variant` (R, S, filtered, logprobs, propose); allow None
         where no row is under a grammar (a mask kept on the device, never sent)."""
-        if allow is None:
-            allow = self._open_mask(fwd.S)
-        elif self.placement is not None:
-            allow = self.placement.host_input(allow)
+        allow = self._open_mask(fwd.S) if allow is None else self.placement.host_input(allow)
         packed, top_ids, top_lp, state, self.draft_kv = self.sample_programs[variant](
             fwd.logits, fwd.row_tokens, self._sampler_state(), self.draft_kv,
             self.state["prompt_mask"], fwd.sample_in, allow, self._reads(fwd.reads),
         )  # fmt: skip
         self.state.update(state)
         top = (top_ids, top_lp) if variant[3] else None
-        if self.placement is not None:  # this process's copy of the (replicated) outputs
-            packed, top = self.placement.local(packed), self.placement.local(top)
+        # this process's copy of the (replicated) outputs
+        packed, top = self.placement.local(packed), self.placement.local(top)
         for x in (packed, *(top or ())):
             x.copy_to_host_async()
         return Launched(packed, top, fwd.R)
@@ -385,8 +378,7 @@ class Runner:
         small compile)."""
         if S not in self._open:
             mask = np.full((S, mask_words(self.cfg.vocab_size)), -1, np.int32)
-            self._open[S] = jnp.asarray(mask) if self.placement is None else self.placement.put(
-                mask, self.placement.replicated)  # fmt: skip
+            self._open[S] = self.placement.put(mask, self.placement.replicated)
         return self._open[S]
 
     def close(self) -> None:
