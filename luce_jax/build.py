@@ -102,7 +102,7 @@ def _load(config: EngineConfig, clock: StartupClock):
                   for g in groups]  # fmt: skip
     spaces = kv_spaces(config, groups, device, state_bytes(mc, config), weights)
     # started after the pool is sized: a load in progress would move the allocator's figures
-    loading = _in_background(load_params, f, file_cfg, config.dtype, quantized)
+    loading = _in_background(load_params, f, file_cfg, config.dtype, quantized, False, placement)
     for g, s in zip(groups, spaces, strict=True):
         per_block = s.block_size * s.tokens_per_entry
         log.info(
@@ -177,7 +177,6 @@ def _placement(config: EngineConfig, mc):
         return None
     ep = config.expert_parallel or config.tensor_parallel
     placement = Placement(mesh, expert_parallel=ep > 1 and mc.n_experts > 0,
-                          split_quantized=config.quant_backend != "pallas",
                           split_experts=config.moe_backend != "pallas")  # fmt: skip
     log.info("%d devices: %s", placement.n, ", ".join(str(d) for d in mesh.devices.flat))
     return placement

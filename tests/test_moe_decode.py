@@ -61,11 +61,17 @@ def rows(kind: str, T: int, d: int, seed: int):
     return jnp.broadcast_to(x[:1], x.shape) if kind == "shared" else x
 
 
-@pytest.mark.parametrize(
-    "qtype, int8",
-    [*((t, True) for t in TYPES), ("q6_k", False), ("bf16", False)],
-    ids=[*(f"{t}-int8" for t in TYPES), "q6_k-float", "bf16"],
-)  # the int8 dots decode each type its own way; the float path decodes them all alike
+# The int8 dots decode each type its own way (each held to the reference in
+# test_quant_matmul.py, experts' rows included); the whole layer runs for a type of each block
+# size and of 16-value groups by default, the rest with `-m slow`. The float path decodes them
+# all alike.
+LAYER_TYPES = ("q8_0", "q4_k", "q6_k")
+CASES = [pytest.param(t, True, id=f"{t}-int8", marks=() if t in LAYER_TYPES else pytest.mark.slow)
+         for t in TYPES] + [pytest.param("q6_k", False, id="q6_k-float"),
+                            pytest.param("bf16", False, id="bf16")]  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype, int8", CASES)
 def test_the_decode_path_equals_the_grouped_path_for_every_type(moe_files, qtype, int8):
     _, cfg, params = load(moe_files[qtype], True)
     lp = params["layers"][0]

@@ -81,12 +81,20 @@ def ragged_cases():
 
 
 # Rows reach the kernel's branches at M = 3 (one 16-row tile, ragged) and 80 (two 64-row tiles,
-# the second ragged); the rest of the grid runs with `-m slow` (docs/development.md).
-ROWS = [3, 80, *(pytest.param(m, marks=pytest.mark.slow) for m in (1, 8, 64, 300))]
+# the second ragged: row tiling, the same for every type, run for one type of each block size
+# and of 16-value groups); the rest of the grid runs with `-m slow` (docs/development.md).
+ROW_TYPES = ("q8_0", "q4_k", "q6_k")
 
 
-@pytest.mark.parametrize("M", ROWS)
-@pytest.mark.parametrize("qtype, K, N, vps", list(kernel_cases()), ids=lambda v: str(v))
+def row_cases():
+    slow = pytest.mark.slow
+    for c in kernel_cases():
+        for m in (3, 80, 1, 8, 64, 300):
+            default = m == 3 or (m == 80 and c[0] in ROW_TYPES)
+            yield pytest.param(*c, m, marks=() if default else slow, id=f"{c}-{m}")
+
+
+@pytest.mark.parametrize("qtype, K, N, vps, M", list(row_cases()))
 def test_kernel_matches_reference(qtype, K, N, vps, M):
     w = weight(qtype, N, K, seed=M)
     x = jax.random.normal(jax.random.key(M + K), (M, K), jnp.float32)

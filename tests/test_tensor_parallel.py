@@ -114,6 +114,44 @@ def test_a_moe_model_splits_its_experts_or_their_width(paths, ep):
     llm.close()
 
 
+def test_weights_load_straight_into_their_shards(paths, monkeypatch):
+    """The accelerator that is JAX's default device (here CPU device 1) is a device of the
+    mesh: the loader unpacks and fuses tensors on the host's device instead and sends each
+    mesh device its shard, so no mesh device ever holds a split weight whole (as it would with
+    everything loaded on the default device, then resharded). Each layer goes to the mesh as
+    it is made, not the model at the end."""
+    from luce_jax.device.mesh import Placement
+
+    path, mesh = paths["qwen3"], (1, 2)
+    one, llm = run(path)
+    llm.close()
+    devs = {jax.devices()[i] for i in mesh}
+    whole_on_mesh, puts = [], []  # at each put: split leaves whole on a mesh device
+    put = Placement.put
+
+    def spy(self, tree, shardings):
+        pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
+        split = [x for x, s in pairs if not s.is_fully_replicated]
+        whole_on_mesh.extend(x.shape for x in split if isinstance(x, jax.Array)
+                             and x.sharding.is_fully_replicated and x.devices() & devs)  # fmt: skip
+        puts.append(len(split))
+        return put(self, tree, shardings)
+
+    monkeypatch.setattr(Placement, "put", spy)
+    jax.config.update("jax_default_device", jax.devices()[mesh[0]])
+    try:
+        split, llm = run(path, tensor_parallel=2, devices=mesh)
+    finally:
+        jax.config.update("jax_default_device", None)
+    assert split == one
+    leaves = jax.tree.leaves(llm.engine.runner.params)
+    assert all({d.id for d in x.devices()} == set(mesh) for x in leaves)
+    assert not whole_on_mesh, whole_on_mesh
+    layers = llm.engine.runner.cfg.n_layers
+    assert len([n for n in puts if n]) >= layers, puts  # a layer at a time
+    llm.close()
+
+
 def test_a_hybrid_model_split_serves_one_devices_tokens(tmp_path):
     path = hf_to_gguf(make_hf_model("qwen35", seed=1), "qwen35", tmp_path / "qwen35.gguf")
     same_as_one_device(str(path), tensor_parallel=2).close()
@@ -154,8 +192,8 @@ def test_bad_parallel_settings_name_their_field():
 
 def test_placement_splits_each_weight_by_its_role():
     """Column-parallel weights split their outputs, row-parallel ones their inputs, experts
-    their axis E (or width); a QuantWeight only by output rows, and no weight a Pallas kernel
-    reads whole is split where that kernel does not run per device."""
+    their axis E (or width); a QuantWeight only by output rows, and no experts a Pallas kernel
+    reads whole are split where that kernel does not run per device."""
     from jax import ShapeDtypeStruct as A
 
     from luce_jax.device.mesh import Placement, make_mesh
@@ -185,12 +223,12 @@ def test_placement_splits_each_weight_by_its_role():
     assert b["wo"].body == () and b["w_down"] == ()  # 3 rows do not divide by 2: whole
     s = specs(expert_parallel=False)["layers"][0]  # the experts' width instead
     assert s["w_gu_exps"] == (None, None, t) and s["w_down_exps"] == (None, t, None)
-    s = specs(expert_parallel=True, split_quantized=False, split_experts=False)["layers"]
-    assert s[0]["w_gu_exps"] == () and s[1]["wqkv"].body == () and s[0]["wqkv"] == (None, t)
+    s = specs(expert_parallel=True, split_experts=False)["layers"]
+    assert s[0]["w_gu_exps"] == () and s[1]["wqkv"].body == (t, None) and s[0]["wqkv"] == (None, t)
     # what one device holds (the KV pool is sized from it): split leaves' halves, the rest
     whole = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
-    split = Placement(mesh, expert_parallel=True, split_quantized=False, split_experts=False)
-    kept = 2 * (8 * 256 * 2 + 256 * 256) + 3 * 64 * 4 + 320 * 64 * 4  # q twice, w_down, embed
+    split = Placement(mesh, expert_parallel=True, split_experts=False)
+    kept = 8 * 256 * 2 + 256 * 256 + 3 * 64 * 4 + 320 * 64 * 4  # the row-parallel q, w_down, embed
     kept += 64 * 4 + (8 * 64 * 96 + 8 * 48 * 64) * 4  # attn_norm, the experts (whole)
     assert split.device_bytes(params) == kept + (whole - kept) // 2
 
@@ -213,11 +251,11 @@ def mixed_work(llm: LLM) -> list:
 
 def test_speculation_prefix_cache_quantized_kv_and_json_split_as_on_one_device():
     """The embedded draft model (a 4-layer model with the embedded model's tokenizer; 4 query
-    heads, 2 KV heads) with q8_0 KV caches, over two devices with prompt lookup speculation:
-    prefix cache hits and a JSON-constrained request, greedy tokens as one device's without
-    speculation."""
+    heads, 2 KV heads), its Q8_0 weights kept quantized (split by rows), with q8_0 KV caches,
+    over two devices with prompt lookup speculation: prefix cache hits and a JSON-constrained
+    request, greedy tokens as one device's without speculation."""
     kw = dict(max_concurrency=2, max_ctx=192, prefill_chunk=32, prefill_token_budget=32,
-              cache_type_k="q8_0", cache_type_v="q8_0")  # fmt: skip
+              cache_type_k="q8_0", cache_type_v="q8_0", dtype="quantized")  # fmt: skip
     outs = []
     for tp in (1, 2):
         spec = {"spec_mode": "ngram"} if tp == 2 else {}
@@ -225,9 +263,11 @@ def test_speculation_prefix_cache_quantized_kv_and_json_split_as_on_one_device()
         before = llm.engine.runner.compiles
         outs.append(mixed_work(llm))
         assert llm.engine.runner.compiles == before
-        if tp == 2:  # the q8_0 caches' data and scales split by KV head
+        if tp == 2:  # the q8_0 caches' data and scales split by KV head, Q8_0 weights by rows
             data = llm.engine.runner.kv[0][0].data
             assert shard_shapes(data)[0][2] == data.shape[2] // 2
+            body = llm.engine.runner.params["layers"][0]["wqkv"].body  # [N, bytes]
+            assert shard_shapes(body) == [(body.shape[0] // 2, body.shape[1])] * 2
         llm.close()
     assert outs[0] == outs[1]
     assert outs[1][-1].startswith("{"), outs[1][-1]  # the schema's object, not code
@@ -269,3 +309,51 @@ def test_the_pallas_attention_kernels_run_on_each_devices_heads():
     got = jax.jit(lambda q, kc, vc: _attention(paged_attention, mesh, q, kc, vc, *args, **kw_attn))(
         q, *place.put((kc, vc), place.caches((kc, vc))))  # fmt: skip
     np.testing.assert_allclose(np.asarray(want), np.asarray(got), rtol=1e-5, atol=1e-5)
+
+
+def test_the_quantized_matmul_kernels_run_on_each_devices_rows():
+    """quant_matmul (interpret mode) wrapped to run per device on a QuantWeight split by its
+    output rows computes what it computes whole: the decode call on int8 rows with its
+    partials (splits), the plain call, and the prefill's dequantize-then-dot."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from luce_jax.device.mesh import Placement, make_mesh
+    from luce_jax.device.sharded_kernels import _rows
+    from pallas_kernels.dequantize import dequantized_matmul
+    from pallas_kernels.int8_rows import int8_rows
+    from pallas_kernels.quant_matmul import quant_matmul
+    from pallas_kernels.quant_weight import QuantWeight
+
+    mesh = make_mesh(None, 2)
+    place = Placement(mesh, expert_parallel=False)
+    rng = np.random.default_rng(0)
+    T, N, K = 8, 128, 256
+    w = QuantWeight.from_rows(random_q8_0(rng, N, K), "q8_0", "float32")
+    x = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
+    split = place.put({"wqkv": w}, place.params({"wqkv": w}))["wqkv"]
+    assert shard_shapes(split.body) == [(N // 2, w.body.shape[1])] * 2
+    live = jnp.int32(3)
+    x8 = int8_rows(x)
+    calls = [
+        (quant_matmul, (x, live), {}),
+        (functools.partial(quant_matmul, int8_x=True), (x, live), {"x8": x8, "splits": True}),
+        (dequantized_matmul, (x,), {}),
+    ]
+    for kernel, (xx, *rest), kw in calls:
+        want = kernel(xx, w, *rest, **kw)
+        per_device = functools.partial(_rows, kernel, mesh, 2, **kw)
+        got = jax.jit(per_device)(xx, split, *rest)
+        rows = slice(None) if not rest else slice(0, 3)  # past `live`: unspecified
+        np.testing.assert_allclose(np.asarray(want)[..., rows, :], np.asarray(got)[..., rows, :],
+                                   rtol=1e-5, atol=1e-4)  # fmt: skip
+        assert got.sharding.spec[-1] == "tensor"  # the product stays split along N
+
+
+def random_q8_0(rng, n: int, k: int) -> np.ndarray:
+    """uint8 [n, k / 32 * 34]: Q8_0 rows of random codes, each block's fp16 scale first."""
+    blocks = np.empty((n, k // 32, 34), np.uint8)
+    blocks[..., :2] = rng.uniform(0.01, 0.05, (n, k // 32, 1)).astype(np.float16).view(np.uint8)
+    blocks[..., 2:] = rng.integers(-127, 128, (n, k // 32, 32), dtype=np.int8).view(np.uint8)
+    return blocks.reshape(n, -1)

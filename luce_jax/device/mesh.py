@@ -74,16 +74,15 @@ class Placement:
 
     Args:
       expert_parallel: split the stacked experts over their axis E (else their FFN width).
-      split_quantized, split_experts: split QuantWeights / the stacked experts at all. A Pallas
-        kernel is not partitioned by XLA (device/sharded_kernels.py): given a split weight it
-        would gather it whole onto every device each step, so the weights that the quantized
-        or grouped-expert kernels read stay whole on each device where those kernels run.
+      split_experts: split the stacked experts at all. A Pallas kernel is not partitioned by
+        XLA: given a split weight it would gather it whole onto every device each step, so
+        the experts that the grouped-expert kernels read stay whole on each device where
+        those kernels run. (The quantized matmul kernels run on each device's rows,
+        device/sharded_kernels.py, so QuantWeights are split.)
     """
 
-    def __init__(self, mesh: Mesh, expert_parallel: bool, split_quantized: bool = True,
-                 split_experts: bool = True):  # fmt: skip
-        self.mesh, self.expert_parallel = mesh, expert_parallel
-        self.split_quantized, self.split_experts = split_quantized, split_experts
+    def __init__(self, mesh: Mesh, expert_parallel: bool, split_experts: bool = True):
+        self.mesh, self.expert_parallel, self.split_experts = mesh, expert_parallel, split_experts
         self.n = mesh.devices.size
         self.replicated = NamedSharding(mesh, P())
 
@@ -99,7 +98,7 @@ class Placement:
     def _param(self, name: str, field: str | None, shape: tuple) -> NamedSharding:
         """The sharding of one param leaf: `name` its key, `field` "head" / "body" for a
         QuantWeight's arrays (None for a float array [in, out] or [E, in, out])."""
-        if (name in EXPERTS and not self.split_experts) or (field and not self.split_quantized):
+        if name in EXPERTS and not self.split_experts:
             return self.replicated
         if name in EXPERTS and self.expert_parallel and len(shape) == 3:
             return self.split(shape, 0)
@@ -151,15 +150,33 @@ class Placement:
 
     def put(self, tree, shardings):
         """`tree` on the mesh: each device receives only its shard of a split array (with
-        several processes, from this process's host copy: each sends its devices' shards)."""
+        several processes, from this process's host copy: each sends its devices' shards).
+        Arrays already placed so stay as they are."""
         if jax.process_count() > 1:
             return jax.tree.map(self._from_host, tree, shardings)
         return jax.device_put(tree, shardings)
+
+    @property
+    def loading_device(self):
+        """Where the loader unpacks and fuses tensors before load_onto sends their shards: the
+        host's CPU device, so that no accelerator of the mesh ever holds a split weight whole
+        (the default device where no CPU backend is initialized)."""
+        try:
+            return jax.local_devices(backend="cpu")[0]
+        except RuntimeError:
+            return jax.local_devices()[0]
+
+    def load_onto(self, tree):
+        """A subtree of params (a layer's dict, or the top level without the layers: leaves are
+        placed by their keys) on the mesh, as the loader makes it."""
+        return self.put(tree, self.params(tree))
 
     @staticmethod
     def _from_host(x, sharding):
         """A global array of x's values (the same on every process), each process putting
         its own devices' shards (jax.device_put would compare the copies first)."""
+        if isinstance(x, jax.Array) and x.sharding == sharding:  # placed while loading
+            return x
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 

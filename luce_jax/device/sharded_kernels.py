@@ -10,6 +10,13 @@ kernels stay as they are, whole on every device.
 
 DeepSeek V4's sink attention has one K = V head, replicated; its query heads and their sinks
 are split.
+
+The quantized matmul kernels run on each device's output rows: a QuantWeight is split by its
+rows N (device/mesh.py), so each device multiplies the whole x by its N / n rows, blocks whole,
+and the product comes out split along N, where XLA's ops take it as a column-parallel
+projection's. A weight kept whole on every device (a row-parallel one) runs the same way from
+its local slice: each device reads 1/n of it, and the [T, N] product is gathered (activations,
+not weights, cross between devices). Experts' calls (`experts=`) stay whole.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.quant_weight import QuantWeight
 from pallas_kernels.sink_attention import sink_attention_reference
 
 from ..config import ModelConfig
@@ -79,10 +87,40 @@ def _sink_attention(attn, mesh, q, caches, rows, sinks, *, scale):
     return f(q, tuple(caches), tuple(rows), sinks)
 
 
+def _rows(kernel, mesh, n, x, w, live=None, **kw):
+    """A quantized matmul (quant_matmul's signature, or the prefill's (x, w)) on each device's
+    output rows of a QuantWeight [N, K] whose N divides by n; anything else whole."""
+    call = lambda x, w, live, **kw: kernel(x, w, live, **kw) if live is not None or kw else (
+        kernel(x, w))  # fmt: skip
+    if not isinstance(w, QuantWeight) or w.body.ndim != 2 or w.shape[0] % n or "experts" in kw:
+        return call(x, w, live, **kw)
+    is_arrays = lambda v: all(isinstance(a, jax.Array) for a in jax.tree.leaves(v) or [None])
+    arrays = sorted(k for k, v in kw.items() if is_arrays(v))  # x8: x's int8 rows (a tuple)
+    static = {k: v for k, v in kw.items() if k not in arrays}
+
+    def local(x, w, live, *extra):
+        return call(x, w, live, **dict(zip(arrays, extra, strict=True)), **static)
+
+    rows = QuantWeight(P(None, AXIS), P(AXIS, None), w.qtype, w.dtype)  # head [hK, N], body
+    out = P(None, None, AXIS) if kw.get("splits") else P(None, AXIS)  # [S, T, N] or [T, N]
+    f = jax.shard_map(local, mesh=mesh, in_specs=(WHOLE, rows, WHOLE) + (WHOLE,) * len(arrays),
+                      out_specs=out, check_vma=False)  # fmt: skip
+    return f(x, w, live, *(kw[k] for k in arrays))
+
+
+def shard_quant_matmul(qmm, mesh, n: int):
+    """A models.linear.QuantMatmul whose kernel and prefill run on each device's rows."""
+    if qmm is None or (qmm.kernel is None and qmm.prefill is None):
+        return qmm
+    wrap = lambda k: None if k is None else functools.partial(_rows, k, mesh, n)
+    return qmm._replace(kernel=wrap(qmm.kernel), prefill=wrap(qmm.prefill))
+
+
 def shard_kernels(kernels: Kernels, cfg: ModelConfig, placement: Placement) -> Kernels:
-    """`kernels` with the attention kernels run per device where the heads divide evenly."""
+    """`kernels` with the attention kernels run per device where the heads divide evenly, and
+    the quantized matmuls on each device's rows."""
     mesh, n = placement.mesh, placement.n
-    out = {}
+    out = {"quant_matmul": shard_quant_matmul(kernels.quant_matmul, mesh, n)}
     if cfg.n_heads % n == 0 and cfg.n_kv_heads % n == 0:
         out["attention"] = functools.partial(_attention, kernels.attention, mesh)
         if kernels.rope_write is not None:

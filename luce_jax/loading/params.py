@@ -3,6 +3,7 @@ fused the way the models and kernels take them."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -43,6 +44,7 @@ def load_params(
     dtype: str = "bfloat16",
     quantized: bool = False,
     abstract: bool = False,
+    placement=None,
 ) -> tuple[ModelConfig, dict]:
     """Copy the model's tensors to the device, dequantized to `dtype` or kept in their blocks.
 
@@ -52,6 +54,11 @@ def load_params(
         QuantWeight [out, in]; float tensors are cast to dtype.
       abstract: zeros stand for the file's bytes (traced under abstract_params' eval_shape:
         nothing is read, and nothing runs on worker threads, whose traces would be their own).
+      placement: several devices (device/mesh.py's Placement): tensors are unpacked and fused
+        on its `loading_device` (the host's, not an accelerator of the mesh) and each layer's
+        params go to the mesh as soon as they are made, each device receiving only its shard
+        (`load_onto`). No device of the mesh holds a split weight whole, and the host holds
+        about one layer's tensors (plus the prefetch window) rather than the model.
     Returns:
       (cfg with tied_embeddings set, params). Dense linear weights are stored [in, out] and the
       q/k/v and gate/up projections are fused: wqkv [d, (H+2K)*D], w_gu [d, 2F] (QuantWeights
@@ -62,6 +69,7 @@ def load_params(
       alpha), conv [C, Kc], dt_bias, ssm_a [Hv], ssm_norm [Dv] and w_out [Hv*Dv, d]; its full
       attention wqkv yields query|gate per head first, [d, 2H*D + 2K*D].
     """
+    import jax
     import jax.numpy as jnp
 
     from pallas_kernels.quant_weight import QuantWeight
@@ -78,15 +86,20 @@ def load_params(
     def raw(n):  # the tensor's bytes, or traced zeros standing for them
         return jnp.zeros((f.tensors[n].nbytes,), jnp.uint8) if abstract else f.raw(n)
 
+    # unpacking runs where the loader's own arrays go: the default device, or the host's
+    here = contextlib.nullcontext if placement is None else (
+        lambda: jax.default_device(placement.loading_device))  # fmt: skip
+
     # every quantized tensor is prepared as kept when quantized (those that are not re-made)
     def made(n):
         t = f.tensors[n]
-        return prepare(raw(n), t.qtype, t.shape, dt, quantized)
+        with here():  # on a worker thread: jax.default_device is the thread's own
+            return prepare(raw(n), t.qtype, t.shape, dt, quantized)
 
     shapes = expected_shapes(cfg)
     order = load_order([(n, t.nbytes) for n, t in f.tensors.items()])
     fetch = Prefetch(order, made, workers=0 if abstract else 4)
-    with fetch:  # its threads end with the load, or its error
+    with fetch, here():  # its threads end with the load, or its error
         bar = tqdm(
             total=sum(t.nbytes for t in f.tensors.values()),
             unit="B",
@@ -159,7 +172,8 @@ def load_params(
 
         family = family_of(cfg)
         t = SimpleNamespace(tensor=tensor, linear=linear, ffn=ffn, f32=f32)
-        layers = [family.layer_params(cfg, i, t) for i in range(cfg.n_layers)]
+        onto = (lambda tree: tree) if placement is None else placement.load_onto
+        layers = [onto(family.layer_params(cfg, i, t)) for i in range(cfg.n_layers)]
         params = {
             "embed": tensor("token_embd.weight", keep=True),
             "final_norm": tensor("output_norm.weight", out_dtype=f32),
@@ -184,6 +198,7 @@ def load_params(
                 dt.name,
                 "" if qtype in DEQUANTIZERS else " (unpacked on the host, slower)",
             )
+        params = {**onto({k: v for k, v in params.items() if k != "layers"}), "layers": layers}
         vocab = params["embed"].shape[0]
         if vocab != cfg.vocab_size:
             cfg = dataclasses.replace(cfg, vocab_size=vocab)
