@@ -176,8 +176,11 @@ def _placement(config: EngineConfig, mc):
     if mesh is None:
         return None
     ep = config.expert_parallel or config.tensor_parallel
-    placement = Placement(mesh, expert_parallel=ep > 1 and mc.n_experts > 0,
-                          split_experts=config.moe_backend != "pallas")  # fmt: skip
+    expert_parallel = ep > 1 and mc.n_experts > 0
+    # split by E, the experts run per device (device/sharded_kernels.py); split by width, only
+    # XLA's grouped matmul is partitioned (a Pallas kernel would gather them each step)
+    split_experts = expert_parallel or config.moe_backend != "pallas"
+    placement = Placement(mesh, expert_parallel, split_experts)
     log.info("%d devices: %s", placement.n, ", ".join(str(d) for d in mesh.devices.flat))
     return placement
 

@@ -100,18 +100,37 @@ def test_a_dense_model_split_over_two_and_four_devices_serves_one_devices_tokens
     llm.close()
 
 
-@pytest.mark.parametrize("ep", [0, 1])
-def test_a_moe_model_splits_its_experts_or_their_width(paths, ep):
-    """By expert on the first two devices, or by FFN width on the devices asked for."""
+@pytest.mark.parametrize("ep, backend", [(0, "pallas"), (1, "xla")])
+def test_a_moe_model_splits_its_experts_or_their_width(paths, ep, backend):
+    """By expert on the first two devices, the grouped-expert kernel (interpret mode) on each
+    device's experts: a step's only gathers and sums are one [T, d] sum per layer for the
+    attention output and one for the experts, and the logits rows (no expert weight or routed
+    row moves; the fused q|k|v rows are permuted into each device's heads). Or by FFN width on the devices asked for, XLA's grouped matmul partitioned."""
     devices = None if ep == 0 else (3, 1)
     llm = same_as_one_device(paths["qwen3moe"], tensor_parallel=2, expert_parallel=ep,
-                             devices=devices)  # fmt: skip
-    w = llm.engine.runner.params["layers"][0]["w_gu_exps"]  # [E, d, 2F]
+                             devices=devices, moe_backend=backend)  # fmt: skip
+    runner = llm.engine.runner
+    w = runner.params["layers"][0]["w_gu_exps"]  # [E, d, 2F]
     E, d, F2 = w.shape
     want = (E // 2, d, F2) if ep == 0 else (E, d, F2 // 2)
     assert shard_shapes(w) == [want] * 2
     assert {d.id for d in w.devices()} == set(devices or (0, 1))
+    for T, S in runner.programs._exec if ep == 0 else ():
+        ops = collectives(runner.executable(T, S).as_text())
+        R, V = runner.logit_width(T, S), runner.cfg.vocab_size
+        L = runner.cfg.n_layers
+        gathers_and_sums = [x for x in ops if x[1] != "collective-permute"]  # of the qkv rows
+        assert sorted(gathers_and_sums) == sorted([((T, d), "all-reduce")] * 2 * L
+                                                  + [((R, V), "all-gather")])  # fmt: skip
     llm.close()
+
+
+def collectives(hlo: str) -> list[tuple[tuple, str]]:
+    """(shape, op) of each all-gather, all-reduce, all-to-all and collective-permute."""
+    ops = re.findall(
+        r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|collective-permute)\(", hlo
+    )
+    return [(tuple(int(x) for x in shape.split(",")), op) for shape, op in ops]
 
 
 def test_weights_load_straight_into_their_shards(paths, monkeypatch):

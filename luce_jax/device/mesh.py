@@ -76,9 +76,9 @@ class Placement:
       expert_parallel: split the stacked experts over their axis E (else their FFN width).
       split_experts: split the stacked experts at all. A Pallas kernel is not partitioned by
         XLA: given a split weight it would gather it whole onto every device each step, so
-        the experts that the grouped-expert kernels read stay whole on each device where
-        those kernels run. (The quantized matmul kernels run on each device's rows,
-        device/sharded_kernels.py, so QuantWeights are split.)
+        experts split by width stay whole where the grouped-expert kernels run. (Split by E
+        they run per device, as the quantized matmul kernels run on each device's rows:
+        device/sharded_kernels.py.)
     """
 
     def __init__(self, mesh: Mesh, expert_parallel: bool, split_experts: bool = True):

@@ -17,6 +17,11 @@ and the product comes out split along N, where XLA's ops take it as a column-par
 projection's. A weight kept whole on every device (a row-parallel one) runs the same way from
 its local slice: each device reads 1/n of it, and the [T, N] product is gathered (activations,
 not weights, cross between devices). Experts' calls (`experts=`) stay whole.
+
+With expert parallelism the routed experts run where their weights are: every device routes
+every token (the router is replicated), computes only the (token, expert) pairs of its own
+E / n experts, and the [T, d] outputs are summed over the devices, one all-reduce a MoE layer
+(replicated activations and a reduce: the routed pairs never move between devices).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pallas_kernels.sink_attention import sink_attention_reference
 
 from ..config import ModelConfig
 from ..models.family import Kernels
+from ..models.linear import Normed
 from .mesh import AXIS, Placement
 
 HEADS = P(None, AXIS, None)  # [T, H, D] and the row-major views of a fused projection
@@ -108,6 +114,29 @@ def _rows(kernel, mesh, n, x, w, live=None, **kw):
     return f(x, w, live, *(kw[k] for k in arrays))
 
 
+def _spec_tree(x, spec):
+    """`spec` for every leaf of x (a QuantWeight's head and body alike)."""
+    return jax.tree.map(lambda _: spec, x)
+
+
+def _experts(mesh, routed, lp, h, live, tokens):
+    """moe.routed on each device's experts (lp's stacked experts split along E; the router
+    whole), the outputs summed: ([T, d] float32, pairs [T*k]) as one device's."""
+    eps = h.eps if isinstance(h, Normed) else None  # static: the norm kernels take it so
+    x = (h.x, h.w) if eps is not None else h
+    specs = {k: _spec_tree(v, P(AXIS) if k.endswith("_exps") else WHOLE) for k, v in lp.items()}
+
+    def local(lp, x, live, tokens):
+        h = Normed(*x, eps) if eps is not None else x
+        first = jax.lax.axis_index(AXIS) * lp["w_gu_exps"].shape[0]
+        out, pairs = routed(lp, h, live, tokens, first=first)
+        return jax.lax.psum(out, AXIS), pairs
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(specs, WHOLE, WHOLE, WHOLE),
+                      out_specs=(WHOLE, WHOLE), check_vma=False)  # fmt: skip
+    return f(lp, x, live, tokens)
+
+
 def shard_quant_matmul(qmm, mesh, n: int):
     """A models.linear.QuantMatmul whose kernel and prefill run on each device's rows."""
     if qmm is None or (qmm.kernel is None and qmm.prefill is None):
@@ -125,6 +154,8 @@ def shard_kernels(kernels: Kernels, cfg: ModelConfig, placement: Placement) -> K
         out["attention"] = functools.partial(_attention, kernels.attention, mesh)
         if kernels.rope_write is not None:
             out["rope_write"] = functools.partial(_rope_write, kernels.rope_write, mesh, n)
+    if placement.expert_parallel and cfg.n_experts % n == 0:  # Placement's split along E
+        out["experts"] = functools.partial(_experts, mesh)
     if cfg.n_heads % n == 0:  # a family without sink attention never calls it
         attn = kernels.sink_attention or sink_attention_reference
         out["sink_attention"] = functools.partial(_sink_attention, attn, mesh)

@@ -157,7 +157,8 @@ def layer(lp: dict, X, caches: dict, rings: dict, tok: StepTokens, batch: dict, 
         y, post, comb = hc_pre(X, lp["hc_ffn"], **hc)
     with jax.named_scope("mlp"):
         f, pairs = moe.ffn(lp, rms_norm(y, lp["ffn_norm"], eps), cfg, kernels.grouped_matmul,
-                           live, qmm, kernels.moe_router, tokens=batch["tokens"])  # fmt: skip
+                           live, qmm, kernels.moe_router, tokens=batch["tokens"],
+                           experts_on=kernels.experts)  # fmt: skip
     with jax.named_scope("hyper_connection"):
         return hc_post(f, X, post, comb), caches, rings, pairs
 

@@ -64,6 +64,7 @@ def forward(
     rope_write=None,
     hidden: bool = False,
     moe_router=None,
+    experts=None,
 ):
     """One model step over packed tokens; writes this step's K/V and returns requested logits.
 
@@ -83,6 +84,7 @@ def forward(
         (pallas_kernels/rope_write.py's signature), for the layers it fits; None: XLA's ops.
       hidden: also return the logits rows' residual stream (what a draft head reads).
       moe_router: MoE layers' fused router (pallas_kernels/moe_router.py), or None: XLA's.
+      experts: Kernels.experts (the routed experts where their weights are), or None.
     Returns:
       (logits [R, V] float32, new kv, stats): stats holds expert_counts [L_moe, E] int32
       (real tokens routed to each expert in each MoE layer) for MoE models, and with `hidden`
@@ -94,7 +96,8 @@ def forward(
         cos, sin = rope_tables(batch["positions"], cfg, params.get("rope_freqs"))
     new_kv, pairs = [], []
     live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
-    kernels = Kernels(attn, grouped_matmul, quant_matmul, rope_write, moe_router=moe_router)
+    kernels = Kernels(attn, grouped_matmul, quant_matmul, rope_write, moe_router=moe_router,
+                      experts=experts)  # fmt: skip
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
         x, kc, vc, routed = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
         if routed is not None:
@@ -166,7 +169,8 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
     with jax.named_scope("mlp"):
         h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
         if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
-            y, routed = moe.ffn(lp, h, cfg, grouped_matmul, live, quant_matmul, kernels.moe_router)
+            y, routed = moe.ffn(lp, h, cfg, grouped_matmul, live, quant_matmul, kernels.moe_router,
+                                experts_on=kernels.experts)  # fmt: skip
             x = x + y
         else:
             x = x + summed(swiglu(lp, h, quant_matmul, live, splits=True))
@@ -282,8 +286,8 @@ class DenseFamily:
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
         logits, caches, stats = forward(params, caches, batch, cfg, kernels.attention,
                                         kernels.grouped_matmul, kernels.quant_matmul,
-                                        kernels.rope_write, hidden,
-                                        kernels.moe_router)  # fmt: skip
+                                        kernels.rope_write, hidden, kernels.moe_router,
+                                        kernels.experts)  # fmt: skip
         return logits, caches, slot_state, stats
 
 

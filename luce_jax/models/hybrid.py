@@ -183,7 +183,9 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
     x = x + y.astype(x.dtype)
     h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
     if "router" in lp:  # qwen35moe: routed experts and the gated shared expert
-        return x + moe.ffn(lp, h, cfg, grouped_matmul, live, qmm, kernels.moe_router)[0], mix
+        y = moe.ffn(lp, h, cfg, grouped_matmul, live, qmm, kernels.moe_router,
+                    experts_on=kernels.experts)[0]  # fmt: skip
+        return x + y, mix
     return x + swiglu(lp, h, qmm, live), mix
 
 
@@ -198,6 +200,7 @@ def forward(
     delta_fn=None,
     grouped_matmul=None,
     moe_router=None,
+    experts=None,
 ):
     """One hybrid model step over packed tokens.
 
@@ -205,8 +208,8 @@ def forward(
       params: params.load_params' pytree of a qwen35 file; kv: init_kv's caches;
       state: init_state's arrays; batch: dense.forward's arrays plus slots [S] (-1 for
         padding rows) and fresh [S] (1 on a slot's first row: its state starts from zero).
-      attention_fn, quant_matmul, grouped_matmul, moe_router: as dense.forward; delta_fn: the
-        gated delta rule in place (default: gated_delta_in_place_reference).
+      attention_fn, quant_matmul, grouped_matmul, moe_router, experts: as dense.forward;
+        delta_fn: the gated delta rule in place (default: gated_delta_in_place_reference).
     Returns:
       (logits [R, V] float32, new kv, new state).
     """
@@ -227,7 +230,8 @@ def forward(
     conv, ssm = state["conv"], state["ssm"]
     new_kv = []
     li = ai = 0
-    kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta, moe_router=moe_router)
+    kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta, moe_router=moe_router,
+                      experts=experts)  # fmt: skip
     for lp, recurrent in zip(params["layers"], cfg.own.recurrent, strict=True):
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
@@ -340,7 +344,7 @@ class HybridFamily:
         k = kernels
         logits, caches, slot_state = forward(
             params, caches, slot_state, batch, cfg, k.attention, k.quant_matmul, k.gated_delta,
-            k.grouped_matmul, k.moe_router,
+            k.grouped_matmul, k.moe_router, k.experts,
         )  # fmt: skip
         return logits, caches, slot_state, {}
 

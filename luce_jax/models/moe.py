@@ -14,6 +14,8 @@ Shapes: T tokens, d model width, E experts, k experts per token, F expert FFN wi
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,7 +194,7 @@ def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, limit: float = 0.0,
 
 
 def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None, router=None,
-        tokens=None):  # fmt: skip
+        tokens=None, experts_on=None):  # fmt: skip
     """The MoE FFN of one layer.
 
     Args:
@@ -206,6 +208,8 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
         sizes the experts', a (token, expert) pair at a time (`by_rows`).
       router: the router kernel (Kernels.moe_router), or None (`route`); tokens: [T] token
         ids, for a hash-routed layer (`route`).
+      experts_on: Kernels.experts: runs `routed` where the experts' weights are (each device
+        its own experts, the outputs summed), or None (here, all of them).
     Returns:
       ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
        plus the shared expert's output where there is one (times sigmoid(h . shexp_gate)
@@ -214,27 +218,10 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
        step's routing, which `expert_counts` turns into its statistics).
     """
     gmm = grouped_matmul or grouped_matmul_xla
-    T, k = h.shape[0], cfg.n_experts_used
-    if by_rows((lp["w_gu_exps"], lp["w_down_exps"]), T * k, qmm):
-        hn, x8 = normed_rows(h, lp["w_gu_exps"], qmm)
-        w, experts = route(hn, lp, cfg, router, live, tokens)
-        flat = experts.reshape(-1)  # padding rows' pairs: expert E, in no group
-        y = ffn_rows(lp, hn, x8, flat, k, qmm, cfg.swiglu_limit)  # [S, T*k, d]
-        # the splits and a token's k experts summed in one reduction (one kernel, not two)
-        out = jnp.sum(y.reshape(y.shape[0], T, k, -1) * w[None, :, :, None], axis=(0, 2))
-    else:
-        w, experts = route(h, lp, cfg, router, live, tokens)
-        flat = experts.reshape(-1)
-        h = h.array() if isinstance(h, Normed) else h
-        order, sizes = group(experts, cfg.n_experts)
-        tok = order // k  # token of each grouped row
-        wdt = lp["w_gu_exps"].dtype
-        x = h[tok].astype(wdt)  # [T*k, d], grouped by expert
-        act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, limit=cfg.swiglu_limit,
-                  out_dtype=wdt)  # fmt: skip
-        y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
-        y = y * w.reshape(-1)[order][:, None]
-        out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y)
+    run = functools.partial(routed, cfg=cfg, gmm=gmm, qmm=qmm, router=router)
+    own = {k: lp[k] for k in ROUTED if k in lp}
+    out, flat = run(own, h, live, tokens) if experts_on is None else experts_on(
+        run, own, h, live, tokens)  # fmt: skip
     if "w_gu_shexp" in lp:  # every token also takes the shared expert (qwen35moe's gated)
         gu = linear(h, lp["w_gu_shexp"], qmm)
         shared = linear(Gated(gu, cfg.swiglu_limit), lp["w_down_shexp"], qmm)
@@ -244,3 +231,46 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
             shared = jax.nn.sigmoid(hx @ lp["shexp_gate"])[:, None] * shared
         out = out + shared
     return out, flat
+
+
+# A layer's params that `routed` reads: the router's and the routed experts'.
+ROUTED = ("router", "router_bias", "tid2eid", "w_gu_exps", "w_down_exps")
+
+
+def routed(lp: dict, h, live, tokens, *, cfg: ModelConfig, gmm, qmm, router, first=None):
+    """`ffn`'s routed experts: ([T, d] float32, pairs [T*k]), `ffn`'s arguments.
+
+    first: None where lp holds every expert; else the id of the first of the E / n experts lp
+    holds (a device's, device/sharded_kernels.py): every token is routed over all E, and only
+    the pairs whose expert is held here are computed (the others weigh 0 and count in no
+    group), so the sum over devices is the whole output. pairs are all E's ids either way."""
+    T, k = h.shape[0], cfg.n_experts_used
+    E = lp["w_gu_exps"].shape[0]  # the experts held here
+
+    def held(w, experts):  # pairs of other experts: weight 0, expert E (padding)
+        if first is None:
+            return w, experts
+        e = experts - first
+        mine = (e >= 0) & (e < E)
+        return jnp.where(mine, w, 0.0), jnp.where(mine, e, E)
+
+    if by_rows((lp["w_gu_exps"], lp["w_down_exps"]), T * k, qmm):
+        hn, x8 = normed_rows(h, lp["w_gu_exps"], qmm)
+        w, experts = route(hn, lp, cfg, router, live, tokens)
+        flat = experts.reshape(-1)  # padding rows' pairs: expert E, in no group
+        w, experts = held(w, experts)
+        y = ffn_rows(lp, hn, x8, experts.reshape(-1), k, qmm, cfg.swiglu_limit)  # [S, T*k, d]
+        # the splits and a token's k experts summed in one reduction (one kernel, not two)
+        return jnp.sum(y.reshape(y.shape[0], T, k, -1) * w[None, :, :, None], axis=(0, 2)), flat
+    w, experts = route(h, lp, cfg, router, live, tokens)
+    flat = experts.reshape(-1)
+    w, experts = held(w, experts)
+    h = h.array() if isinstance(h, Normed) else h
+    order, sizes = group(experts, E)
+    tok = order // k  # token of each grouped row
+    wdt = lp["w_gu_exps"].dtype
+    x = h[tok].astype(wdt)  # [T*k, d], grouped by expert
+    act = gmm(x, lp["w_gu_exps"], sizes, swiglu=True, limit=cfg.swiglu_limit, out_dtype=wdt)
+    y = gmm(act, lp["w_down_exps"], sizes, out_dtype=jnp.float32)  # [T*k, d]
+    y = y * w.reshape(-1)[order][:, None]
+    return jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(y), flat
