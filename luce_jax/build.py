@@ -8,6 +8,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from .config import DEFAULT_MODEL, FLOAT_CACHE_TYPES, EngineConfig
 from .kv_sizing import kv_spaces
 from .startup import StartupClock
@@ -102,7 +104,9 @@ def _load(config: EngineConfig, clock: StartupClock):
                   for g in groups]  # fmt: skip
     spaces = kv_spaces(config, groups, device, state_bytes(mc, config), weights)
     # started after the pool is sized: a load in progress would move the allocator's figures
-    loading = _in_background(load_params, f, file_cfg, config.dtype, quantized, False, placement)
+    orders = _expert_orders(config, mc, shapes, placement)
+    loading = _in_background(load_params, f, file_cfg, config.dtype, quantized, False, placement,
+                             orders)  # fmt: skip
     for g, s in zip(groups, spaces, strict=True):
         per_block = s.block_size * s.tokens_per_entry
         log.info(
@@ -142,6 +146,11 @@ def _load(config: EngineConfig, clock: StartupClock):
         ngram=config.spec_mode == "ngram" and "ngram" in family.device_proposers,
         placement=placement,
     )  # fmt: skip
+    runner.expert_orders = orders
+    if config.record_expert_stats:
+        if not mc.n_experts:
+            raise ValueError(f"record_expert_stats={config.record_expert_stats!r}: no experts")
+        runner.record_experts()
     engine = StepEngine(config, runner)
     # structured output: xgrammar loads on the first request that asks for it
     engine.grammars = Grammars(tokenizer.token_bytes, tokenizer.eog_ids, mc.vocab_size)
@@ -183,6 +192,31 @@ def _placement(config: EngineConfig, mc):
     placement = Placement(mesh, expert_parallel, split_experts)
     log.info("%d devices: %s", placement.n, ", ".join(str(d) for d in mesh.devices.flat))
     return placement
+
+
+def _expert_orders(config: EngineConfig, mc, shapes, placement):
+    """The stored order of each MoE layer's experts under `--expert-placement`
+    (expert_stats.balanced_order), or None."""
+    if not config.expert_placement:
+        return None
+    from . import expert_stats
+
+    bad = lambda why: ValueError(f"expert_placement={config.expert_placement!r}: {why}")
+    if not mc.n_experts:
+        raise bad("the model has no experts")
+    if placement is None or not placement.expert_parallel:
+        raise bad("places experts over devices: needs expert parallelism (expert_parallel 0)")
+    if mc.expert_groups > 1:  # group-limited routing reads experts in their stored groups
+        raise bad(f"the model routes within groups of experts (expert_groups={mc.expert_groups})")
+    moe_layers = sum("router" in lp for lp in shapes["layers"])
+    counts = expert_stats.load(config.expert_placement, moe_layers, mc.n_experts)
+    orders = expert_stats.balanced_order(counts, placement.n)
+    before = expert_stats.device_shares(counts, np.tile(np.arange(mc.n_experts), (moe_layers, 1)),
+                                        placement.n).max()  # fmt: skip
+    after = expert_stats.device_shares(counts, orders, placement.n).max()
+    log.info("expert placement: the busiest device's share of a layer's routed tokens at most "
+             "%.2f (%.2f in file order)", after, before)  # fmt: skip
+    return orders
 
 
 def _in_background(fn, *args):
@@ -343,7 +377,17 @@ class EngineHandle:
 
     def close(self) -> None:
         self.loop.stop()
-        self.engine.runner.close()
+        self.finish()
+
+    def finish(self) -> None:
+        """After the engine thread has stopped: the processes that follow this one's steps
+        stop, and the routing histogram is written where one is recorded."""
+        runner = self.engine.runner
+        runner.close()
+        if self.config.record_expert_stats and runner.expert_totals is not None:
+            from .expert_stats import save
+
+            save(self.config.record_expert_stats, runner.expert_counts())
 
 
 def start_engine(config: EngineConfig) -> EngineHandle:

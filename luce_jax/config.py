@@ -172,6 +172,10 @@ class EngineConfig:
     coordinator: str | None = None
     num_processes: int = 1
     process_id: int = 0
+    # MoE routing histogram (expert_stats.py): written to record_expert_stats when the engine
+    # stops; read from expert_placement to even the devices' shares of routed tokens
+    record_expert_stats: str | None = None
+    expert_placement: str | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -234,6 +238,8 @@ class EngineConfig:
             bad("process_id", f"must be in 0..{n - 1} (num_processes={n})")
         if n > 1 and not (isinstance(self.coordinator, str) and ":" in self.coordinator):
             bad("coordinator", "must be host:port of process 0 with num_processes > 1")
+        if self.expert_placement is not None and tp == 1:
+            bad("expert_placement", "places experts over several devices; tensor_parallel=1")
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             bad("draft_tokens", f"must be at most {MAX_DRAFT_TOKENS}")
         if self.kv_block_size & (self.kv_block_size - 1):

@@ -34,6 +34,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         handle = start_engine(EngineConfig(model=str(model or DEFAULT_MODEL), **kwargs))
+        self.handle = handle
         self.tokenizer, self.engine = handle.tokenizer, handle.engine
         self.scheduler, self.loop = handle.scheduler, handle.loop
         self.config = self.engine.config
@@ -95,7 +96,7 @@ class LLM:
         return outs
 
     def close(self) -> None:
-        self.loop.stop()
+        self.handle.close()
 
     def __enter__(self):
         return self

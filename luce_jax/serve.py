@@ -88,6 +88,10 @@ HELP = {
     "coordinator": "several hosts: host:port where process 0 coordinates (jax.distributed)",
     "num_processes": "several hosts: processes in all (--tensor-parallel = all their devices)",
     "process_id": "several hosts: this process's index; 0 serves HTTP, the others follow it",
+    "record_expert_stats": "MoE models: write the tokens routed to each expert of each layer "
+    "to this JSON file when the server stops",
+    "expert_placement": "a --record-expert-stats file: experts placed over the devices so "
+    "each device's take an even share of the routed tokens (expert parallelism)",
 }
 
 
@@ -332,8 +336,8 @@ def main(argv=None) -> int:
     code = 1 if failed else 0
     if state.engine is not None:
         state.engine.loop.stop(timeout=1.0)
-        if not state.engine.loop.running:  # processes that follow this one's steps stop
-            state.engine.engine.runner.close()
+        if not state.engine.loop.running:  # followers stop; the expert stats are written
+            state.engine.finish()
     if loader.is_alive() or (state.engine is not None and state.engine.loop.running):
         # Loading and compiling cannot be interrupted, nor can a step on the device (a long
         # CPU prefill): exit now rather than when they end, as a user pressing Ctrl-C expects

@@ -45,6 +45,7 @@ def load_params(
     quantized: bool = False,
     abstract: bool = False,
     placement=None,
+    expert_order=None,
 ) -> tuple[ModelConfig, dict]:
     """Copy the model's tensors to the device, dequantized to `dtype` or kept in their blocks.
 
@@ -59,6 +60,8 @@ def load_params(
         params go to the mesh as soon as they are made, each device receiving only its shard
         (`load_onto`). No device of the mesh holds a split weight whole, and the host holds
         about one layer's tensors (plus the prefetch window) rather than the model.
+      expert_order: [L_moe, E] (expert_stats.balanced_order): each MoE layer's experts stored
+        in that order, the router's columns with them (`reorder_experts`); None: file order.
     Returns:
       (cfg with tied_embeddings set, params). Dense linear weights are stored [in, out] and the
       q/k/v and gate/up projections are fused: wqkv [d, (H+2K)*D], w_gu [d, 2F] (QuantWeights
@@ -173,7 +176,12 @@ def load_params(
         family = family_of(cfg)
         t = SimpleNamespace(tensor=tensor, linear=linear, ffn=ffn, f32=f32)
         onto = (lambda tree: tree) if placement is None else placement.load_onto
-        layers = [onto(family.layer_params(cfg, i, t)) for i in range(cfg.n_layers)]
+        layers, moe = [], 0
+        for i in range(cfg.n_layers):
+            lp = family.layer_params(cfg, i, t)
+            if expert_order is not None and "router" in lp:
+                lp, moe = reorder_experts(lp, expert_order[moe]), moe + 1
+            layers.append(onto(lp))
         params = {
             "embed": tensor("token_embd.weight", keep=True),
             "final_norm": tensor("output_norm.weight", out_dtype=f32),
@@ -203,6 +211,28 @@ def load_params(
         if vocab != cfg.vocab_size:
             cfg = dataclasses.replace(cfg, vocab_size=vocab)
         return dataclasses.replace(cfg, tied_embeddings=lm_head is None), params
+
+
+def reorder_experts(lp: dict, order) -> dict:
+    """A MoE layer's params with its experts stored in `order` (file ids, [E]): the stacked
+    experts and the router's columns (and selection bias) taken in that order, a hash-routed
+    layer's token -> experts table pointing at the new places. Routing then picks the same
+    experts, at their new indices: the layer's output does not change."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    idx = jnp.asarray(order)
+    out = dict(lp)
+    for k in ("w_gu_exps", "w_down_exps"):
+        out[k] = jax.tree.map(lambda a: jnp.take(a, idx, axis=0), lp[k])
+    out["router"] = jnp.take(lp["router"], idx, axis=1)
+    if "router_bias" in lp:
+        out["router_bias"] = jnp.take(lp["router_bias"], idx)
+    if "tid2eid" in lp:
+        place = jnp.asarray(np.argsort(order), lp["tid2eid"].dtype)  # file id -> stored index
+        out["tid2eid"] = place[lp["tid2eid"]]
+    return out
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
