@@ -105,7 +105,8 @@ def test_a_moe_model_splits_its_experts_or_their_width(paths, ep, backend):
     """By expert on the first two devices, the grouped-expert kernel (interpret mode) on each
     device's experts: a step's only gathers and sums are one [T, d] sum per layer for the
     attention output and one for the experts, and the logits rows (no expert weight or routed
-    row moves; the fused q|k|v rows are permuted into each device's heads). Or by FFN width on the devices asked for, XLA's grouped matmul partitioned."""
+    row moves; the fused q|k|v rows are permuted into each device's heads). Or by FFN width
+    on the devices asked for, XLA's grouped matmul partitioned."""
     devices = None if ep == 0 else (3, 1)
     llm = same_as_one_device(paths["qwen3moe"], tensor_parallel=2, expert_parallel=ep,
                              devices=devices, moe_backend=backend)  # fmt: skip
