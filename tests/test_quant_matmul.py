@@ -108,15 +108,17 @@ def test_kernel_matches_reference(qtype, K, N, vps, M):
 def live_cases():
     """ragged_cases with one live row (the vector path) and three (the dot path); LATER_TYPES
     take the vector path only (their dot path over a ragged K: test_kernel_matches_reference
-    at M = 3)."""
+    at M = 3). The live-row masks are the same for every type: ROW_TYPES run by default, the
+    rest with `-m slow`."""
     for c in ragged_cases():
         for live in (1, 3):
             if live == 1 or c[0] not in LATER_TYPES:
-                yield (*c, live, 2)
+                slow = () if c[0] in ROW_TYPES else pytest.mark.slow  # masks alike for all
+                yield pytest.param(*c, live, 2, marks=slow, id=f"{c}-{live}")
 
 
 # (two live rows on the vector path: test_the_int8_activation_path_matches_..., the default)
-@pytest.mark.parametrize("qtype, K, N, vps, live, vector_rows", list(live_cases()), ids=str)
+@pytest.mark.parametrize("qtype, K, N, vps, live, vector_rows", list(live_cases()))
 def test_live_rows_match_the_reference_on_either_path(qtype, K, N, vps, live, vector_rows):
     """A step's real rows lead x; with at most vector_rows of them the vector-unit path runs
     for just that many rows (the dot path otherwise), and the real rows equal the reference
@@ -279,7 +281,14 @@ def test_int8_activations_reach_the_experts_rows():
         np.testing.assert_allclose(got[m], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+def by_block_structure():
+    """Every type, those outside ROW_TYPES marked slow: for paths whose decoding is the same
+    loop as test_kernel_matches_reference's (held there for every type), one type of each
+    block size and of 16-value groups runs by default."""
+    return [pytest.param(q, marks=() if q in ROW_TYPES else pytest.mark.slow) for q in TYPES]
+
+
+@pytest.mark.parametrize("qtype", by_block_structure())
 def test_rows_times_their_own_experts_match_the_reference(qtype):
     """With a stack of expert weights, each row is multiplied by the weights of its expert
     (repeated experts, any order, a K that ends inside a step and an N inside a tile), and rows
@@ -303,7 +312,7 @@ def test_rows_times_their_own_experts_match_the_reference(qtype):
         quant_matmul(x, weight(qtype, N, K), experts=experts, interpret=True)
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", by_block_structure())
 def test_bfloat16_activations_and_output(qtype):
     w = weight(qtype, 32, 512, seed=3)
     x = jax.random.normal(jax.random.key(1), (8, 512), jnp.float32).astype(jnp.bfloat16)
