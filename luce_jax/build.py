@@ -8,8 +8,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from .config import DEFAULT_MODEL, FLOAT_CACHE_TYPES, EngineConfig
 from .kv_sizing import kv_spaces
 from .startup import StartupClock
@@ -104,7 +102,12 @@ def _load(config: EngineConfig, clock: StartupClock):
                   for g in groups]  # fmt: skip
     spaces = kv_spaces(config, groups, device, state_bytes(mc, config), weights)
     # started after the pool is sized: a load in progress would move the allocator's figures
-    orders = _expert_orders(config, mc, shapes, placement)
+    orders = None
+    if config.expert_placement:
+        from .expert_stats import placement_orders
+
+        moe_layers = sum("router" in lp for lp in shapes["layers"])
+        orders = placement_orders(config.expert_placement, mc, moe_layers, placement)
     loading = _in_background(load_params, f, file_cfg, config.dtype, quantized, False, placement,
                              orders)  # fmt: skip
     for g, s in zip(groups, spaces, strict=True):
@@ -150,7 +153,9 @@ def _load(config: EngineConfig, clock: StartupClock):
     if config.record_expert_stats:
         if not mc.n_experts:
             raise ValueError(f"record_expert_stats={config.record_expert_stats!r}: no experts")
-        runner.record_experts()
+        from .device.expert_tally import ExpertTally
+
+        runner.tally = ExpertTally(runner.params, mc.n_experts)
     engine = StepEngine(config, runner)
     # structured output: xgrammar loads on the first request that asks for it
     engine.grammars = Grammars(tokenizer.token_bytes, tokenizer.eog_ids, mc.vocab_size)
@@ -192,31 +197,6 @@ def _placement(config: EngineConfig, mc):
     placement = Placement(mesh, expert_parallel, split_experts)
     log.info("%d devices: %s", placement.n, ", ".join(str(d) for d in mesh.devices.flat))
     return placement
-
-
-def _expert_orders(config: EngineConfig, mc, shapes, placement):
-    """The stored order of each MoE layer's experts under `--expert-placement`
-    (expert_stats.balanced_order), or None."""
-    if not config.expert_placement:
-        return None
-    from . import expert_stats
-
-    bad = lambda why: ValueError(f"expert_placement={config.expert_placement!r}: {why}")
-    if not mc.n_experts:
-        raise bad("the model has no experts")
-    if placement is None or not placement.expert_parallel:
-        raise bad("places experts over devices: needs expert parallelism (expert_parallel 0)")
-    if mc.expert_groups > 1:  # group-limited routing reads experts in their stored groups
-        raise bad(f"the model routes within groups of experts (expert_groups={mc.expert_groups})")
-    moe_layers = sum("router" in lp for lp in shapes["layers"])
-    counts = expert_stats.load(config.expert_placement, moe_layers, mc.n_experts)
-    orders = expert_stats.balanced_order(counts, placement.n)
-    before = expert_stats.device_shares(counts, np.tile(np.arange(mc.n_experts), (moe_layers, 1)),
-                                        placement.n).max()  # fmt: skip
-    after = expert_stats.device_shares(counts, orders, placement.n).max()
-    log.info("expert placement: the busiest device's share of a layer's routed tokens at most "
-             "%.2f (%.2f in file order)", after, before)  # fmt: skip
-    return orders
 
 
 def _in_background(fn, *args):
@@ -384,10 +364,11 @@ class EngineHandle:
         stop, and the routing histogram is written where one is recorded."""
         runner = self.engine.runner
         runner.close()
-        if self.config.record_expert_stats and runner.expert_totals is not None:
-            from .expert_stats import save
+        if runner.tally is not None:
+            from .expert_stats import in_file_order, save
 
-            save(self.config.record_expert_stats, runner.expert_counts())
+            counts = in_file_order(runner.tally.counts(runner.placement), runner.expert_orders)
+            save(self.config.record_expert_stats, counts)
 
 
 def start_engine(config: EngineConfig) -> EngineHandle:

@@ -69,6 +69,35 @@ def balanced_order(counts: np.ndarray, n: int) -> np.ndarray:
     return orders
 
 
+def placement_orders(path: str, mc, moe_layers: int, placement) -> np.ndarray:
+    """`--expert-placement path`: each MoE layer's stored expert order (`balanced_order` over
+    the placement's devices) for the model `mc`, with what it does to the busiest device's
+    share logged."""
+    bad = lambda why: ValueError(f"expert_placement={path!r}: {why}")
+    if not mc.n_experts:
+        raise bad("the model has no experts")
+    if placement is None or not placement.expert_parallel:
+        raise bad("places experts over devices: needs expert parallelism (expert_parallel 0)")
+    if mc.expert_groups > 1:  # group-limited routing reads experts in their stored groups
+        raise bad(f"the model routes within groups of experts (expert_groups={mc.expert_groups})")
+    counts = load(path, moe_layers, mc.n_experts)
+    orders = balanced_order(counts, placement.n)
+    before = device_shares(counts, np.tile(np.arange(mc.n_experts), (moe_layers, 1)), placement.n)
+    after = device_shares(counts, orders, placement.n)
+    log.info("expert placement: the busiest device's share of a layer's routed tokens at most "
+             "%.2f (%.2f in file order)", after.max(), before.max())  # fmt: skip
+    return orders
+
+
+def in_file_order(stored: np.ndarray, orders: np.ndarray | None) -> np.ndarray:
+    """Counts [L, E] of experts stored in `orders` (None: file order) back in file order."""
+    if orders is None:
+        return stored
+    counts = np.empty_like(stored)
+    np.put_along_axis(counts, orders, stored, axis=1)
+    return counts
+
+
 def device_shares(counts: np.ndarray, orders: np.ndarray, n: int) -> np.ndarray:
     """[L, n]: each device's share of each layer's routed tokens with experts in `orders`."""
     L, E = counts.shape

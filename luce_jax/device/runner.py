@@ -137,7 +137,7 @@ class Runner:
         # Device arrays of the last step's model statistics (MoE: expert_counts [L_moe, E]);
         # never fetched unless asked (trace.StepTracer), so they cost the step no sync.
         self.last_stats: dict = {}
-        self.expert_totals = None  # record_experts: expert_counts summed over steps (device)
+        self.tally = None  # device/expert_tally.py's, where the routing is recorded
         self.expert_orders = None  # [L_moe, E] the experts' stored order, or None (file order)
         self.programs = BucketPrograms(
             self.step_function, donate=(1, 2, 3, 4), name="step",
@@ -339,8 +339,8 @@ class Runner:
         )  # fmt: skip
         logits, row_tokens, self.kv, model_state, st["prompt_mask"], self.draft_kv = out[:6]
         self.last_stats = out[6]
-        if self.expert_totals is not None:  # one small add a step, queued behind it
-            self.expert_totals = self.expert_totals + self.last_stats["expert_counts"]
+        if self.tally is not None:
+            self.tally.add(self.last_stats)
         if model_state is not None:
             st["model"] = model_state
         return Forward(logits, row_tokens, self.logit_width(T, S), S, out[8], out[7])
@@ -384,21 +384,6 @@ class Runner:
             mask = np.full((S, mask_words(self.cfg.vocab_size)), -1, np.int32)
             self._open[S] = self.placement.put(mask, self.placement.replicated)
         return self._open[S]
-
-    def record_experts(self) -> None:
-        """Sum each step's routed tokens per expert from now on (expert_counts)."""
-        moe_layers = sum("router" in lp for lp in self.params["layers"])
-        self.expert_totals = jnp.zeros((moe_layers, self.cfg.n_experts), jnp.int32)
-
-    def expert_counts(self) -> np.ndarray:
-        """[L_moe, E] tokens routed to each expert since record_experts, in the file's expert
-        order."""
-        stored = np.asarray(self.placement.local(self.expert_totals))
-        if self.expert_orders is None:
-            return stored
-        counts = np.empty_like(stored)
-        np.put_along_axis(counts, self.expert_orders, stored, axis=1)
-        return counts
 
     def close(self) -> None:
         """After the last step: the processes that follow this one's stream stop."""
