@@ -102,11 +102,10 @@ def _load(config: EngineConfig, clock: StartupClock):
                   for g in groups]  # fmt: skip
     spaces = kv_spaces(config, groups, device, state_bytes(mc, config), weights)
     # started after the pool is sized: a load in progress would move the allocator's figures
-    orders = None
+    orders, moe_layers = None, sum("router" in lp for lp in shapes["layers"])
     if config.expert_placement:
         from .expert_stats import placement_orders
 
-        moe_layers = sum("router" in lp for lp in shapes["layers"])
         orders = placement_orders(config.expert_placement, mc, moe_layers, placement)
     loading = _in_background(load_params, f, file_cfg, config.dtype, quantized, False, placement,
                              orders)  # fmt: skip
@@ -155,7 +154,7 @@ def _load(config: EngineConfig, clock: StartupClock):
             raise ValueError(f"record_expert_stats={config.record_expert_stats!r}: no experts")
         from .device.expert_tally import ExpertTally
 
-        runner.tally = ExpertTally(runner.params, mc.n_experts)
+        runner.tally = ExpertTally(moe_layers, mc.n_experts)
     engine = StepEngine(config, runner)
     # structured output: xgrammar loads on the first request that asks for it
     engine.grammars = Grammars(tokenizer.token_bytes, tokenizer.eog_ids, mc.vocab_size)

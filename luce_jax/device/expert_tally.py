@@ -11,8 +11,7 @@ class ExpertTally:
     """The forward pass's expert_counts [L_moe, E] of every step, summed where they are: one
     small add a step, queued behind it, and no wait for the device until `counts`."""
 
-    def __init__(self, params: dict, experts: int):
-        moe_layers = sum("router" in lp for lp in params["layers"])
+    def __init__(self, moe_layers: int, experts: int):
         self.totals = jnp.zeros((moe_layers, experts), jnp.int32)
 
     def add(self, stats: dict) -> None:
