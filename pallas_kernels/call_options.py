@@ -14,15 +14,18 @@ def whole(a) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
-def call_options(interpret: bool | None, num_warps: int, num_stages: int) -> dict:
-    """pallas_call's interpret flag (default: on the CPU, where there is no Triton) and, on
-    the GPU, the Triton compiler parameters."""
+def call_options(interpret: bool | None, num_warps: int, num_stages: int, *, name: str) -> dict:
+    """pallas_call's interpret flag (default: on the CPU, where there is no Triton), the
+    kernel's name and, on the GPU, the Triton compiler parameters. The name is what a profile
+    shows for the launch (bench/engine/profile_step.py): every kernel function here is
+    `_kernel`, which profiles told apart only as `_kernel__1`, `_kernel__2`, ..."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if interpret:
-        return {"interpret": True}
+        return {"interpret": True, "name": name}
     return {
         "interpret": False,
+        "name": name,
         "compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     }
 

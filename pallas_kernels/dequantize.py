@@ -115,7 +115,7 @@ def dequantize(
         in_specs=[whole(w.head), whole(w.body)],
         out_specs=whole(out),
         out_shape=out,
-        **call_options(interpret, num_warps, num_stages=1),
+        **call_options(interpret, num_warps, 1, name=f"dequantize_{w.qtype}"),
     )(w.head, w.body)
 
 

@@ -145,6 +145,6 @@ def expert_rows(x, w, *, experts, fan_out: int = 1, per_token: int | None = None
         in_specs=[whole(a) for a in (ex, x, w)],
         out_specs=whole(out),
         out_shape=out,
-        **call_options(interpret, num_warps, 1),
+        **call_options(interpret, num_warps, 1, name="expert_rows"),
     )(ex, x, w)[:, :P]
     return parts if splits else parts.sum(0)

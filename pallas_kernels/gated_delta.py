@@ -297,8 +297,7 @@ def gated_delta_in_place(
             jax.ShapeDtypeStruct(state.shape, state.dtype),
         ],
         input_output_aliases={len(args) - 1: 1},
-        name="gated_delta",
-        **call_options(interpret, num_warps, 1),
+        **call_options(interpret, num_warps, 1, name="gated_delta"),
     )(*args)
     real = jnp.arange(T) < cu_q_lens[-1]
     return jnp.where(real[:, None, None], o, 0.0), state

@@ -137,7 +137,7 @@ def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, pt
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
 
 
-def _call(kernel, grid, inputs, M: int, K: int, dtype=None, *, interpret):
+def _call(kernel, grid, inputs, M: int, K: int, dtype=None, *, interpret, name: str):
     """The pallas_call of a kernel that writes int8 rows of [M, K] values (q, d, s16, s32), and
     first those values [M, K] in dtype where dtype is given."""
     out = (
@@ -153,7 +153,7 @@ def _call(kernel, grid, inputs, M: int, K: int, dtype=None, *, interpret):
         in_specs=[whole(a) for a in inputs],
         out_specs=[whole(o) for o in out],
         out_shape=out,
-        **call_options(interpret, num_warps=4, num_stages=1),
+        **call_options(interpret, 4, 1, name=name),
     )(*inputs)
     return tuple(res) if dtype is None else (res[0], tuple(res[1:]))
 
@@ -192,7 +192,7 @@ def int8_rows(x, *, ptx: bool | None = None, interpret: bool | None = None):
         raise ValueError(f"int8 rows need K a multiple of 32, got x {x.shape}")
     BK, ptx = _block(K), uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_kernel, G=BK // 32, ptx=ptx)
-    return _call(kernel, (M, K // BK), (x,), M, K, interpret=interpret)
+    return _call(kernel, (M, K // BK), (x,), M, K, interpret=interpret, name="int8_rows")
 
 
 def rms_norm(x, w, eps):
@@ -226,7 +226,7 @@ def norm_int8_rows(x, w, *, eps: float, dtype, ptx: bool | None = None, interpre
     G = 1 << max(K // 32 - 1, 0).bit_length()  # a power of two for Triton's tensors
     ptx = uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_norm_kernel, G=G, eps=eps, ptx=ptx)
-    return _call(kernel, (M,), (x, w), M, K, dtype, interpret=interpret)
+    return _call(kernel, (M,), (x, w), M, K, dtype, interpret=interpret, name="norm_int8_rows")
 
 
 def live_sum(parts, live):
@@ -266,4 +266,6 @@ def glu_int8_rows(parts, live, *, dtype, limit: float = 0.0, ptx: bool | None = 
     BK, ptx = _block(F, PARTS_BLOCK), uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_glu_kernel, G=BK // 32, ptx=ptx, limit=limit)
     live = jnp.full((1,), live, jnp.int32)
-    return _call(kernel, (M, F // BK), (parts, live), M, F, dtype, interpret=interpret)
+    return _call(
+        kernel, (M, F // BK), (parts, live), M, F, dtype, interpret=interpret, name="glu_int8_rows"
+    )

@@ -184,7 +184,7 @@ def grouped_matmul(
     # Every tile with rows holds at least one of the M rows, so at most M tiles have rows.
     meta = query_blocks(cu, M, BM, max_blocks=M)  # [NT, 3] (expert, first row, rows)
     NT, NJ = meta.shape[0], -(-N // BN)
-    options = call_options(interpret, num_warps, num_stages)
+    options = call_options(interpret, num_warps, num_stages, name="grouped_matmul")
 
     kernel = functools.partial(_kernel, BM=BM, BN=BN, BK=BK, N=N, swiglu=swiglu, limit=limit,
                                fmt=w.format if quant else None)  # fmt: skip

@@ -239,6 +239,6 @@ def moe_router(x, router, bias=None, norm=None, *, k: int, scoring: str = "softm
         in_specs=[whole(a) for a in (live, x, router, bias, nw)],
         out_specs=[whole(s) for s in shapes],
         out_shape=shapes,
-        **call_options(interpret, num_warps, 1),
+        **call_options(interpret, num_warps, 1, name="moe_router"),
     )(live, x, router, bias, nw)
     return w[:, :k], ex[:, :k]

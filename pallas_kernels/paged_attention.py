@@ -356,7 +356,7 @@ def paged_attention(
         ptx=uses_ptx(interpret),
         pieces=tuple(1 if kind == "plain" else pieces or TILE_PIECES[kind] for kind in kinds),
     )
-    options = call_options(interpret, num_warps, num_stages)
+    options = call_options(interpret, num_warps, num_stages, name="paged_attention")
     # Partials [NS, T + BQ, K, G, (D)] at the rows and heads they belong to; rows outside every
     # segment and padded heads are never written (undefined until the combine drops them).
     lead = (ns, T + bq, K, Gp)

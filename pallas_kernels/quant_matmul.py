@@ -374,6 +374,9 @@ def quant_matmul(
         xw = x.astype(jnp.float32)
     live = jnp.full((1,), M if live is None else live, jnp.int32)
     ex = jnp.zeros((1,), jnp.int32) if experts is None else experts.astype(jnp.int32)
+    # the launch's name in a profile: quant_matmul_q4_k_experts, quant_matmul_q6_k_vector (a
+    # call that takes the vector path when few rows are live), quant_matmul_q8_0_dots
+    name = f"quant_matmul_{w.qtype}_{'experts' if E else 'vector' if R else 'dots'}"
     out = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
     parts = pl.pallas_call(
         kernel,
@@ -381,6 +384,6 @@ def quant_matmul(
         in_specs=[whole(a) for a in (live, ex, x, xw, dx, sx, w.head, w.body)],
         out_specs=whole(out),
         out_shape=out,
-        **call_options(interpret, num_warps, num_stages),
+        **call_options(interpret, num_warps, num_stages, name=name),
     )(live, ex, x, xw, dx, sx, w.head, w.body)
     return parts if splits else parts.sum(0).astype(out_dtype)

@@ -270,7 +270,7 @@ def rope_write(qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads: int, kv_hea
         out_specs=[whole(a) for a in shapes],
         out_shape=shapes,
         input_output_aliases={6 + i: 1 + i for i in range(len(arrays))},
-        **call_options(interpret, num_warps, 1),
+        **call_options(interpret, num_warps, 1, name="rope_write"),
     )(*inputs)
     if kinds[0] == "plain":
         kc, new = new[0], new[1:]

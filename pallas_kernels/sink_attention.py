@@ -135,7 +135,6 @@ def sink_attention(q, caches, rows, sinks, *, scale: float, interpret: bool | No
         in_specs=[whole(a) for a in operands],
         out_specs=pl.BlockSpec((T, Hp, D), lambda *_: (0, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((T, Hp, D), jnp.float32),
-        name="sink_attention",
-        **call_options(interpret, num_warps, num_stages),
+        **call_options(interpret, num_warps, num_stages, name="sink_attention"),
     )(*operands)
     return out[:, :H]

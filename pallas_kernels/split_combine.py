@@ -94,5 +94,5 @@ def split_combine(acc, m, den, cu_q_lens, T: int, H: int, dtype, *, interpret=No
         in_specs=[whole(x) for x in inputs],
         out_specs=whole(shape),
         out_shape=shape,
-        **call_options(interpret, num_warps, 1),
+        **call_options(interpret, num_warps, 1, name="split_combine"),
     )(*inputs)

@@ -274,6 +274,9 @@ def test_profile_attributes_step_time_to_model_parts(engine_config):
     assert abs(sum(per_part.values()) - r["kernels_per_step"]) < 1e-9 and per_part["mlp"] > 0
     table = profile_step.markdown([r], "t")
     assert "| kernels per step |" in table and f"| {per_part['mlp']:.0f} |" in table
+    # each kernel's launches a step: the parts' kernels, counted by name
+    launches = sum(k[3] for k in r["top_kernels_ms"])
+    assert 0 < launches <= r["kernels_per_step"] + 1e-9 and "| launches per step |" in table
 
 
 def test_kernel_ptx_reports_what_a_kernel_compiles_to_for_the_h200():

@@ -64,8 +64,8 @@ def _variants(name: str) -> list[str]:
 
 
 def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, float, list, dict]:
-    """(ms per category, ms per (kernel, category), busy ms, span ms, gaps, kernels per
-    category) over the trace's device events; the span runs from the first one's start to the
+    """(ms per category, (ms, launches) per (kernel, category), busy ms, span ms, gaps, kernels
+    per category) over the trace's device events; the span runs from the first one's start to the
     last one's end, so span - busy is the time the device waited (for launches, transfers or
     the host), gaps lists the 8 longest waits as (ms, kernel before, kernel after), and the
     kernels count the events.
@@ -83,6 +83,7 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, f
     gpu = {p for p, n in pname.items() if "GPU" in n or "gpu" in n}
     streams = {k for k, n in tname.items() if k[0] in gpu and "Stream" in n}
     by_cat, by_kernel, spans, counts = defaultdict(float), defaultdict(float), [], defaultdict(int)
+    launches = defaultdict(int)
     for e in ev:
         if e.get("ph") != "X":
             continue
@@ -105,6 +106,7 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, f
         by_cat[cat] += dur
         counts[cat] += 1
         by_kernel[(name, cat)] += dur
+        launches[(name, cat)] += 1
         spans.append((float(e["ts"]) / 1e3, float(e["ts"]) / 1e3 + dur, name))
     busy, end, last, gaps = 0.0, -1e30, "", []
     for a, b, name in sorted(spans):  # union of intervals: overlapping kernels count once
@@ -114,7 +116,8 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, f
             busy += b - max(a, end)
             end, last = b, name
     span = max(b for _, b, _ in spans) - min(a for a, _, _ in spans) if spans else 0.0
-    return dict(by_cat), dict(by_kernel), busy, span, sorted(gaps, reverse=True)[:8], dict(counts)
+    by_kernel = {k: (v, launches[k]) for k, v in by_kernel.items()}
+    return dict(by_cat), by_kernel, busy, span, sorted(gaps, reverse=True)[:8], dict(counts)
 
 
 def _spy(key, exe, used: set):
@@ -211,7 +214,7 @@ def analyze(raw: dict) -> dict:
     step_ms = raw["wall_ms"] / steps
     parts = {k: v / steps for k, v in by_cat.items()}
     parts["host + idle"] = max(step_ms - busy / steps, 0.0)
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:24]
     return {
         "C": raw["C"],
         "ctx": raw["ctx"],
@@ -224,7 +227,7 @@ def analyze(raw: dict) -> dict:
         "kernels_per_part": {k: v / steps for k, v in counts.items()},
         "longest_waits_ms": [(round(g, 3), a[:40], b[:40]) for g, a, b in gaps[:4]],
         "parts_ms": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
-        "top_kernels_ms": [(n, cat, v / steps) for (n, cat), v in top],
+        "top_kernels_ms": [(n, cat, v / steps, c / steps) for (n, cat), (v, c) in top],
     }
 
 
@@ -243,8 +246,13 @@ def markdown(results: list[dict], title: str) -> str:
         for k, v in r["parts_ms"].items():
             n = f"{per_part[k]:.0f}" if k in per_part else ""
             lines.append(f"| {k} | {v:.3f} | {v / r['step_ms']:.1%} | {n} |")
-        lines += ["", "| kernel | part | ms per step |", "| --- | --- | --- |"]
-        lines += [f"| `{n[:70]}` | {c} | {v:.3f} |" for n, c, v in r["top_kernels_ms"][:8]]
+        lines += [
+            "",
+            "| kernel | part | ms per step | launches per step |",
+            "| --- | --- | --- | --- |",
+        ]
+        for n, c, v, *k in r["top_kernels_ms"][:16]:  # records before launches: 3 fields
+            lines.append(f"| `{n[:70]}` | {c} | {v:.3f} | {f'{k[0]:.0f}' if k else ''} |")
         lines.append("")
     return "\n".join(lines)
 

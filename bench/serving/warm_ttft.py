@@ -131,7 +131,7 @@ def main():
             hlo = "\n".join(e.as_text() for e in llm.engine.runner.programs._exec.values())
             by_cat, by_kernel, busy, span, gaps, _ = device_time(tr, hlo_categories(hlo))
             parts = {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
-            top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:8]
+            top = sorted(((k, v) for k, (v, _) in by_kernel.items()), key=lambda kv: -kv[1])[:8]
             log.info("  device busy %.2f ms of a %.2f ms span: %s", busy, span, parts)
             log.info("  top kernels (ms): %s", [(n[:40], c, round(v, 2)) for (n, c), v in top])
             log.info("  longest device waits (ms, before, after): %s",
