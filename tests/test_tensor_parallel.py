@@ -20,19 +20,24 @@ from hf_gguf import hf_to_gguf, make_hf_model
 
 PROMPTS = [list(range(5, 45)), [30, 31, 32], [7] * 21, [100, 101, 102, 103, 104]]
 SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-# greedy rows beside a seeded sampled one (top-k and top-p): its draws are the same too
-SPS = [SP] * 3 + [SamplingParams(max_tokens=10, temperature=0.9, top_k=40, top_p=0.9, seed=7,
-                                 ignore_eos=True)]  # fmt: skip
+# greedy rows (one with its top logprobs, taken from each device's part of the vocabulary)
+# beside a seeded sampled one (top-k and top-p): its draws are the same too
+SPS = [SP, SP, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5),
+       SamplingParams(max_tokens=10, temperature=0.9, top_k=40, top_p=0.9, seed=7,
+                      ignore_eos=True)]  # fmt: skip
 # chunks of 16 prompt tokens: the 40-token prompt is prefilled over three steps beside decodes
 ENGINE = dict(max_concurrency=2, max_ctx=96, prefill_chunk=16, prefill_token_budget=16,
               dtype="float32")  # fmt: skip
 
 
-def run(path: str, **kw) -> tuple[list[list[int]], LLM]:
-    """Greedy tokens of PROMPTS, all at once, and the (still open) LLM."""
+def run(path: str, **kw) -> tuple[list, LLM]:
+    """Tokens of PROMPTS, all at once, with the third's top logprobs' ids (their values to
+    1e-4: a sum over split parts rounds differently), and the (still open) LLM."""
     llm = LLM(path, **ENGINE, **kw)
     before = llm.engine.runner.compiles
-    out = [o.token_ids for o in llm.generate(PROMPTS, SPS)]
+    outs = llm.generate(PROMPTS, SPS)
+    top = [[(i, round(v, 4)) for i, v in alts] for _, alts in outs[2].logprobs]
+    out = [o.token_ids for o in outs] + [top]
     assert llm.engine.runner.compiles == before, "compiled while serving"
     return out, llm
 
@@ -68,9 +73,10 @@ def shard_shapes(x) -> list[tuple]:
 def test_a_dense_model_split_over_two_and_four_devices_serves_one_devices_tokens(paths):
     """On two devices each holds half of each split weight and of the KV heads, and a
     compiled step moves no weight and no KV between devices (the attention runs on each
-    device's heads): its only all-gather is of the logits rows (computed split by
-    vocabulary), its all-reduces the row-parallel projections' [T, d] sums. On four, the
-    model's 2 KV heads are replicated and its 4 query heads split."""
+    device's heads): its only collectives are the row-parallel projections' [T, d] sums. The
+    logits stay split by vocabulary into sampling, which gathers no [R, V] rows unless a row
+    samples under top-k / top-p / min-p (a sort of whole rows). On four, the model's 2 KV
+    heads are replicated and its 4 query heads split."""
     llm = same_as_one_device(paths["qwen3"], tensor_parallel=2)
     runner = llm.engine.runner
     lp = runner.params["layers"][0]
@@ -87,12 +93,12 @@ def test_a_dense_model_split_over_two_and_four_devices_serves_one_devices_tokens
     for T, S in runner.programs._exec:
         text = runner.executable(T, S).as_text()
         ops = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all)\(", text)
-        R, V = runner.logit_width(T, S), runner.cfg.vocab_size
-        for shape, op in ops:
-            dims = tuple(int(x) for x in shape.split(","))
-            want = (R, V) if op == "all-gather" else (T, d)
-            assert dims == want and dims != kc.shape, (T, S, op, dims)
-        assert any(op == "all-gather" for _, op in ops), "the logits are gathered"
+        assert {(tuple(int(x) for x in shape.split(",")), op) for shape, op in ops} == {
+            ((T, d), "all-reduce")}, (T, S, ops)  # fmt: skip
+    for (R, S, filtered, logprobs, _), exe in runner.sample_programs._exec.items():
+        gathered = [x for x in collectives(exe.as_text()) if x[0][-1:] == (runner.cfg.vocab_size,)]
+        assert gathered == ([((R, runner.cfg.vocab_size), "all-gather")] if filtered else []), (
+            R, S, filtered, logprobs, gathered)  # fmt: skip
     llm.close()
     llm = same_as_one_device(paths["qwen3"], tensor_parallel=4)
     kc = llm.engine.runner.kv[0][0]
@@ -104,8 +110,8 @@ def test_a_dense_model_split_over_two_and_four_devices_serves_one_devices_tokens
 def test_a_moe_model_splits_its_experts_or_their_width(paths, ep, backend):
     """By expert on the first two devices, the grouped-expert kernel (interpret mode) on each
     device's experts: a step's only gathers and sums are one [T, d] sum per layer for the
-    attention output and one for the experts, and the logits rows (no expert weight or routed
-    row moves; the fused q|k|v rows are permuted into each device's heads). Or by FFN width
+    attention output and one for the experts (no expert weight, routed row or logits row
+    moves; the fused q|k|v rows are permuted into each device's heads). Or by FFN width
     on the devices asked for, XLA's grouped matmul partitioned."""
     devices = None if ep == 0 else (3, 1)
     llm = same_as_one_device(paths["qwen3moe"], tensor_parallel=2, expert_parallel=ep,
@@ -118,11 +124,9 @@ def test_a_moe_model_splits_its_experts_or_their_width(paths, ep, backend):
     assert {d.id for d in w.devices()} == set(devices or (0, 1))
     for T, S in runner.programs._exec if ep == 0 else ():
         ops = collectives(runner.executable(T, S).as_text())
-        R, V = runner.logit_width(T, S), runner.cfg.vocab_size
         L = runner.cfg.n_layers
         gathers_and_sums = [x for x in ops if x[1] != "collective-permute"]  # of the qkv rows
-        assert sorted(gathers_and_sums) == sorted([((T, d), "all-reduce")] * 2 * L
-                                                  + [((R, V), "all-gather")])  # fmt: skip
+        assert gathers_and_sums == [((T, d), "all-reduce")] * 2 * L
     llm.close()
 
 

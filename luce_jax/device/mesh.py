@@ -212,6 +212,17 @@ class Placement:
             return self.abstract(params, shardings)
         return self.put(params, shardings)
 
+    def abstract_split(self, shape: tuple, dtype, axis: int) -> jax.ShapeDtypeStruct:
+        """An abstract program argument split along `axis` (where it divides)."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.split(shape, axis))
+
+    def on_parts(self, fn, x):
+        """Inside a program: fn on each device's part of x [R, n, ...] (split along axis 1),
+        its outputs ([R, n, ...] each) left split so."""
+        spec = P(None, AXIS)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=spec, out_specs=spec,
+                             check_vma=False)(x)  # fmt: skip
+
     def constrain(self, tree, shardings):
         """Inside a program: outputs kept where their inputs were (donated buffers are reused
         and the next step's program takes them as they are). shardings None: replicated; an
@@ -241,6 +252,9 @@ class OneDevice:
 
     def constrain(self, tree, shardings):
         return tree
+
+    def abstract_split(self, shape: tuple, dtype, axis: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype)
 
     def host_input(self, x):
         return x

@@ -211,9 +211,8 @@ class Runner:
         # sampler's) is replicated
         kv, dkv = self._keep(kv, 0), self._keep(dkv, 2)
         model_state, prompt_mask = self._keep(model_state, -1), self._keep(prompt_mask, -1)
-        # computed split by vocabulary (the lm_head's columns stay where they are), then
-        # gathered: [R, V] rows, not the [d, V] weight, cross between devices
-        logits = self._keep(self.placement.constrain(logits, -1), -1)
+        # computed split by vocabulary (the lm_head's columns stay where they are), and left so
+        logits = self.placement.constrain(logits, -1)
         out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, dkv, stats)
         return out + (reads, ints[layout_size(layout) :])
 
@@ -235,6 +234,8 @@ class Runner:
           proposals on the device, its device/proposals.py part updated), dkv).
         """
         batch, floats = sample_inputs(sample_in, R, S)
+        if filtered:  # top-k / top-p / min-p sort whole rows: gathered for them alone
+            logits = self._keep(logits, -1)
         if self.ahead:
             ahead = {k: state.pop(k) for k in proposals.KEYS}
             # the noise of a row that caught up is as many steps on as it moved
@@ -242,7 +243,7 @@ class Runner:
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             packed, top_ids, top_lp, state = sampling.sample_rows(
                 logits, row_tokens, state, prompt_mask, batch, floats, self.k, allow, filtered,
-                logprobs,
+                logprobs, self.placement if getattr(self.placement, "n", 1) > 1 else None,
             )  # fmt: skip
         if self.ahead:
             props = None
@@ -288,7 +289,7 @@ class Runner:
         logprobs, propose), and abstract arguments for it."""
         arg = functools.partial(abstract_arg, self.placement)
         sample_in = arg((sample_size(R, S),), jnp.int32)
-        logits = arg((R, self.cfg.vocab_size), jnp.float32)
+        logits = self.placement.abstract_split((R, self.cfg.vocab_size), jnp.float32, -1)
         row_tokens = arg((R, self.k + 1), jnp.int32)
         allow = arg((S, mask_words(self.cfg.vocab_size)), jnp.int32)
         fwd_reads = self.draft.read_shapes(R, S, self.max_blocks) if self.ahead else None

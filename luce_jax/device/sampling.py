@@ -193,8 +193,25 @@ def needs_filter(floats: np.ndarray, top_k: np.ndarray) -> bool:
     return bool((needs & (f["temperature"] != 0)).any())
 
 
+def top_k_by_parts(x, k: int, placement=None):
+    """jax.lax.top_k of x [R, V] over V. On a mesh that splits V in n parts (`placement`,
+    device/mesh.py), each device takes its part's k best and only [R, n * k] candidates cross
+    between devices (XLA's top_k over a split axis gathers the whole rows first). Ties go to
+    the lower index either way."""
+    R, V = x.shape
+    parts = getattr(placement, "n", 1)
+    if parts == 1 or V % parts:
+        return jax.lax.top_k(x, k)
+    x = x.reshape(R, parts, V // parts)
+    vals, ids = placement.on_parts(lambda p: jax.lax.top_k(p, k), x)  # [R, parts, k] each
+    ids = ids + (jnp.arange(parts) * (V // parts))[None, :, None]
+    best, at = jax.lax.top_k(vals.reshape(R, parts * k), k)
+    return best, jnp.take_along_axis(ids.reshape(R, parts * k), at, axis=-1)
+
+
 def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, floats, k: int,
-                allow=None, filtered: bool = True, logprobs: bool = True):  # fmt: skip
+                allow=None, filtered: bool = True, logprobs: bool = True,
+                placement=None):  # fmt: skip
     """Sample every logits row, verify speculative proposals, and update the slot state.
 
     Every logits row samples with its segment's parameters and noise (seed, step + offset),
@@ -216,6 +233,10 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
         set: any token), or None.
       filtered: static, `sample`'s (`needs_filter` of the step's rows).
       logprobs: static; whether some row asked for top logprobs.
+      placement: on a mesh whose devices each hold a part of V of the logits, its Placement
+        (device/mesh.py): the counts are kept whole on every device (else XLA splits their
+        update by vocabulary, as the logits, and gathers them back) and the top logprobs
+        are taken by parts (top_k_by_parts). None on one device.
     Returns:
       (packed int32 [2R + S]: sampled token per logits row, its logprob's float32 bits, and
       proposals accepted per row; top ids int32 [R, 20] and top logprobs [R, 20], zeros
@@ -225,7 +246,8 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
     oob = state["counts"].shape[0]  # padding rows (slot -1) index past the end: dropped
     slots = jnp.where(batch["slots"] < 0, oob, batch["slots"])
     fresh = jnp.where((batch["fresh"] > 0) & (batch["slots"] >= 0), slots, oob)
-    counts = state["counts"].at[fresh].set(0, mode="drop")  # a new tenant starts clean
+    pin = (lambda x: x) if placement is None else (lambda x: placement.constrain(x, None))
+    counts = pin(state["counts"].at[fresh].set(0, mode="drop"))  # a new tenant starts clean
     pmask = prompt_mask
     seg, off = batch["logit_seg"], batch["logit_off"]  # [R]
     if allow is not None:
@@ -247,13 +269,14 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
     accepted = jnp.minimum(first_miss, batch["n_draft"])  # [S]
     sampled = batch["sample_mask"] > 0
     emitted = (off >= 0) & (off <= accepted[seg]) & sampled[seg]
-    counts = counts.at[jnp.where(emitted, slots[seg], oob), tokens].add(1, mode="drop")
+    counts = pin(counts.at[jnp.where(emitted, slots[seg], oob), tokens].add(1, mode="drop"))
     # The token each sampling row emitted last feeds its slot's next decode row.
     last_tok = tokens[jnp.minimum(batch["logit_start"] + accepted, R - 1)]
     last = state["last"].at[jnp.where(sampled, slots, oob)].set(last_tok, mode="drop")
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if logprobs:
-        top_lp, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+        # filtered rows' logits came whole (the runner gathers them for the sort)
+        top_lp, top_ids = top_k_by_parts(logp, TOP_LOGPROBS, None if filtered else placement)
     else:
         top_lp = jnp.zeros((R, TOP_LOGPROBS), logp.dtype)
         top_ids = jnp.zeros((R, TOP_LOGPROBS), jnp.int32)
