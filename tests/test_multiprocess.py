@@ -83,3 +83,41 @@ def test_two_processes_serve_one_devices_tokens(tmp_path):
     alone = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))]
     llm.close()
     assert served == alone
+
+
+STREAM = """
+import sys, threading, time
+import jax, numpy as np
+jax.distributed.initialize(sys.argv[1], num_processes=1, process_id=0)
+from luce_jax.device import distributed as d
+d.WAIT_MS, d.KEPT = 200, 4  # short waits and a short history: both paths run
+sender, follower = d.StepStream(), d.StepStream()
+sent = [(d.FORWARD, (8, 4), [np.arange(i, i + 5, dtype=np.int32)]) for i in range(6)]
+sent.append((d.SAMPLE, (4, 4, 1, 0, 0), [np.full(12, -1, np.int32)]))
+def send():
+    time.sleep(0.7)  # the follower waits past three deadlines first
+    for m in sent:
+        sender.send(*m)
+threading.Thread(target=send).start()
+for kind, key, arrays in sent:
+    got = follower.recv()
+    assert got[0] == kind and got[1][: len(key)] == key, (got, key)
+    assert all(np.array_equal(a, b) for a, b in zip(got[2], arrays, strict=True)), got
+try:  # the oldest messages are gone
+    sender.client.key_value_try_get_bytes(d.PREFIX + "0")
+    sys.exit("message 0 kept")
+except jax.errors.JaxRuntimeError:
+    print("ok")
+"""
+
+
+def test_the_step_stream_delivers_in_order_past_idle_waits(tmp_path):
+    """The step stream (JAX's distributed key-value store) gives a follower process 0's
+    messages in order, their arrays intact, after the follower's waits ran out while nothing
+    came (an idle server); process 0 keeps only the last few messages."""
+    script = tmp_path / "stream.py"
+    script.write_text(STREAM)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(script), f"127.0.0.1:{free_port()}"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
