@@ -58,7 +58,7 @@ def _attention(attn, mesh, q, kc, vc, seg_ids, positions, block_tables, kv_lens,
     return f(q, kc, vc, seg_ids, positions, block_tables, kv_lens, cu_q_lens)
 
 
-def shard_major(qkv, heads: int, kv_heads: int, n: int):
+def shard_major_view(qkv, heads: int, kv_heads: int, n: int):
     """A fused q|k|v projection's rows [T, (H + 2K) * D] as [T, n, (H + 2K) / n * D]: device
     i's part holds its query heads, then its K / n KV heads' k and v (heads in order)."""
     T = qkv.shape[0]
@@ -68,9 +68,10 @@ def shard_major(qkv, heads: int, kv_heads: int, n: int):
 
 
 def _rope_write(rope_write, mesh, n, qkv, q_w, k_w, cos, sin, write_idx, kc, vc, *, heads,
-                kv_heads, **kw):  # fmt: skip
+                kv_heads, shard_major: bool = False, **kw):  # fmt: skip
     """rope_write (pallas_kernels/rope_write.py) on each device's heads: (q [T, H, D], kc,
-    vc)."""
+    vc). shard_major: qkv's columns are each device's heads already (models/fused_layout.py),
+    else they are in order and each device's are gathered (collective-permutes)."""
 
     def local(qkv, q_w, k_w, cos, sin, write_idx, kc, vc):
         return rope_write(qkv[:, 0], q_w, k_w, cos, sin, write_idx, kc, vc, heads=heads // n,
@@ -79,7 +80,9 @@ def _rope_write(rope_write, mesh, n, qkv, q_w, k_w, cos, sin, write_idx, kc, vc,
     specs = (HEADS,) + (WHOLE,) * 5 + (CACHE, CACHE)
     f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(HEADS, CACHE, CACHE),
                       check_vma=False)  # fmt: skip
-    return f(shard_major(qkv, heads, kv_heads, n), q_w, k_w, cos, sin, write_idx, kc, vc)
+    qkv = qkv.reshape(qkv.shape[0], n, -1) if shard_major else shard_major_view(
+        qkv, heads, kv_heads, n)  # fmt: skip
+    return f(qkv, q_w, k_w, cos, sin, write_idx, kc, vc)
 
 
 def _sink_attention(attn, mesh, q, caches, rows, sinks, *, scale):
@@ -149,7 +152,7 @@ def shard_kernels(kernels: Kernels, cfg: ModelConfig, placement: Placement) -> K
     """`kernels` with the attention kernels run per device where the heads divide evenly, and
     the quantized matmuls on each device's rows."""
     mesh, n = placement.mesh, placement.n
-    out = {"quant_matmul": shard_quant_matmul(kernels.quant_matmul, mesh, n)}
+    out = {"quant_matmul": shard_quant_matmul(kernels.quant_matmul, mesh, n), "shards": n}
     if cfg.n_heads % n == 0 and cfg.n_kv_heads % n == 0:
         out["attention"] = functools.partial(_attention, kernels.attention, mesh)
         if kernels.rope_write is not None:

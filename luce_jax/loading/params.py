@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
+from ..models import fused_layout
 from ..models.family import family_of
 from .gguf import GGUFFile
 
@@ -181,6 +182,8 @@ def load_params(
             lp = family.layer_params(cfg, i, t)
             if expert_order is not None and "router" in lp:
                 lp, moe = reorder_experts(lp, expert_order[moe]), moe + 1
+            if placement is not None:  # fused projections shard by shard (fused_layout.py)
+                lp = fused_layout.store(lp, cfg, placement.n)
             layers.append(onto(lp))
         params = {
             "embed": tensor("token_embd.weight", keep=True),

@@ -158,7 +158,7 @@ def layer(lp: dict, X, caches: dict, rings: dict, tok: StepTokens, batch: dict, 
     with jax.named_scope("mlp"):
         f, pairs = moe.ffn(lp, rms_norm(y, lp["ffn_norm"], eps), cfg, kernels.grouped_matmul,
                            live, qmm, kernels.moe_router, tokens=batch["tokens"],
-                           experts_on=kernels.experts)  # fmt: skip
+                           experts_on=kernels.experts, shards=kernels.shards)  # fmt: skip
     with jax.named_scope("hyper_connection"):
         return hc_post(f, X, post, comb), caches, rings, pairs
 

@@ -17,7 +17,7 @@ from pallas_kernels.int8_rows import rms_norm
 from pallas_kernels.rope_write import fits as fits_rope_write
 
 from ..config import ModelConfig
-from . import moe
+from . import fused_layout, moe
 from .attention import paged_attention_xla
 from .family import CacheGroup, Kernels, register
 from .linear import Gated, Normed, QuantMatmul, embed, linear, summed, weight_dtype
@@ -65,6 +65,7 @@ def forward(
     hidden: bool = False,
     moe_router=None,
     experts=None,
+    shards: int = 1,
 ):
     """One model step over packed tokens; writes this step's K/V and returns requested logits.
 
@@ -85,6 +86,7 @@ def forward(
       hidden: also return the logits rows' residual stream (what a draft head reads).
       moe_router: MoE layers' fused router (pallas_kernels/moe_router.py), or None: XLA's.
       experts: Kernels.experts (the routed experts where their weights are), or None.
+      shards: Kernels.shards (the fused projections' layout: models/fused_layout.py).
     Returns:
       (logits [R, V] float32, new kv, stats): stats holds expert_counts [L_moe, E] int32
       (real tokens routed to each expert in each MoE layer) for MoE models, and with `hidden`
@@ -97,7 +99,7 @@ def forward(
     new_kv, pairs = [], []
     live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
     kernels = Kernels(attn, grouped_matmul, quant_matmul, rope_write, moe_router=moe_router,
-                      experts=experts)  # fmt: skip
+                      experts=experts, shards=shards)  # fmt: skip
     for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
         x, kc, vc, routed = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
         if routed is not None:
@@ -145,15 +147,24 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
         with jax.named_scope("kv_write"):
             norms = lp.get("q_norm"), lp.get("k_norm")
             q_dtype = kv_cache.compute_dtype(kc, weight_dtype(lp["wqkv"]))
+            # on a mesh, told whether qkv's columns are each device's heads already
+            laid = (
+                {}
+                if kernels.shards == 1
+                else {
+                    "shard_major": fused_layout.is_shard_major(
+                        lp["wqkv"], "wqkv", cfg, kernels.shards
+                    )
+                }
+            )
             q, kc, vc = rope_write(qkv, *norms, cos, sin, batch["write_idx"], kc, vc, heads=H,
                                    kv_heads=K, eps=cfg.rms_eps, neox=cfg.rope_neox,
-                                   out_dtype=q_dtype)  # fmt: skip
+                                   out_dtype=q_dtype, **laid)  # fmt: skip
         o = attend(attn, q, kc, vc, batch, 1.0 / D**0.5, lp["wqkv"])
     else:
         with jax.named_scope("qkv"):
-            q = qkv[:, : H * D].reshape(T, H, D)
-            k = qkv[:, H * D : (H + K) * D].reshape(T, K, D)
-            v = qkv[:, (H + K) * D :].reshape(T, K, D)
+            q, k, v = fused_layout.unfuse(qkv, "wqkv", cfg, kernels.shards, lp["wqkv"])
+            q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
             if "q_norm" in lp:
                 q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
                 k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
@@ -170,10 +181,11 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
         h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
         if "router" in lp:  # a mixture-of-experts layer (qwen3moe)
             y, routed = moe.ffn(lp, h, cfg, grouped_matmul, live, quant_matmul, kernels.moe_router,
-                                experts_on=kernels.experts)  # fmt: skip
+                                experts_on=kernels.experts, shards=kernels.shards)  # fmt: skip
             x = x + y
         else:
-            x = x + summed(swiglu(lp, h, quant_matmul, live, splits=True))
+            x = x + summed(swiglu(lp, h, quant_matmul, live, splits=True, cfg=cfg,
+                                  shards=kernels.shards))  # fmt: skip
     return x, kc, vc, routed
 
 
@@ -203,13 +215,14 @@ def attend(attn, q, kc, vc, batch: dict, scale: float, w_qkv):
         )
 
 
-def swiglu(lp: dict, h, quant_matmul, live, splits=False):
+def swiglu(lp: dict, h, quant_matmul, live, splits=False, *, cfg: ModelConfig, shards: int = 1):
     """The dense FFN: w_down(silu(gate) * up) of the normed residual h [T, d] (or Normed); in a
     decode step on the int8 kernel, the gate | up partials go to the glu's kernel unsummed, and
-    with `splits` the down projection's come back so (linear's `splits`)."""
+    with `splits` the down projection's come back so (linear's `splits`). shards: Kernels'."""
     glu = quant_matmul is not None and quant_matmul.glu_int8 is not None
     gu = linear(h, lp["w_gu"], quant_matmul, live, splits=glu)
-    return linear(Gated(gu), lp["w_down"], quant_matmul, live, splits=splits)
+    gated = Gated(gu, shards=fused_layout.stored(lp["w_gu"], "w_gu", cfg, shards))
+    return linear(gated, lp["w_down"], quant_matmul, live, splits=splits)
 
 
 def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=None) -> KV:
@@ -287,7 +300,7 @@ class DenseFamily:
         logits, caches, stats = forward(params, caches, batch, cfg, kernels.attention,
                                         kernels.grouped_matmul, kernels.quant_matmul,
                                         kernels.rope_write, hidden, kernels.moe_router,
-                                        kernels.experts)  # fmt: skip
+                                        kernels.experts, kernels.shards)  # fmt: skip
         return logits, caches, slot_state, stats
 
 

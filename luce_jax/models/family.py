@@ -42,6 +42,8 @@ class Kernels(NamedTuple):
     # (routed, lp, h, live, tokens) -> moe.routed's output, run where the experts' weights are
     # (device/sharded_kernels.py: each device its own experts); None: moe.routed here
     experts: Callable | None = None
+    # the devices the fused projections are stored shard-major for (models/fused_layout.py)
+    shards: int = 1
 
 
 XLA = Kernels()  # every op XLA's or the jnp reference's

@@ -25,7 +25,7 @@ from pallas_kernels import kv_cache
 from pallas_kernels.gated_delta import gated_delta_in_place_reference
 
 from ..config import ModelConfig
-from . import moe
+from . import fused_layout, moe
 from .attention import paged_attention_xla
 from .dense import apply_rope, attention_params, rms_norm, rope_tables, swiglu, write_and_attend
 from .family import CacheGroup, Kernels, register
@@ -140,15 +140,17 @@ def linear_attention(lp, h, conv_hist, ssm, li, batch, cfg: ModelConfig, qmm, li
     return out, new_hist, ssm
 
 
-def gated_attention(lp, h, kc, vc, cos, sin, batch, cfg: ModelConfig, attn, qmm, live):
-    """Full attention whose query projection also yields a per-head gate: o * sigmoid(gate)."""
+def gated_attention(lp, h, kc, vc, cos, sin, batch, cfg: ModelConfig, attn, qmm, live,
+                    shards: int = 1):  # fmt: skip
+    """Full attention whose query projection also yields a per-head gate: o * sigmoid(gate).
+    shards: Kernels' (models/fused_layout.py)."""
     T = h.shape[0]
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     qkv = linear(h, lp["wqkv"], qmm, live)
-    qg = qkv[:, : 2 * H * D].reshape(T, H, 2 * D)
+    qg, k, v = fused_layout.unfuse(qkv, "wqkv", cfg, shards, lp["wqkv"])
+    qg = qg.reshape(T, H, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
-    k = qkv[:, 2 * H * D : (2 * H + K) * D].reshape(T, K, D)
-    v = qkv[:, (2 * H + K) * D :].reshape(T, K, D)
+    k, v = k.reshape(T, K, D), v.reshape(T, K, D)
     q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_eps), cos, sin, cfg)
     k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_eps), cos, sin, cfg)
     o, kc, vc = write_and_attend(attn, q, k, v, kc, vc, batch, D**-0.5, lp["wqkv"])
@@ -178,15 +180,16 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
         y, hist, ssm = linear_attention(lp, h, *mix, batch, cfg, qmm, live, delta)
         mix = (hist, ssm)
     else:
-        y, kc, vc = gated_attention(lp, h, *mix, cos, sin, batch, cfg, attn, qmm, live)
+        y, kc, vc = gated_attention(lp, h, *mix, cos, sin, batch, cfg, attn, qmm, live,
+                                    kernels.shards)  # fmt: skip
         mix = (kc, vc)
     x = x + y.astype(x.dtype)
     h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
     if "router" in lp:  # qwen35moe: routed experts and the gated shared expert
         y = moe.ffn(lp, h, cfg, grouped_matmul, live, qmm, kernels.moe_router,
-                    experts_on=kernels.experts)[0]  # fmt: skip
+                    experts_on=kernels.experts, shards=kernels.shards)[0]  # fmt: skip
         return x + y, mix
-    return x + swiglu(lp, h, qmm, live), mix
+    return x + swiglu(lp, h, qmm, live, cfg=cfg, shards=kernels.shards), mix
 
 
 def forward(
@@ -201,6 +204,7 @@ def forward(
     grouped_matmul=None,
     moe_router=None,
     experts=None,
+    shards: int = 1,
 ):
     """One hybrid model step over packed tokens.
 
@@ -208,7 +212,8 @@ def forward(
       params: params.load_params' pytree of a qwen35 file; kv: init_kv's caches;
       state: init_state's arrays; batch: dense.forward's arrays plus slots [S] (-1 for
         padding rows) and fresh [S] (1 on a slot's first row: its state starts from zero).
-      attention_fn, quant_matmul, grouped_matmul, moe_router, experts: as dense.forward;
+      attention_fn, quant_matmul, grouped_matmul, moe_router, experts, shards: as
+        dense.forward;
         delta_fn: the gated delta rule in place (default: gated_delta_in_place_reference).
     Returns:
       (logits [R, V] float32, new kv, new state).
@@ -231,7 +236,7 @@ def forward(
     new_kv = []
     li = ai = 0
     kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta, moe_router=moe_router,
-                      experts=experts)  # fmt: skip
+                      experts=experts, shards=shards)  # fmt: skip
     for lp, recurrent in zip(params["layers"], cfg.own.recurrent, strict=True):
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
@@ -344,7 +349,7 @@ class HybridFamily:
         k = kernels
         logits, caches, slot_state = forward(
             params, caches, slot_state, batch, cfg, k.attention, k.quant_matmul, k.gated_delta,
-            k.grouped_matmul, k.moe_router, k.experts,
+            k.grouped_matmul, k.moe_router, k.experts, k.shards,
         )  # fmt: skip
         return logits, caches, slot_state, {}
 

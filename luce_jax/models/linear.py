@@ -21,6 +21,8 @@ from pallas_kernels.quant_matmul import quant_matmul_xla
 from pallas_kernels.quant_weight import QuantWeight, dequantize_weight
 from pallas_kernels.swiglu import swiglu
 
+from . import fused_layout
+
 
 class QuantMatmul(NamedTuple):
     """How quantized projections run: `kernel` (quant_matmul's signature, None: XLA only) for
@@ -115,6 +117,8 @@ class Gated(NamedTuple):
 
     gu: object
     limit: float = 0.0  # the clamp of pallas_kernels/swiglu.py (DeepSeek V4's experts)
+    # gu's columns shard-major for this many devices (models/fused_layout.py), 1: in order
+    shards: int = 1
 
     @property
     def shape(self):
@@ -122,13 +126,15 @@ class Gated(NamedTuple):
         return (T, F2 // 2)
 
     def array(self):
-        gate, up = jnp.split(summed(self.gu), 2, axis=-1)
+        gu = summed(self.gu)
+        gate, up = fused_layout.split(gu, (gu.shape[-1] // 2,) * 2, self.shards)
         return swiglu(gate, up, self.limit)
 
     def rows(self, w, qmm: QuantMatmul | None, live):
         """(h [T, F], its int8 rows or None) for linear(self, w, qmm, live)."""
         fused = isinstance(self.gu, Splits) and _int8_rows_call(self.shape[0], w, qmm, live)
-        if fused and qmm.glu_int8 is not None:
+        # the kernel reads gate | up in order: shard-major columns go through XLA's glu
+        if fused and qmm.glu_int8 is not None and self.shards == 1:
             return qmm.glu_int8(self.gu.parts, self.gu.live, dtype=weight_dtype(w),
                                 limit=self.limit)  # fmt: skip
         return self.array(), None

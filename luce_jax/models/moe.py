@@ -26,6 +26,7 @@ from pallas_kernels.quant_weight import QuantWeight
 from pallas_kernels.swiglu import swiglu as glu  # (grouped_matmul's `swiglu` is a flag)
 
 from ..config import ModelConfig
+from . import fused_layout
 from .linear import Gated, Normed, linear
 
 # llama.cpp's expert_gating_func values: the router's scoring
@@ -194,7 +195,7 @@ def grouped_matmul_xla(x, w, sizes, *, swiglu: bool = False, limit: float = 0.0,
 
 
 def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None, router=None,
-        tokens=None, experts_on=None):  # fmt: skip
+        tokens=None, experts_on=None, shards: int = 1):  # fmt: skip
     """The MoE FFN of one layer.
 
     Args:
@@ -210,6 +211,7 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
         ids, for a hash-routed layer (`route`).
       experts_on: Kernels.experts: runs `routed` where the experts' weights are (each device
         its own experts, the outputs summed), or None (here, all of them).
+      shards: Kernels.shards (the shared expert's gate | up layout: models/fused_layout.py).
     Returns:
       ([T, d] float32: sum over each token's k experts of weight * down(silu(gate) * up),
        plus the shared expert's output where there is one (times sigmoid(h . shexp_gate)
@@ -224,7 +226,8 @@ def ffn(lp: dict, h, cfg: ModelConfig, grouped_matmul=None, live=None, qmm=None,
         run, own, h, live, tokens)  # fmt: skip
     if "w_gu_shexp" in lp:  # every token also takes the shared expert (qwen35moe's gated)
         gu = linear(h, lp["w_gu_shexp"], qmm)
-        shared = linear(Gated(gu, cfg.swiglu_limit), lp["w_down_shexp"], qmm)
+        shards = fused_layout.stored(lp["w_gu_shexp"], "w_gu_shexp", cfg, shards)
+        shared = linear(Gated(gu, cfg.swiglu_limit, shards), lp["w_down_shexp"], qmm)
         shared = shared.astype(jnp.float32)
         if "shexp_gate" in lp:
             hx = h.array() if isinstance(h, Normed) else h
