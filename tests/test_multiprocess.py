@@ -14,11 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pytest
 
 from luce_jax import LLM, SamplingParams
 from luce_jax.config import DEFAULT_DRAFT
 
-PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push", "x = [1, 2"]
+# the last one repeats itself: prompt lookup proposes there
+PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def push", "x = [1, 2",
+           "a = 1\nb = 2\na = 1\nb = 2\na = 1\nb = 2\na = 1\n"]  # fmt: skip
 FLAGS = ["--model", str(DEFAULT_DRAFT), "--max-concurrency", "2", "--max-ctx", "256",
          "--prefill-chunk", "32", "--prefill-token-budget", "32",
          "--compile-cache-dir", ""]  # fmt: skip
@@ -30,14 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_serve_one_devices_tokens(tmp_path):
+@pytest.mark.parametrize("spec", ["off", "ngram"])
+def test_two_processes_serve_one_devices_tokens(tmp_path, spec):
+    """Also with speculation (prompt lookup): the verify steps and their sampling go through
+    the stream as any step does, and greedy speculation keeps the tokens."""
     http, coordinator = free_port(), free_port()
     # two CPU devices a process (the suite's processes have four: conftest.py)
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": flags + " --xla_force_host_platform_device_count=2"}  # fmt: skip
-    cmd = [sys.executable, "-m", "luce_jax.serve", *FLAGS, "--tensor-parallel", "4",
-           "--num-processes", "2", "--coordinator", f"127.0.0.1:{coordinator}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "luce_jax.serve", *FLAGS, "--spec-mode", spec,
+           "--tensor-parallel", "4", "--num-processes", "2", "--coordinator",
+           f"127.0.0.1:{coordinator}"]  # fmt: skip
     logs = [tmp_path / f"process{i}.log" for i in (0, 1)]
     procs = [
         subprocess.Popen(cmd + ["--process-id", str(i)] + (["--port", str(http)] if i == 0 else []),
@@ -65,6 +72,10 @@ def test_two_processes_serve_one_devices_tokens(tmp_path):
 
         with ThreadPoolExecutor(2) as pool:  # two at a time: batched steps
             served = list(pool.map(complete, PROMPTS))
+        metrics = httpx.get(f"http://127.0.0.1:{http}/metrics").text
+        verified = re.search(r'^luce_spec_verify_rows_total\{mode="ngram"\} (\S+)', metrics, re.M)
+        assert (spec == "off") == (verified is None), metrics[-2000:]
+        assert spec == "off" or float(verified.group(1)) > 0  # verify steps went through
         procs[0].send_signal(signal.SIGINT)
         assert procs[0].wait(60) == 0, logs[0].read_text()[-3000:]
         assert procs[1].wait(60) == 0, logs[1].read_text()[-3000:]  # it followed to the end
