@@ -92,7 +92,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         from .models import draft_head
 
         head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
-    placement = _placement(config, mc)
+    placement = _placement(config, mc, quantized)
     device = jax.local_devices()[0] if placement is None else placement.first_local_device
     # one device's share of the weights (the draft's whole): the pool is sized for each alike
     target = weight_bytes(shapes) if placement is None else placement.device_bytes(shapes)
@@ -181,7 +181,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     return tokenizer, engine
 
 
-def _placement(config: EngineConfig, mc):
+def _placement(config: EngineConfig, mc, quantized: bool):
     """Where the step's arrays live on several devices (device/mesh.py), or None for one."""
     from .device.mesh import Placement, make_mesh
 
@@ -193,7 +193,9 @@ def _placement(config: EngineConfig, mc):
     # split by E, the experts run per device (device/sharded_kernels.py); split by width, only
     # XLA's grouped matmul is partitioned (a Pallas kernel would gather them each step)
     split_experts = expert_parallel or config.moe_backend != "pallas"
-    placement = Placement(mesh, expert_parallel, split_experts)
+    # a Gated DeltaNet model's layers split by head where their projections are float
+    placement = Placement(mesh, expert_parallel, split_experts,
+                          cfg=None if quantized else mc)  # fmt: skip
     log.info("%d devices: %s", placement.n, ", ".join(str(d) for d in mesh.devices.flat))
     return placement
 

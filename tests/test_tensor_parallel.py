@@ -175,8 +175,28 @@ def test_weights_load_straight_into_their_shards(paths, monkeypatch):
 
 
 def test_a_hybrid_model_split_serves_one_devices_tokens(tmp_path):
+    """The Gated DeltaNet layers split by head too (2 key heads, 4 value heads in llama.cpp's
+    tiled order: each device holds a key head and the two value heads that read it): their
+    projections, convolution and per-head params, and the slot state's conv channels and
+    states, half on each device; the step moves none of them, and its only collectives are
+    [T, d] sums."""
     path = hf_to_gguf(make_hf_model("qwen35", seed=1), "qwen35", tmp_path / "qwen35.gguf")
-    same_as_one_device(str(path), tensor_parallel=2).close()
+    llm = same_as_one_device(str(path), tensor_parallel=2)
+    runner = llm.engine.runner
+    lp = next(lp for lp in runner.params["layers"] if "w_in" in lp)
+    for name, axis in {"w_in": 1, "conv": 0, "dt_bias": 0, "ssm_a": 0, "w_out": 0}.items():
+        whole = list(lp[name].shape)
+        whole[axis] //= 2
+        assert shard_shapes(lp[name]) == [tuple(whole)] * 2, name
+    conv, ssm = runner.state["model"]["conv"], runner.state["model"]["ssm"]
+    assert shard_shapes(conv) == [(*conv.shape[:-1], conv.shape[-1] // 2)] * 2
+    assert shard_shapes(ssm) == [(*ssm.shape[:2], ssm.shape[2] // 2, *ssm.shape[3:])] * 2
+    d = runner.cfg.d_model
+    for T, S in runner.programs._exec:
+        ops = collectives(runner.executable(T, S).as_text())
+        assert {shape for shape, op in ops if op != "all-reduce"} == set(), (T, S, ops)
+        assert {shape for shape, _ in ops} == {(T, d)}, (T, S, ops)
+    llm.close()
 
 
 def test_deepseek4_split_serves_transformers_tokens_and_batched_equals_alone():

@@ -33,6 +33,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..models import fused_layout
+
 log = logging.getLogger(__name__)
 
 AXIS = "tensor"
@@ -79,11 +81,16 @@ class Placement:
         experts split by width stay whole where the grouped-expert kernels run. (Split by E
         they run per device, as the quantized matmul kernels run on each device's rows:
         device/sharded_kernels.py.)
+      cfg: the model's config, where its Gated DeltaNet layers may split their heads
+        (models/fused_layout.py's delta_split: their params, and the slot state's conv
+        channels and ssm heads, split by head); None: they stay whole.
     """
 
-    def __init__(self, mesh: Mesh, expert_parallel: bool, split_experts: bool = True):
+    def __init__(self, mesh: Mesh, expert_parallel: bool, split_experts: bool = True,
+                 cfg=None):  # fmt: skip
         self.mesh, self.expert_parallel, self.split_experts = mesh, expert_parallel, split_experts
         self.n = mesh.devices.size
+        self.delta = cfg if cfg is not None and fused_layout.delta_shards(cfg, self.n) > 1 else None
         self.replicated = NamedSharding(mesh, P())
 
     def split(self, shape: tuple, axis: int) -> NamedSharding:
@@ -122,7 +129,31 @@ class Placement:
             field = field if field in ("head", "body") else None
             return self._param(name, field, tuple(x.shape))
 
-        return jax.tree_util.tree_map_with_path(one, params)
+        return self._delta_params(params, jax.tree_util.tree_map_with_path(one, params))
+
+    def _delta_params(self, params, shardings):
+        """shardings with each Gated DeltaNet layer's split params split by head."""
+        if self.delta is None:
+            return shardings
+        if isinstance(params, list):
+            return [self._delta_params(p, s) for p, s in zip(params, shardings, strict=True)]
+        if not isinstance(params, dict):
+            return shardings
+        out = {k: self._delta_params(params[k], s) for k, s in shardings.items()}
+        if fused_layout.delta_split(params, self.delta, self.n):
+            for name, axis in fused_layout.DELTA.items():
+                out[name] = self.split(params[name].shape, axis)
+        return out
+
+    def slot_state(self, state: dict):
+        """The per-slot state's shardings: replicated, but a Gated DeltaNet model's conv
+        history [Lr, S, Kc-1, C] and ssm states [Lr, S, Hv, Dk, Dv] split by channel and head
+        where its layers split (the channels and heads in fused_layout's order)."""
+        out = self.replicate(state)
+        if self.delta is not None and "model" in state:
+            out["model"] = {**out["model"], "conv": self.split(state["model"]["conv"].shape, -1),
+                            "ssm": self.split(state["model"]["ssm"].shape, 2)}  # fmt: skip
+        return out
 
     def caches(self, caches):
         """KV caches: four-axis leaves split by KV head (axis 2); others replicated."""
@@ -202,7 +233,7 @@ class Placement:
         """allocate () -> (kv caches, slot state, draft caches) made on the mesh, and the
         shardings ((kv, state, draft kv), params) the step programs keep them in."""
         kv, state, dkv = jax.eval_shape(allocate)
-        held = (self.caches(kv), self.replicate(state), self.replicate(dkv))
+        held = (self.caches(kv), self.slot_state(state), self.replicate(dkv))
         return jax.jit(allocate, out_shardings=held), (held, self.params(params))
 
     def place(self, params, shardings):

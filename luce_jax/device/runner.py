@@ -208,10 +208,12 @@ class Runner(SampleProgram):
         if self.draft is not None:  # a draft's KV or the lookup's tokens of every token fed
             with jax.named_scope("draft"):
                 dkv, reads = self.draft.feed(dparams, dkv, batch, reads)
-        # every step leaves its state where it found it; the slot state (the family's and the
-        # sampler's) is replicated
+        # every step leaves its state where it found it: the sampler's replicated, the
+        # family's too but for a Gated DeltaNet model's split by head (Placement.slot_state)
         kv, dkv = self._keep(kv, 0), self._keep(dkv, 2)
-        model_state, prompt_mask = self._keep(model_state, -1), self._keep(prompt_mask, -1)
+        held = self._held[0][1]
+        model_state = self.placement.constrain(model_state, held and held.get("model"))
+        prompt_mask = self._keep(prompt_mask, -1)
         # computed split by vocabulary (the lm_head's columns stay where they are), and left so
         logits = self.placement.constrain(logits, -1)
         out = (logits.astype(jnp.float32), row_tokens, kv, model_state, prompt_mask, dkv, stats)

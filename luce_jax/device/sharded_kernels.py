@@ -26,6 +26,7 @@ E / n experts, and the [T, d] outputs are summed over the devices, one all-reduc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,6 +37,7 @@ from pallas_kernels.quant_weight import QuantWeight
 from pallas_kernels.sink_attention import sink_attention_reference
 
 from ..config import ModelConfig
+from ..models import fused_layout
 from ..models.family import Kernels
 from ..models.linear import Normed
 from .mesh import AXIS, Placement
@@ -140,6 +142,34 @@ def _experts(mesh, routed, lp, h, live, tokens):
     return f(lp, x, live, tokens)
 
 
+def _delta_heads(mesh, n, mixer, lp, h, hist, ssm, li, batch, live, cfg):
+    """A Gated DeltaNet layer (mixer: models/hybrid.py's linear_attention with its kernels) on
+    each device's heads: the device's share of the params (stored device by device:
+    models/fused_layout.py), of the conv history [S, Kc-1, C] and of the states [Lr, S, Hv,
+    Dk, Dv], run as a model of Hk / n key and Hv / n value heads; the [T, d] output summed.
+    Returns (out [T, d], hist, ssm) as one device's."""
+    hc = cfg.own
+    local = dataclasses.replace(cfg, own=dataclasses.replace(
+        hc, ssm_k_heads=hc.ssm_k_heads // n, ssm_v_heads=hc.ssm_v_heads // n))  # fmt: skip
+    own = {k: lp[k] for k in (*fused_layout.DELTA, "ssm_norm")}
+    axes = {**fused_layout.DELTA, "ssm_norm": None}
+    specs = {
+        k: WHOLE if a is None else P(*([None] * (a % lp[k].ndim)), AXIS) for k, a in axes.items()
+    }
+    eps = h.eps if isinstance(h, Normed) else None
+    x = (h.x, h.w) if eps is not None else h
+
+    def local_fn(own, x, hist, ssm, li, batch, live):
+        h = Normed(*x, eps) if eps is not None else x
+        out, hist, ssm = mixer(own, h, hist, ssm, li, batch, local, live)
+        return jax.lax.psum(out, AXIS), hist, ssm
+
+    split_c, split_h = P(None, None, AXIS), P(None, None, AXIS)  # hist's C, the states' Hv
+    f = jax.shard_map(local_fn, mesh=mesh, in_specs=(specs, WHOLE, split_c, split_h) + (WHOLE,) * 3,
+                      out_specs=(WHOLE, split_c, split_h), check_vma=False)  # fmt: skip
+    return f(own, x, hist, ssm, li, batch, live)
+
+
 def shard_quant_matmul(qmm, mesh, n: int):
     """A models.linear.QuantMatmul whose kernel and prefill run on each device's rows."""
     if qmm is None or (qmm.kernel is None and qmm.prefill is None):
@@ -159,6 +189,8 @@ def shard_kernels(kernels: Kernels, cfg: ModelConfig, placement: Placement) -> K
             out["rope_write"] = functools.partial(_rope_write, kernels.rope_write, mesh, n)
     if placement.expert_parallel and cfg.n_experts % n == 0:  # Placement's split along E
         out["experts"] = functools.partial(_experts, mesh)
+    if fused_layout.delta_shards(cfg, n) > 1:  # a family without such layers never calls it
+        out["delta_heads"] = functools.partial(_delta_heads, mesh, n)
     if cfg.n_heads % n == 0:  # a family without sink attention never calls it
         attn = kernels.sink_attention or sink_attention_reference
         out["sink_attention"] = functools.partial(_sink_attention, attn, mesh)

@@ -44,6 +44,10 @@ class Kernels(NamedTuple):
     experts: Callable | None = None
     # the devices the fused projections are stored shard-major for (models/fused_layout.py)
     shards: int = 1
+    # (mixer, lp, h, hist, ssm, li, batch) -> a Gated DeltaNet layer's (out, hist, ssm) run on
+    # each device's heads (device/sharded_kernels.py), for layers whose params split by head
+    # (fused_layout.delta_split); None: the layer runs whole here
+    delta_heads: Callable | None = None
 
 
 XLA = Kernels()  # every op XLA's or the jnp reference's

@@ -56,12 +56,79 @@ def order(sizes: tuple[int, ...], n: int) -> np.ndarray:
     ])  # fmt: skip
 
 
+# A Gated DeltaNet layer's params (models/hybrid.py) split by head on a mesh, and the axis of
+# each that runs over its channels, heads or value rows (w_in's outputs, w_out's inputs).
+DELTA = {"w_in": -1, "conv": 0, "dt_bias": 0, "ssm_a": 0, "w_out": 0}
+
+
+def delta_shards(cfg: ModelConfig, n: int) -> int:
+    """The devices a hybrid model's Gated DeltaNet layers split their heads over: n where the
+    key heads divide by n (each device then holds whole key heads and the value heads that
+    read them), else 1 (every device runs them whole)."""
+    hc = getattr(cfg, "own", None)
+    if n == 1 or not hasattr(hc, "ssm_k_heads") or hc.ssm_k_heads % n:
+        return 1
+    return n
+
+
+def delta_heads(cfg: ModelConfig, n: int) -> np.ndarray:
+    """[Hv] the value heads device by device: device i's value heads are those that read its
+    key heads (value head j reads key head j % Hk), in the order a model of Hk / n key heads
+    reads them (its value head j' reads its key head j' % (Hk / n))."""
+    hc = cfg.own
+    Hk, r, hk = hc.ssm_k_heads, hc.ssm_v_heads // hc.ssm_k_heads, hc.ssm_k_heads // n
+    return np.array([t * Hk + i * hk + h for i in range(n) for t in range(r) for h in range(hk)])
+
+
+def delta_orders(cfg: ModelConfig, n: int) -> dict[str, np.ndarray]:
+    """The stored order, device by device, of each DELTA param's split axis: w_in's outputs
+    (q, k, v | z | beta | alpha: each device's q and k of its key heads, then v, z, beta and
+    alpha of its value heads), conv's channels (q, k, v), dt_bias' and ssm_a's heads, and
+    w_out's input rows."""
+    hc = cfg.own
+    Hk, Hv, Dk, Dv, hk = (
+        hc.ssm_k_heads,
+        hc.ssm_v_heads,
+        hc.ssm_k_dim,
+        hc.ssm_v_dim,
+        hc.ssm_k_heads // n,
+    )
+    vh = delta_heads(cfg, n).reshape(n, -1)
+    C = hc.conv_dim
+
+    def cols(first, heads, width):  # each head's `width` columns from `first` on
+        return (first + heads[:, None] * width + np.arange(width)[None]).ravel()
+
+    conv, w_in = [], []
+    for i in range(n):
+        kh = np.arange(i * hk, (i + 1) * hk)
+        qkv = [cols(0, kh, Dk), cols(Hk * Dk, kh, Dk), cols(2 * Hk * Dk, vh[i], Dv)]
+        conv += qkv
+        w_in += qkv + [cols(C, vh[i], Dv), C + Hv * Dv + vh[i], C + Hv * Dv + Hv + vh[i]]
+    return {"w_in": np.concatenate(w_in), "conv": np.concatenate(conv), "dt_bias": vh.ravel(),
+            "ssm_a": vh.ravel(), "w_out": cols(0, vh.ravel(), Dv)}  # fmt: skip
+
+
+def delta_split(lp: dict, cfg: ModelConfig, n: int) -> bool:
+    """Whether Gated DeltaNet layer params lp split their heads over n devices: the heads
+    divide (delta_shards) and its projections are float (quantized ones stay whole: their
+    blocks run along the inputs that w_out's head order would cut)."""
+    from pallas_kernels.quant_weight import QuantWeight
+
+    return "w_in" in lp and delta_shards(cfg, n) > 1 and not any(
+        isinstance(lp[k], (QuantWeight, tuple)) for k in ("w_in", "w_out"))  # fmt: skip
+
+
 def store(lp: dict, cfg: ModelConfig, n: int) -> dict:
     """A layer's params as a mesh of n devices stores them: each fused param shard-major where
-    `shards` allows it (a tuple of differently typed weights, and its bias, stay in order)."""
+    `shards` allows it (a tuple of differently typed weights, and its bias, stay in order), and
+    a Gated DeltaNet layer's params device by device (delta_orders) where they split."""
     from pallas_kernels.quant_weight import QuantWeight
 
     out = dict(lp)
+    if delta_split(lp, cfg, n):
+        for name, idx in delta_orders(cfg, n).items():
+            out[name] = jnp.take(lp[name], idx, axis=DELTA[name])
     for name, weight in FUSED.items():
         w = lp.get(name)
         if w is None or isinstance(lp.get(weight), tuple):

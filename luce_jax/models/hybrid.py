@@ -176,7 +176,15 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
     attn, qmm, delta = kernels.attention, kernels.quant_matmul, kernels.gated_delta
     grouped_matmul = kernels.grouped_matmul
     h = Normed(x, lp["attn_norm"], cfg.rms_eps)  # its projection's kernel may norm it
-    if recurrent:
+    if recurrent and kernels.delta_heads is not None and fused_layout.delta_split(
+            lp, cfg, kernels.shards):  # fmt: skip
+
+        def mixer(lp, h, hist, ssm, li, batch, cfg, live):  # float projections: no qmm
+            return linear_attention(lp, h, hist, ssm, li, batch, cfg, None, live, delta)
+
+        y, hist, ssm = kernels.delta_heads(mixer, lp, h, *mix, batch, live, cfg)
+        mix = (hist, ssm)
+    elif recurrent:
         y, hist, ssm = linear_attention(lp, h, *mix, batch, cfg, qmm, live, delta)
         mix = (hist, ssm)
     else:
@@ -205,6 +213,7 @@ def forward(
     moe_router=None,
     experts=None,
     shards: int = 1,
+    delta_heads=None,
 ):
     """One hybrid model step over packed tokens.
 
@@ -213,7 +222,7 @@ def forward(
       state: init_state's arrays; batch: dense.forward's arrays plus slots [S] (-1 for
         padding rows) and fresh [S] (1 on a slot's first row: its state starts from zero).
       attention_fn, quant_matmul, grouped_matmul, moe_router, experts, shards: as
-        dense.forward;
+        dense.forward; delta_heads: Kernels.delta_heads;
         delta_fn: the gated delta rule in place (default: gated_delta_in_place_reference).
     Returns:
       (logits [R, V] float32, new kv, new state).
@@ -236,7 +245,7 @@ def forward(
     new_kv = []
     li = ai = 0
     kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta, moe_router=moe_router,
-                      experts=experts, shards=shards)  # fmt: skip
+                      experts=experts, shards=shards, delta_heads=delta_heads)  # fmt: skip
     for lp, recurrent in zip(params["layers"], cfg.own.recurrent, strict=True):
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
@@ -349,7 +358,7 @@ class HybridFamily:
         k = kernels
         logits, caches, slot_state = forward(
             params, caches, slot_state, batch, cfg, k.attention, k.quant_matmul, k.gated_delta,
-            k.grouped_matmul, k.moe_router, k.experts, k.shards,
+            k.grouped_matmul, k.moe_router, k.experts, k.shards, k.delta_heads,
         )  # fmt: skip
         return logits, caches, slot_state, {}
 
