@@ -215,13 +215,16 @@ def attend(attn, q, kc, vc, batch: dict, scale: float, w_qkv):
         )
 
 
-def swiglu(lp: dict, h, quant_matmul, live, splits=False, *, cfg: ModelConfig, shards: int = 1):
+def swiglu(lp: dict, h, quant_matmul, live, splits=False, *, cfg: ModelConfig | None = None,
+           shards: int = 1):  # fmt: skip
     """The dense FFN: w_down(silu(gate) * up) of the normed residual h [T, d] (or Normed); in a
     decode step on the int8 kernel, the gate | up partials go to the glu's kernel unsummed, and
-    with `splits` the down projection's come back so (linear's `splits`). shards: Kernels'."""
+    with `splits` the down projection's come back so (linear's `splits`). shards: Kernels'
+    (cfg, needed with more than 1: the layout's parts)."""
     glu = quant_matmul is not None and quant_matmul.glu_int8 is not None
     gu = linear(h, lp["w_gu"], quant_matmul, live, splits=glu)
-    gated = Gated(gu, shards=fused_layout.stored(lp["w_gu"], "w_gu", cfg, shards))
+    gated = Gated(gu, shards=1 if shards == 1 else fused_layout.stored(lp["w_gu"], "w_gu", cfg,
+                                                                       shards))  # fmt: skip
     return linear(gated, lp["w_down"], quant_matmul, live, splits=splits)
 
 
