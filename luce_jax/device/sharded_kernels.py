@@ -189,7 +189,7 @@ def shard_kernels(kernels: Kernels, cfg: ModelConfig, placement: Placement) -> K
             out["rope_write"] = functools.partial(_rope_write, kernels.rope_write, mesh, n)
     if placement.expert_parallel and cfg.n_experts % n == 0:  # Placement's split along E
         out["experts"] = functools.partial(_experts, mesh)
-    if fused_layout.delta_shards(cfg, n) > 1:  # a family without such layers never calls it
+    if placement.delta is not None:  # the Gated DeltaNet layers split (Placement.delta)
         out["delta_heads"] = functools.partial(_delta_heads, mesh, n)
     if cfg.n_heads % n == 0:  # a family without sink attention never calls it
         attn = kernels.sink_attention or sink_attention_reference

@@ -183,7 +183,7 @@ def load_params(
             if expert_order is not None and "router" in lp:
                 lp, moe = reorder_experts(lp, expert_order[moe]), moe + 1
             if placement is not None:  # fused projections shard by shard (fused_layout.py)
-                lp = fused_layout.store(lp, cfg, placement.n)
+                lp = fused_layout.store(lp, cfg, placement.n, placement.delta is not None)
             layers.append(onto(lp))
         params = {
             "embed": tensor("token_embd.weight", keep=True),

@@ -119,14 +119,15 @@ def delta_split(lp: dict, cfg: ModelConfig, n: int) -> bool:
         isinstance(lp[k], (QuantWeight, tuple)) for k in ("w_in", "w_out"))  # fmt: skip
 
 
-def store(lp: dict, cfg: ModelConfig, n: int) -> dict:
+def store(lp: dict, cfg: ModelConfig, n: int, delta: bool = True) -> dict:
     """A layer's params as a mesh of n devices stores them: each fused param shard-major where
     `shards` allows it (a tuple of differently typed weights, and its bias, stay in order), and
-    a Gated DeltaNet layer's params device by device (delta_orders) where they split."""
+    with `delta` (the mesh splits these layers: device/mesh.py's Placement.delta) a Gated
+    DeltaNet layer's params device by device (delta_orders) where they split."""
     from pallas_kernels.quant_weight import QuantWeight
 
     out = dict(lp)
-    if delta_split(lp, cfg, n):
+    if delta and delta_split(lp, cfg, n):
         for name, idx in delta_orders(cfg, n).items():
             out[name] = jnp.take(lp[name], idx, axis=DELTA[name])
     for name, weight in FUSED.items():
