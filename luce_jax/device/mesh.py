@@ -271,6 +271,7 @@ class OneDevice:
     """Placement's interface for one device (no mesh): arrays stay where JAX puts them."""
 
     replicated = None
+    n = 1
 
     def allocator(self, allocate, params):
         return allocate, ((None, None, None), None)

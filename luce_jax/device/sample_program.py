@@ -53,7 +53,7 @@ class SampleProgram:
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             packed, top_ids, top_lp, state = sampling.sample_rows(
                 logits, row_tokens, state, prompt_mask, batch, floats, self.k, allow, filtered,
-                logprobs, self.placement if getattr(self.placement, "n", 1) > 1 else None,
+                logprobs, self.placement,
             )  # fmt: skip
         if self.ahead:
             props = None

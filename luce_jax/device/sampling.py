@@ -199,7 +199,7 @@ def top_k_by_parts(x, k: int, placement=None):
     between devices (XLA's top_k over a split axis gathers the whole rows first). Ties go to
     the lower index either way."""
     R, V = x.shape
-    parts = getattr(placement, "n", 1)
+    parts = 1 if placement is None else placement.n
     if parts == 1 or V % parts:
         return jax.lax.top_k(x, k)
     x = x.reshape(R, parts, V // parts)
@@ -236,7 +236,7 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
       placement: on a mesh whose devices each hold a part of V of the logits, its Placement
         (device/mesh.py): the counts are kept whole on every device (else XLA splits their
         update by vocabulary, as the logits, and gathers them back) and the top logprobs
-        are taken by parts (top_k_by_parts). None on one device.
+        are taken by parts (top_k_by_parts). None (or OneDevice) on one device.
     Returns:
       (packed int32 [2R + S]: sampled token per logits row, its logprob's float32 bits, and
       proposals accepted per row; top ids int32 [R, 20] and top logprobs [R, 20], zeros

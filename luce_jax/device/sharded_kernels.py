@@ -164,9 +164,9 @@ def _delta_heads(mesh, n, mixer, lp, h, hist, ssm, li, batch, live, cfg):
         out, hist, ssm = mixer(own, h, hist, ssm, li, batch, local, live)
         return jax.lax.psum(out, AXIS), hist, ssm
 
-    split_c, split_h = P(None, None, AXIS), P(None, None, AXIS)  # hist's C, the states' Hv
-    f = jax.shard_map(local_fn, mesh=mesh, in_specs=(specs, WHOLE, split_c, split_h) + (WHOLE,) * 3,
-                      out_specs=(WHOLE, split_c, split_h), check_vma=False)  # fmt: skip
+    third = P(None, None, AXIS)  # hist [S, Kc-1, C] by C, the states [Lr, S, Hv, ...] by Hv
+    f = jax.shard_map(local_fn, mesh=mesh, in_specs=(specs, WHOLE, third, third) + (WHOLE,) * 3,
+                      out_specs=(WHOLE, third, third), check_vma=False)  # fmt: skip
     return f(own, x, hist, ssm, li, batch, live)
 
 

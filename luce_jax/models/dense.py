@@ -148,14 +148,11 @@ def layer(lp: dict, x, kc, vc, cos, sin, batch: dict, live, *, cfg: ModelConfig,
             norms = lp.get("q_norm"), lp.get("k_norm")
             q_dtype = kv_cache.compute_dtype(kc, weight_dtype(lp["wqkv"]))
             # on a mesh, told whether qkv's columns are each device's heads already
+            n = kernels.shards
             laid = (
                 {}
-                if kernels.shards == 1
-                else {
-                    "shard_major": fused_layout.is_shard_major(
-                        lp["wqkv"], "wqkv", cfg, kernels.shards
-                    )
-                }
+                if n == 1
+                else {"shard_major": fused_layout.stored(lp["wqkv"], "wqkv", cfg, n) > 1}
             )
             q, kc, vc = rope_write(qkv, *norms, cos, sin, batch["write_idx"], kc, vc, heads=H,
                                    kv_heads=K, eps=cfg.rms_eps, neox=cfg.rope_neox,

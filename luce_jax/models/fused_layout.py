@@ -132,13 +132,10 @@ def store(lp: dict, cfg: ModelConfig, n: int, delta: bool = True) -> dict:
             out[name] = jnp.take(lp[name], idx, axis=DELTA[name])
     for name, weight in FUSED.items():
         w = lp.get(name)
-        if w is None or isinstance(lp.get(weight), tuple):
-            continue
-        N = w.shape[-2] if isinstance(w, QuantWeight) else w.shape[-1]
-        s = shards(name, cfg, N, n)
+        s = 1 if w is None else stored(lp[weight], weight, cfg, n)  # a bias as its weight
         if s == 1:
             continue
-        idx = order(parts(name, cfg, N), s)
+        idx = order(parts(name, cfg, w.shape[-2] if isinstance(w, QuantWeight) else w.shape[-1]), s)
         out[name] = w.take(idx) if isinstance(w, QuantWeight) else jnp.take(w, idx, axis=-1)
     return out
 
@@ -153,15 +150,10 @@ def stored(w, name: str, cfg: ModelConfig, n: int) -> int:
     return shards(name, cfg, w.shape[-2] if isinstance(w, QuantWeight) else w.shape[-1], n)
 
 
-def is_shard_major(w, name: str, cfg: ModelConfig, n: int) -> bool:
-    return stored(w, name, cfg, n) > 1
-
-
-def unfuse(y, name: str, cfg: ModelConfig, n: int, w=None) -> list:
+def unfuse(y, name: str, cfg: ModelConfig, n: int, w) -> list:
     """The parts of fused param `name`'s product y [..., N] (its weight w: a tuple is stored in
     order), as `store` laid them out for a mesh of n devices."""
-    return split(y, parts(name, cfg, y.shape[-1]), stored(w, name, cfg, n) if w is not None
-                 else shards(name, cfg, y.shape[-1], n))  # fmt: skip
+    return split(y, parts(name, cfg, y.shape[-1]), stored(w, name, cfg, n))
 
 
 def split(y, sizes: tuple[int, ...], s: int) -> list:
