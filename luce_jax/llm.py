@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .build import start_engine
 from .config import DEFAULT_MODEL, EngineConfig
+from .engine_handle import start_engine
 from .host.request import Event
 from .host.scheduler import QueueFull
 from .sampling_params import SamplingParams

@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     from server.app import ServerState, create_app
     from server.auth import loopback
 
-    from .build import start_engine
+    from .engine_handle import start_engine
 
     args, config = parse_config(argv)
     Server = _server_class()
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     )
     quiet_logs()
     if config.process_id > 0:  # no server here: this process runs the steps process 0 plans
-        from .build import follow
+        from .engine_handle import follow
 
         follow(config)
         return 0

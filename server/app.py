@@ -30,7 +30,7 @@ class ServerState:
     """What handlers share. `engine` is None until the model is loaded and compiled."""
 
     model_name: str
-    engine: object = None  # serve.EngineHandle
+    engine: object = None  # engine_handle.EngineHandle
     keepalive_s: float = 5.0
     max_request_bytes: int = 4 << 20  # larger bodies get 413 before they are read whole
     default_max_tokens: int | None = None  # a chat request's cap when it sets none
