@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from luce_jax.device.sampling import apply_penalties, named, needs_filter, sample
+from luce_jax.device.sampling import _filter, apply_penalties, named, needs_filter, sample
 from luce_jax.host.slots import sampling_arrays
 from luce_jax.sampling_params import SamplingParams
 
@@ -83,7 +83,7 @@ def test_filters_keep_only_allowed_tokens(logits):
 
 
 def test_a_step_without_filters_or_penalties_samples_as_the_filtered_variant_does(logits):
-    """The host skips the filters' sort when no row asks (needs_filter), and neutral penalties
+    """The host skips the filters when no row asks (needs_filter), and neutral penalties
     always run: neither may change a draw."""
     rows = [SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0, 1.3)] * 2
     floats, top_k = sampling_arrays(rows)
@@ -142,3 +142,41 @@ def test_penalty_changes_the_greedy_pick():
 def test_bad_params_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
+
+
+def sorted_filter(row: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The filters as usually written, over a sorted row: keep the top_k best, the smallest
+    prefix whose probability reaches top_p (the first always; 1 keeps all), and min_p of the
+    best's."""
+    order = np.sort(row)[::-1]
+    k = min(top_k, row.size) if top_k > 0 else row.size
+    probs = np.exp(order - order[0])
+    probs /= probs.sum()
+    n_keep = max(int(((np.cumsum(probs) - probs) < top_p).sum()), 1) if top_p < 1 else k
+    cut = max(order[k - 1], order[n_keep - 1])
+    if min_p > 0:
+        cut = max(cut, order[0] + np.log(min_p))
+    return np.where(row >= cut, row, -np.inf)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_filters_keep_what_a_sorted_row_keeps(case):
+    """The filters take each row's cut without sorting it (a bisection over the float values,
+    so that a row split between devices is never gathered); they keep exactly the tokens the
+    sort would, with tied logits, masked (-inf) tokens and a dominant token among the rows."""
+    rng = np.random.default_rng(case)
+    R = 64
+    rows = (rng.standard_normal((R, V)) * rng.uniform(0.1, 8, (R, 1))).astype(np.float32)
+    rows[::4] = np.round(rows[::4])  # many ties
+    rows[1::4, rng.integers(0, V, 20)] = -np.inf  # a grammar's masked tokens
+    rows[2::4, 0] = 40.0  # one token holds nearly all the mass
+    params = [SamplingParams(temperature=1.0, top_k=int(rng.choice([0, 1, 3, 17, V, V + 5])),
+                             top_p=float(rng.choice([1.0, 0.05, 0.5, 0.9, 0.999])),
+                             min_p=float(rng.choice([0.0, 0.01, 0.3])))
+              for _ in range(R)]  # fmt: skip
+    floats, top_k = sampling_arrays(params)
+    sp = {k: jnp.asarray(v) for k, v in named(floats, top_k).items()}
+    got = np.asarray(jax.jit(_filter)(jnp.asarray(rows), sp))
+    for r, p in enumerate(params):
+        want = sorted_filter(rows[r].astype(np.float64), p.top_k, p.top_p, p.min_p)
+        np.testing.assert_array_equal(np.isfinite(got[r]), np.isfinite(want), err_msg=str(p))

@@ -44,8 +44,6 @@ class SampleProgram:
           proposals on the device, its device/proposals.py part updated), dkv).
         """
         batch, floats = sample_inputs(sample_in, R, S)
-        if filtered:  # top-k / top-p / min-p sort whole rows: gathered for them alone
-            logits = self._keep(logits, -1)
         if self.ahead:
             ahead = {k: state.pop(k) for k in proposals.KEYS}
             # the noise of a row that caught up is as many steps on as it moved

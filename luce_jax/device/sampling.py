@@ -96,22 +96,55 @@ def apply_penalties(logits, counts, prompt_mask, sp):
     return logits - sp["presence"][:, None] * (counts > 0)
 
 
+def _ordered(x):
+    """uint32 keys of float32 x in the floats' order (-inf lowest, +inf highest; no NaN)."""
+    i = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(1 << 31))
+
+
+def _unordered(u):
+    """The float32 values of `_ordered`'s keys."""
+    i = jnp.where(u >> 31 == 1, u & jnp.uint32(0x7FFFFFFF), ~u)
+    return jax.lax.bitcast_convert_type(i, jnp.float32)
+
+
+def _cut(logits, sp):
+    """Each row's smallest logit kept by its top-k, top-p (nucleus) and min-p: [R, 1].
+
+    The sort a nucleus is usually taken from is replaced by a bisection over the float32
+    values: keep-all-at-or-above-t is monotone in t, and a row's cut is the smallest t for
+    which fewer than k logits lie above t, less than top_p of the probability lies above t,
+    and t is at least the min-p logit. At t = the row's k-th largest logit exactly fewer than k
+    lie above it, and the mass above t only changes at a logit, so the cut is the sorted
+    form's: the k-th logit, the last of the smallest prefix reaching top_p (the first always
+    stays), or the min-p logit, whichever is highest. Each of the 32 halvings of the uint32
+    key range is a count and a sum over V, so on a mesh that splits V only [R, 2] partial sums
+    cross between devices, never the rows (XLA's sort of a split axis gathers them)."""
+    V = logits.shape[-1]
+    k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)[:, None]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    top_p = sp["top_p"][:, None]  # 1 keeps all, though float32 sums reach 1 sooner
+    probs = jax.nn.softmax(logits, axis=-1)
+    min_logit = jnp.where(
+        sp["min_p"][:, None] > 0, top + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-30)), -jnp.inf
+    )
+    # invariant: the key hi keeps (t = the row's max always does), lo does not (below -inf)
+    lo = _ordered(jnp.full_like(top, -jnp.inf)) - 1
+    hi = _ordered(top)
+    for _ in range(32):  # unrolled: no data-dependent control flow (module docstring)
+        mid = lo + (hi - lo) // 2
+        t = _unordered(mid)
+        above = logits > t
+        n = jnp.sum(above, axis=-1, keepdims=True)
+        mass = jnp.sum(jnp.where(above, probs, 0.0), axis=-1, keepdims=True)
+        ok = (n < k) & ((mass < top_p) | (top_p >= 1)) & (t >= min_logit) & (mid > lo)
+        hi, lo = jnp.where(ok, mid, hi), jnp.where(ok, lo, mid)
+    return _unordered(hi)
+
+
 def _filter(logits, sp):
     """Mask logits outside top-k, top-p (nucleus) and min-p, per row."""
-    V = logits.shape[-1]
-    order = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
-    k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)
-    kth = jnp.take_along_axis(order, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(order, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.maximum(jnp.sum(before < sp["top_p"][:, None], axis=-1), 1)
-    pth = jnp.take_along_axis(order, (n_keep - 1)[:, None], axis=-1)
-    min_logit = order[:, :1] + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-30))
-    cut = jnp.maximum(
-        jnp.maximum(kth, pth), jnp.where(sp["min_p"][:, None] > 0, min_logit, -jnp.inf)
-    )
-    return jnp.where(logits >= cut, logits, -jnp.inf)
+    return jnp.where(logits >= _cut(logits, sp), logits, -jnp.inf)
 
 
 def sample(logits, counts, prompt_mask, sp, seeds, steps, filtered: bool | None = None):
@@ -125,7 +158,7 @@ def sample(logits, counts, prompt_mask, sp, seeds, steps, filtered: bool | None 
       seeds: [R] uint32 per-request seed; steps: [R] int32 tokens generated so far. The noise
         depends only on (seed, step), so a seeded request reproduces whatever it is batched with.
       filtered: static; True if some row samples under top-k, top-p or min-p (`needs_filter`),
-        False if none does (the sort is skipped), None to decide on the device (a lax.cond,
+        False if none does (the filters are skipped), None to decide on the device (a lax.cond,
         for a program whose output the host waits for anyway).
     Returns:
       (tokens [R] int32, logprobs [R, V] float32 of the distribution sampled from).
@@ -275,8 +308,7 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
     last = state["last"].at[jnp.where(sampled, slots, oob)].set(last_tok, mode="drop")
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if logprobs:
-        # filtered rows' logits came whole (the runner gathers them for the sort)
-        top_lp, top_ids = top_k_by_parts(logp, TOP_LOGPROBS, None if filtered else placement)
+        top_lp, top_ids = top_k_by_parts(logp, TOP_LOGPROBS, placement)
     else:
         top_lp = jnp.zeros((R, TOP_LOGPROBS), logp.dtype)
         top_ids = jnp.zeros((R, TOP_LOGPROBS), jnp.int32)
