@@ -155,7 +155,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         from .device.expert_tally import ExpertTally
 
         runner.tally = ExpertTally(moe_layers, mc.n_experts)
-    engine = StepEngine(config, runner)
+    engine = StepEngine(config, runner, one_row=quantized and config.quant_backend == "pallas")
     # structured output: xgrammar loads on the first request that asks for it
     engine.grammars = Grammars(tokenizer.token_bytes, tokenizer.eog_ids, mc.vocab_size)
     pairs = engine.bucket_pairs()

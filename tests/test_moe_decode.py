@@ -130,7 +130,8 @@ def test_the_engine_on_the_decode_path_gives_batched_what_it_gives_alone(
     backends (every kernel in interpret mode: experts a pair at a time on each token's int8
     row, the GLU's int8 rows between them; XLA's routing, as backends.moe_router_fn says why):
     two prompts at once, one of them prefilled in two chunks, get the tokens each
-    gets alone, in the engine's one 8-token bucket. (qwen3moe's engine runs the router kernel
+    gets alone, together in the engine's 8-token bucket and alone in its one-row bucket (the
+    kernels compiled for one row, no padding pairs). (qwen3moe's engine runs the router kernel
     in test_moe.py; its layers' FFN is this one.)"""
     arch = "qwen35moe"
     from luce_jax import LLM, SamplingParams
@@ -149,7 +150,7 @@ def test_the_engine_on_the_decode_path_gives_batched_what_it_gives_alone(
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     with LLM(path, **kw) as llm:
         assert llm.engine.runner.kernels.quant_matmul.glu_int8 is not None
-        assert llm.engine.token_buckets == [8]
+        assert llm.engine.token_buckets == [1, 8]  # alone: one row, unpadded
         together = [c.token_ids for c in llm.generate(prompts, sp)]
         alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
     assert together == alone and all(len(t) == 5 for t in together)

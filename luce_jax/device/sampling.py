@@ -108,38 +108,47 @@ def _unordered(u):
     return jax.lax.bitcast_convert_type(i, jnp.float32)
 
 
+CUT_BITS = 4  # key bits settled per pass: 8 passes of 15 candidate cuts each
+
+
 def _cut(logits, sp):
     """Each row's smallest logit kept by its top-k, top-p (nucleus) and min-p: [R, 1].
 
-    The sort a nucleus is usually taken from is replaced by a bisection over the float32
-    values: keep-all-at-or-above-t is monotone in t, and a row's cut is the smallest t for
-    which fewer than k logits lie above t, less than top_p of the probability lies above t,
-    and t is at least the min-p logit. At t = the row's k-th largest logit exactly fewer than k
-    lie above it, and the mass above t only changes at a logit, so the cut is the sorted
-    form's: the k-th logit, the last of the smallest prefix reaching top_p (the first always
-    stays), or the min-p logit, whichever is highest. Each of the 32 halvings of the uint32
-    key range is a count and a sum over V, so on a mesh that splits V only [R, 2] partial sums
-    cross between devices, never the rows (XLA's sort of a split axis gathers them)."""
+    The sort a nucleus is usually taken from is replaced by a search over the float32 values:
+    keep-all-at-or-above-t is monotone in t, and a row's cut is the smallest t for which fewer
+    than k logits lie above t, less than top_p of the probability lies above t, and t is at
+    least the min-p logit. At t = the row's k-th largest logit exactly fewer than k lie above
+    it, and the mass above t only changes at a logit, so the cut is the sorted form's: the k-th
+    logit, the last of the smallest prefix reaching top_p (the first always stays), or the
+    min-p logit, whichever is highest. The search settles the largest t's uint32 key that
+    keeps too much, CUT_BITS bits a pass (each pass a count and a sum over V for each of
+    2^CUT_BITS - 1 candidates), so on a mesh that splits V only [R, 15, 2] partial sums cross
+    between devices, never the rows (XLA's sort of a split axis gathers them). Fewer, wider
+    passes: the 32 one-bit passes had taken 349 us for one row on an H100 against the sort's
+    218 (bench/results/history/2026-12-06_sampling_filters_one_bit_h100.md)."""
     V = logits.shape[-1]
-    k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)[:, None]
+    k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)[:, None, None]
     top = jnp.max(logits, axis=-1, keepdims=True)
-    top_p = sp["top_p"][:, None]  # 1 keeps all, though float32 sums reach 1 sooner
-    probs = jax.nn.softmax(logits, axis=-1)
+    top_p = sp["top_p"][:, None, None]  # 1 keeps all, though float32 sums reach 1 sooner
+    probs = jax.nn.softmax(logits, axis=-1)[:, None, :]
     min_logit = jnp.where(
         sp["min_p"][:, None] > 0, top + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-30)), -jnp.inf
-    )
-    # invariant: the key hi keeps (t = the row's max always does), lo does not (below -inf)
-    lo = _ordered(jnp.full_like(top, -jnp.inf)) - 1
-    hi = _ordered(top)
-    for _ in range(32):  # unrolled: no data-dependent control flow (module docstring)
-        mid = lo + (hi - lo) // 2
-        t = _unordered(mid)
-        above = logits > t
+    )[:, :, None]
+    keep_all_above = _ordered(top)[:, :, None]  # from the row's max up every t qualifies
+    base = jnp.zeros_like(keep_all_above)  # the key found so far: its bits above `shift`
+    steps = jnp.arange(1, 1 << CUT_BITS, dtype=jnp.uint32)[None, :, None]  # [1, C, 1]
+    for shift in range(32 - CUT_BITS, -1, -CUT_BITS):  # unrolled: no device control flow
+        cand = base + (steps << shift)  # [R, C, 1]
+        t = _unordered(cand)
+        above = logits[:, None, :] > t  # [R, C, V]
         n = jnp.sum(above, axis=-1, keepdims=True)
         mass = jnp.sum(jnp.where(above, probs, 0.0), axis=-1, keepdims=True)
-        ok = (n < k) & ((mass < top_p) | (top_p >= 1)) & (t >= min_logit) & (mid > lo)
-        hi, lo = jnp.where(ok, mid, hi), jnp.where(ok, lo, mid)
-    return _unordered(hi)
+        # keys under -inf's are NaNs, which never qualify; over the max, always
+        ok = ((n < k) & ((mass < top_p) | (top_p >= 1)) & (t >= min_logit)) | (
+            cand >= keep_all_above
+        )
+        base = base + (jnp.sum(~ok, axis=1, keepdims=True).astype(jnp.uint32) << shift)
+    return _unordered(base[:, :, 0] + 1)
 
 
 def _filter(logits, sp):
