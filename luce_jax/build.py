@@ -92,7 +92,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         from .models import draft_head
 
         head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
-    placement = _placement(config, mc, quantized)
+    placement = _placement(config, mc, shapes)
     device = jax.local_devices()[0] if placement is None else placement.first_local_device
     # one device's share of the weights (the draft's whole): the pool is sized for each alike
     target = weight_bytes(shapes) if placement is None else placement.device_bytes(shapes)
@@ -181,9 +181,10 @@ def _load(config: EngineConfig, clock: StartupClock):
     return tokenizer, engine
 
 
-def _placement(config: EngineConfig, mc, quantized: bool):
+def _placement(config: EngineConfig, mc, shapes):
     """Where the step's arrays live on several devices (device/mesh.py), or None for one."""
     from .device.mesh import Placement, make_mesh
+    from .models.fused_layout import delta_split
 
     mesh = make_mesh(config.devices, config.tensor_parallel)
     if mesh is None:
@@ -193,9 +194,11 @@ def _placement(config: EngineConfig, mc, quantized: bool):
     # split by E, the experts run per device (device/sharded_kernels.py); split by width, only
     # XLA's grouped matmul is partitioned (a Pallas kernel would gather them each step)
     split_experts = expert_parallel or config.moe_backend != "pallas"
-    # a Gated DeltaNet model's layers split by head where their projections are float
+    # a Gated DeltaNet model's layers split by head where every one of them can
+    n, layers = mesh.devices.size, [lp for lp in shapes.get("layers", ()) if "w_in" in lp]
+    delta = bool(layers) and all(delta_split(lp, mc, n) for lp in layers)
     placement = Placement(mesh, expert_parallel, split_experts,
-                          cfg=None if quantized else mc)  # fmt: skip
+                          cfg=mc if delta else None)  # fmt: skip
     log.info("%d devices: %s", placement.n, ", ".join(str(d) for d in mesh.devices.flat))
     return placement
 

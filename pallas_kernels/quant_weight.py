@@ -112,6 +112,15 @@ class QuantWeight:
         """Rows ids [T] of a [N, K] weight (an embedding lookup), a QuantWeight [T, K]."""
         return QuantWeight(self.head[:, ids], self.body[ids], self.qtype, self.dtype)
 
+    def take_blocks(self, ids) -> QuantWeight:
+        """Blocks ids [K' / B] of every row of a [N, K] weight, in that order: a QuantWeight
+        [N, K'] (its inputs reordered or cut a whole block at a time)."""
+        fmt = self.format
+        n = self.body.shape[-2]
+        head = self.head.reshape(-1, fmt.head[1] // fmt.head_unit, n)[ids].reshape(-1, n)
+        body = self.body.reshape(n, -1, fmt.body_size)[:, ids].reshape(n, -1)
+        return QuantWeight(head, body, self.qtype, self.dtype)
+
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """QuantWeights of one type and K stacked along their rows (N)."""

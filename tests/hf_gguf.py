@@ -42,10 +42,12 @@ def make_hf_model(
     ffn: int = 96,
     special: tuple[int | None, int] | None = None,
     norm_topk: bool = True,
+    linear_v_dim: int = 16,
 ):
     """A small random-weight HF model of `arch` (llama, qwen2, qwen3, qwen3moe, qwen35,
     qwen35moe), float32: `width` wide with FFNs (experts, a shared expert) `ffn` wide or half
-    that; `special`: its (bos, eos) ids (default: the tiny vocabulary's)."""
+    that; `special`: its (bos, eos) ids (default: the tiny vocabulary's); `linear_v_dim`: a
+    Gated DeltaNet value head's width."""
     import torch
     from transformers import (
         LlamaConfig,
@@ -109,7 +111,7 @@ def make_hf_model(
             **(extra if moe else {}),
             head_dim=32,
             linear_key_head_dim=16,
-            linear_value_head_dim=16,
+            linear_value_head_dim=linear_v_dim,
             linear_num_key_heads=2,
             linear_num_value_heads=4,
             linear_conv_kernel_dim=4,
@@ -294,10 +296,12 @@ def _qwen35_layer(cfg, sd, p: str, g: str, put) -> None:
     put(g + "attn_qkv.weight", np.concatenate([qkv[:qk], tile(qkv[qk:], 0, dv)]))
     put(g + "attn_gate.weight", tile(sd[a + "in_proj_z.weight"], 0, dv))
     conv = sd[a + "conv1d.weight"][:, 0]  # [channels, kernel]
-    put(g + "ssm_conv1d.weight", np.concatenate([conv[:qk], tile(conv[qk:], 0, dv)]))
+    # the convolution's 4 taps a row, and beta and alpha, stay float in a quantized file: the
+    # layer's input projection then fuses into a quantized part and float ones
+    put(g + "ssm_conv1d.weight", np.concatenate([conv[:qk], tile(conv[qk:], 0, dv)]), False)
     put(g + "ssm_dt.bias", tile(sd[a + "dt_bias"], 0, 1))
     put(g + "ssm_a", tile(-np.exp(sd[a + "A_log"]), 0, 1))
-    put(g + "ssm_beta.weight", tile(sd[a + "in_proj_b.weight"], 0, 1))
-    put(g + "ssm_alpha.weight", tile(sd[a + "in_proj_a.weight"], 0, 1))
+    put(g + "ssm_beta.weight", tile(sd[a + "in_proj_b.weight"], 0, 1), False)
+    put(g + "ssm_alpha.weight", tile(sd[a + "in_proj_a.weight"], 0, 1), False)
     put(g + "ssm_norm.weight", sd[a + "norm.weight"])
     put(g + "ssm_out.weight", tile(sd[a + "out_proj.weight"], 1, dv))

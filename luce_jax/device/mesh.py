@@ -19,7 +19,9 @@ Placement rules, by a param's name (loading/params.py's keys):
 An axis that does not divide by the mesh size stays whole (KV heads fewer than devices are
 replicated). A QuantWeight keeps its blocks whole: it is split by output rows only (its `head`
 [..., hK, N] on its last axis, `body` [..., N, bytes] on its second last), and a row-parallel
-one is replicated. Arrays of one device (mesh None) are placed as before.
+one is replicated; a Gated DeltaNet layer's w_out, stored with its inputs a whole block at a
+time in device order, is split by its blocks (`delta_spec`). Arrays of one device (mesh None)
+are placed as before.
 """
 
 from __future__ import annotations
@@ -42,6 +44,25 @@ AXIS = "tensor"
 COLUMN = frozenset({"wqkv", "bqkv", "w_gu", "w_gu_shexp", "lm_head"})
 ROW = frozenset({"wo", "w_down", "w_down_shexp"})
 EXPERTS = {"w_gu_exps": COLUMN, "w_down_exps": ROW}  # without expert parallelism: as these
+
+
+def delta_spec(name: str, w):
+    """The PartitionSpec tree of Gated DeltaNet param `name` (fused_layout.DELTA) split by head:
+    a float array along its DELTA axis; a QuantWeight by output rows (w_in) or by input blocks
+    (w_out: head [hK, d] on its first axis, body [d, bytes] on its last); a tuple part by part."""
+    from pallas_kernels.quant_weight import QuantWeight
+
+    def along(a, axis):
+        return P(*[None] * (axis % len(a.shape)), AXIS)
+
+    def one(w):
+        if isinstance(w, QuantWeight):
+            rows = name == "w_in"
+            return QuantWeight(along(w.head, -1 if rows else -2),
+                               along(w.body, -2 if rows else -1), w.qtype, w.dtype)  # fmt: skip
+        return along(w, fused_layout.DELTA[name])
+
+    return tuple(map(one, w)) if isinstance(w, tuple) else one(w)
 
 
 def make_mesh(devices: Sequence[int] | None, tensor_parallel: int) -> Mesh | None:
@@ -141,8 +162,10 @@ class Placement:
             return shardings
         out = {k: self._delta_params(params[k], s) for k, s in shardings.items()}
         if fused_layout.delta_split(params, self.delta, self.n):
-            for name, axis in fused_layout.DELTA.items():
-                out[name] = self.split(params[name].shape, axis)
+            for name in fused_layout.DELTA:
+                out[name] = jax.tree.map(lambda p: NamedSharding(self.mesh, p),
+                                         delta_spec(name, params[name]),
+                                         is_leaf=lambda p: isinstance(p, P))  # fmt: skip
         return out
 
     def slot_state(self, state: dict):

@@ -40,7 +40,7 @@ from ..config import ModelConfig
 from ..models import fused_layout
 from ..models.family import Kernels
 from ..models.linear import Normed
-from .mesh import AXIS, Placement
+from .mesh import AXIS, Placement, delta_spec
 
 HEADS = P(None, AXIS, None)  # [T, H, D] and the row-major views of a fused projection
 CACHE = P(None, None, AXIS, None)  # [NB, P, K, D] (a quantized cache's data and scales)
@@ -142,26 +142,24 @@ def _experts(mesh, routed, lp, h, live, tokens):
     return f(lp, x, live, tokens)
 
 
-def _delta_heads(mesh, n, mixer, lp, h, hist, ssm, li, batch, live, cfg):
+def _delta_heads(mesh, n, qmm, mixer, lp, h, hist, ssm, li, batch, live, cfg):
     """A Gated DeltaNet layer (mixer: models/hybrid.py's linear_attention with its kernels) on
     each device's heads: the device's share of the params (stored device by device:
     models/fused_layout.py), of the conv history [S, Kc-1, C] and of the states [Lr, S, Hv,
-    Dk, Dv], run as a model of Hk / n key and Hv / n value heads; the [T, d] output summed.
-    Returns (out [T, d], hist, ssm) as one device's."""
+    Dk, Dv], run as a model of Hk / n key and Hv / n value heads, its quantized projections
+    with qmm (the kernels as on one device) on the device's rows and input blocks; the [T, d]
+    output summed. Returns (out [T, d], hist, ssm) as one device's."""
     hc = cfg.own
     local = dataclasses.replace(cfg, own=dataclasses.replace(
         hc, ssm_k_heads=hc.ssm_k_heads // n, ssm_v_heads=hc.ssm_v_heads // n))  # fmt: skip
     own = {k: lp[k] for k in (*fused_layout.DELTA, "ssm_norm")}
-    axes = {**fused_layout.DELTA, "ssm_norm": None}
-    specs = {
-        k: WHOLE if a is None else P(*([None] * (a % lp[k].ndim)), AXIS) for k, a in axes.items()
-    }
+    specs = {k: delta_spec(k, v) if k in fused_layout.DELTA else WHOLE for k, v in own.items()}
     eps = h.eps if isinstance(h, Normed) else None
     x = (h.x, h.w) if eps is not None else h
 
     def local_fn(own, x, hist, ssm, li, batch, live):
         h = Normed(*x, eps) if eps is not None else x
-        out, hist, ssm = mixer(own, h, hist, ssm, li, batch, local, live)
+        out, hist, ssm = mixer(own, h, hist, ssm, li, batch, local, live, qmm)
         return jax.lax.psum(out, AXIS), hist, ssm
 
     third = P(None, None, AXIS)  # hist [S, Kc-1, C] by C, the states [Lr, S, Hv, ...] by Hv
@@ -190,7 +188,7 @@ def shard_kernels(kernels: Kernels, cfg: ModelConfig, placement: Placement) -> K
     if placement.expert_parallel and cfg.n_experts % n == 0:  # Placement's split along E
         out["experts"] = functools.partial(_experts, mesh)
     if placement.delta is not None:  # the Gated DeltaNet layers split (Placement.delta)
-        out["delta_heads"] = functools.partial(_delta_heads, mesh, n)
+        out["delta_heads"] = functools.partial(_delta_heads, mesh, n, kernels.quant_matmul)
     if cfg.n_heads % n == 0:  # a family without sink attention never calls it
         attn = kernels.sink_attention or sink_attention_reference
         out["sink_attention"] = functools.partial(_sink_attention, attn, mesh)

@@ -57,7 +57,8 @@ def order(sizes: tuple[int, ...], n: int) -> np.ndarray:
 
 
 # A Gated DeltaNet layer's params (models/hybrid.py) split by head on a mesh, and the axis of
-# each that runs over its channels, heads or value rows (w_in's outputs, w_out's inputs).
+# each that runs over its channels, heads or value rows (w_in's outputs, w_out's inputs) where
+# it is a float array (a QuantWeight's: device/mesh.py's delta_spec).
 DELTA = {"w_in": -1, "conv": 0, "dt_bias": 0, "ssm_a": 0, "w_out": 0}
 
 
@@ -111,12 +112,47 @@ def delta_orders(cfg: ModelConfig, n: int) -> dict[str, np.ndarray]:
 
 def delta_split(lp: dict, cfg: ModelConfig, n: int) -> bool:
     """Whether Gated DeltaNet layer params lp split their heads over n devices: the heads
-    divide (delta_shards) and its projections are float (quantized ones stay whole: their
-    blocks run along the inputs that w_out's head order would cut)."""
+    divide (delta_shards), and a quantized w_out's inputs reorder a whole block at a time
+    (each device's value heads come in runs of Hk / n heads, which must fill whole blocks).
+    w_in may be float, quantized or a tuple of both (its rows reorder freely)."""
     from pallas_kernels.quant_weight import QuantWeight
 
-    return "w_in" in lp and delta_shards(cfg, n) > 1 and not any(
-        isinstance(lp[k], (QuantWeight, tuple)) for k in ("w_in", "w_out"))  # fmt: skip
+    if "w_in" not in lp or delta_shards(cfg, n) == 1:
+        return False
+    w = lp["w_out"]
+    run = cfg.own.ssm_k_heads // n * cfg.own.ssm_v_dim
+    return not isinstance(w, tuple) and (
+        not isinstance(w, QuantWeight) or run % w.format.block == 0
+    )
+
+
+def _delta_w_in(w, idx: np.ndarray):
+    """w_in (float [d, N], QuantWeight [N, d], or a tuple of parts in output order) with its
+    outputs in delta_orders' order `idx`, part by part: each part keeps its own outputs,
+    device by device, so each device's parts read back, concatenated, in its own order."""
+    from pallas_kernels.quant_weight import QuantWeight
+
+    parts = w if isinstance(w, tuple) else (w,)
+    out, start = [], 0
+    for p in parts:
+        size = p.shape[-2] if isinstance(p, QuantWeight) else p.shape[-1]
+        own = idx[(idx >= start) & (idx < start + size)] - start
+        out.append(p.take(own) if isinstance(p, QuantWeight) else jnp.take(p, own, axis=-1))
+        start += size
+    return tuple(out) if isinstance(w, tuple) else out[0]
+
+
+def _delta_w_out(w, idx: np.ndarray):
+    """w_out (float [Hv*Dv, d] or QuantWeight [d, Hv*Dv]) with its inputs in order `idx`
+    (runs of whole blocks for a QuantWeight: delta_split)."""
+    from pallas_kernels.quant_weight import QuantWeight
+
+    if not isinstance(w, QuantWeight):
+        return jnp.take(w, idx, axis=0)
+    B = w.format.block
+    runs = idx.reshape(-1, B)
+    assert (runs[:, 0] % B == 0).all() and (np.diff(runs, axis=1) == 1).all(), "cuts a block"
+    return w.take_blocks(runs[:, 0] // B)
 
 
 def store(lp: dict, cfg: ModelConfig, n: int, delta: bool = True) -> dict:
@@ -129,7 +165,8 @@ def store(lp: dict, cfg: ModelConfig, n: int, delta: bool = True) -> dict:
     out = dict(lp)
     if delta and delta_split(lp, cfg, n):
         for name, idx in delta_orders(cfg, n).items():
-            out[name] = jnp.take(lp[name], idx, axis=DELTA[name])
+            take = {"w_in": _delta_w_in, "w_out": _delta_w_out}.get(name)
+            out[name] = take(lp[name], idx) if take else jnp.take(lp[name], idx, axis=DELTA[name])
     for name, weight in FUSED.items():
         w = lp.get(name)
         s = 1 if w is None else stored(lp[weight], weight, cfg, n)  # a bias as its weight

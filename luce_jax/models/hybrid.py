@@ -179,8 +179,8 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
     if recurrent and kernels.delta_heads is not None and fused_layout.delta_split(
             lp, cfg, kernels.shards):  # fmt: skip
 
-        def mixer(lp, h, hist, ssm, li, batch, cfg, live):  # float projections: no qmm
-            return linear_attention(lp, h, hist, ssm, li, batch, cfg, None, live, delta)
+        def mixer(lp, h, hist, ssm, li, batch, cfg, live, qmm):  # qmm: on one device's shard
+            return linear_attention(lp, h, hist, ssm, li, batch, cfg, qmm, live, delta)
 
         y, hist, ssm = kernels.delta_heads(mixer, lp, h, *mix, batch, live, cfg)
         mix = (hist, ssm)
