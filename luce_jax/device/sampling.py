@@ -124,8 +124,9 @@ def _cut(logits, sp):
     keeps too much, CUT_BITS bits a pass (each pass a count and a sum over V for each of
     2^CUT_BITS - 1 candidates), so on a mesh that splits V only [R, 15, 2] partial sums cross
     between devices, never the rows (XLA's sort of a split axis gathers them). Fewer, wider
-    passes: the 32 one-bit passes had taken 349 us for one row on an H100 against the sort's
-    218 (bench/results/history/2026-12-06_sampling_filters_one_bit_h100.md)."""
+    passes: 32 one-bit passes had taken 349 us for one row on an H100 against the sort's 218
+    (bench/results/history/2026-12-06_sampling_filters_one_bit_h100.md); eight take 213 against
+    233, and 980 against 1449 for 32 rows (bench/results/sampling_filters_h100.md)."""
     V = logits.shape[-1]
     k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)[:, None, None]
     top = jnp.max(logits, axis=-1, keepdims=True)
