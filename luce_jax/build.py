@@ -294,7 +294,10 @@ def state_bytes(mc, config: EngineConfig) -> int:
 
     from .models.family import family_of
 
-    init = functools.partial(family_of(mc).init_slot_state, mc, config.max_concurrency)
+    family = family_of(mc)
+    # proposals kept on the device (a replaying family stores its verify rows' inputs)
+    k = config.draft_tokens if config.spec_mode in family.device_proposers else 0
+    init = functools.partial(family.init_slot_state, mc, config.max_concurrency, k)
     shapes = jax.eval_shape(init)
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 

@@ -70,7 +70,7 @@ class CounterFamily:
         # a token id per position of each group: [NB, P]
         return [jnp.zeros((s.num_blocks, s.block_size), jnp.int32) for s in spaces]
 
-    def init_slot_state(self, cfg, max_slots):
+    def init_slot_state(self, cfg, max_slots, proposals=0):
         return {"count": jnp.zeros((max_slots,), jnp.int32)}
 
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):

@@ -10,7 +10,9 @@ must hold exactly its prompt and delivered tokens up to its kv length, in the ta
 the draft model's mirror, and no block may be lost. As a hybrid model's device, the runner also
 keeps per slot the tokens its recurrent state has absorbed (reset on a fresh row, advanced
 through each row but its proposals): every row must start where its slot's state stands, and
-the state must hold exactly the sequence up to there. As a draft head's device, it keeps each
+the state must hold exactly the sequence up to there; with proposals on the device it replays
+instead (models/gated_deltanet.py): a verify row's proposals wait in the slot, and its next row
+first absorbs the ones the row kept. As a draft head's device, it keeps each
 slot's proposals and the count its last row kept, feeds the proposal markers of verify rows and
 moves rows lowered behind their slot's step in flight (steps overlap in that mode). As a draft
 model's device (mode device-draft), it also keeps the draft's cache on the target's block ids:
@@ -49,8 +51,12 @@ class FakeRunner:
     def __init__(self, num_blocks, block_size, max_slots, k, rng, recurrent=False, head=False,
                  draft=False, lookup=False):  # fmt: skip
         self.cfg = SimpleNamespace(recurrent=(True,) if recurrent else ())
-        # as models/family.py declares it: a recurrent state is rolled back by feeding again
-        self.family = SimpleNamespace(rollback="refeed" if recurrent else "kv_length")
+        # as models/family.py declares it: a recurrent state is rolled back by feeding again, or
+        # with proposals on the device by replaying the kept ones at the slot's next row
+        self.replay = recurrent and (draft or lookup)
+        rollback = "replay" if self.replay else "refeed" if recurrent else "kv_length"
+        self.family = SimpleNamespace(rollback=rollback)
+        self.pend = {s: [] for s in range(max_slots)}  # a replaying slot's stored proposals
         # A draft head: each sampled row leaves K proposals and its kept count on the device,
         # and later rows read them (markers) and move on by them (behind), as sampling.py does.
         # A draft model on the device does the same, and writes its own cache (dkv).
@@ -96,9 +102,13 @@ class FakeRunner:
             for i in range(n):
                 slot, lo, hi = b["slots"][i], b["cu_q_lens"][i], b["cu_q_lens"][i + 1]
                 if b["fresh"][i]:
-                    self.state[slot] = []
-                assert b["positions"][lo] == len(self.state[slot]), "row starts off its state"
-                self.state[slot] += fed[lo : hi - b["n_draft"][i]].tolist()
+                    self.state[slot], self.pend[slot] = [], []
+                elif self.replay:  # first the proposals its last verify row kept
+                    self.state[slot] += self.pend[slot][: self.acc[slot]]
+                assert pos[lo] == len(self.state[slot]), "row starts off its state"
+                keep = hi - b["n_draft"][i]
+                self.state[slot] += fed[lo:keep].tolist()
+                self.pend[slot] = fed[keep:hi].tolist()
         R = self.logit_width(T, S)
         tokens = np.array([self.rng.randrange(VOCAB) for _ in range(R)])
         accepted = np.zeros(S, np.int64)
@@ -182,6 +192,9 @@ def check_caches(sched, engine, draft):
             assert (
                 len(state) == kv_len - engine.outputs.lag[req.slot] and state == seq[: len(state)]
             )
+        if engine.runner.replay and sched.decoding(req):  # a prefix of it; the rest pending
+            state = engine.runner.state[req.slot]
+            assert len(state) <= kv_len and state == seq[: len(state)]
         if draft is not None and req.slot in draft.seq:
             assert draft.seq[req.slot] == seq
             fed = draft.fed[req.slot]
@@ -189,12 +202,13 @@ def check_caches(sched, engine, draft):
             assert got.tolist() == seq[:fed], f"slot {req.slot} draft cache corrupted"
 
 
-# a draft head and a draft on the device run on dense models only (Runner refuses hybrids)
+# a draft head reads hidden states, which no recurrent family gives it (hybrid: the host's
+# proposers stand for a refeeding family, the device's for a replaying one)
 MODES = [
     (m, h)
     for m in ("off", "ngram", "draft", "head", "device-draft", "device-ngram")
     for h in (False, True)
-    if m not in ("head", "device-draft", "device-ngram") or not h
+    if m != "head" or not h
 ]
 
 
@@ -255,7 +269,7 @@ def test_random_acceptance_and_cancellation_keep_every_cache_exact(mode, seed, h
                         draft=mode == "device-draft", lookup=mode == "device-ngram")  # fmt: skip
     engine = StepEngine(cfg, runner)
     runner.slots = engine.slots
-    assert engine.refeed == hybrid
+    assert engine.refeed == (hybrid and mode in ("off", "ngram", "draft"))
     draft = None
     if mode == "off":  # overlapped steps: each is collected after the next is dispatched
         proposer = None

@@ -174,8 +174,10 @@ class Placement:
         where its layers split (the channels and heads in fused_layout's order)."""
         out = self.replicate(state)
         if self.delta is not None and "model" in state:
-            out["model"] = {**out["model"], "conv": self.split(state["model"]["conv"].shape, -1),
-                            "ssm": self.split(state["model"]["ssm"].shape, 2)}  # fmt: skip
+            model = state["model"]
+            split = {"conv": -1, "ssm": 2, "pend": -1}  # pend [Lr, S_max, K, W]: by W
+            parts = {k: self.split(model[k].shape, a) for k, a in split.items() if k in model}
+            out["model"] = {**out["model"], **parts}
         return out
 
     def caches(self, caches):

@@ -113,7 +113,7 @@ class Runner(SampleProgram):
         def allocate():
             kv = family.init_caches(cfg, self.spaces, *kv_types)
             state = sampling.init_state(max_slots, cfg.vocab_size)
-            model_state = family.init_slot_state(cfg, max_slots)
+            model_state = family.init_slot_state(cfg, max_slots, max_proposals * self.ahead)
             if model_state is not None:  # the family's per-slot state rides with the sampler's
                 state["model"] = model_state
             if self.ahead:  # per slot: proposals kept by its last row, and the next ones
@@ -198,6 +198,8 @@ class Runner(SampleProgram):
         if ahead is not None:
             off = proposals.offsets(ahead["acc"], batch)
             batch = sampling.catch_up(batch, off, self.block_size)
+            # per row, the proposals its slot's last sampled row kept (a "replay" family's)
+            batch["kept"] = ahead["acc"][jnp.clip(batch["slots"], 0, self.max_slots - 1)]
         hidden = self.draft is not None and self.draft.wants_hidden
         logits, kv, model_state, stats = self.family.forward(
             params, kv, model_state, batch, self.cfg, self.kernels, hidden

@@ -142,13 +142,15 @@ def _experts(mesh, routed, lp, h, live, tokens):
     return f(lp, x, live, tokens)
 
 
-def _delta_heads(mesh, n, qmm, mixer, lp, h, hist, ssm, li, batch, live, cfg):
-    """A Gated DeltaNet layer (mixer: models/hybrid.py's linear_attention with its kernels) on
-    each device's heads: the device's share of the params (stored device by device:
-    models/fused_layout.py), of the conv history [S, Kc-1, C] and of the states [Lr, S, Hv,
-    Dk, Dv], run as a model of Hk / n key and Hv / n value heads, its quantized projections
+def _delta_heads(mesh, n, qmm, mixer, lp, h, hist, ssm, li, pend, batch, live, cfg):
+    """A Gated DeltaNet layer (mixer: models/gated_deltanet.py's linear_attention with its
+    kernels) on each device's heads: the device's share of the params (stored device by
+    device: models/fused_layout.py), of the conv history [S, Kc-1, C], of the states [Lr, S,
+    Hv, Dk, Dv] and of the stored proposals' inputs [S, K, W] (pend's first; its kept counts
+    whole), run as a model of Hk / n key and Hv / n value heads, its quantized projections
     with qmm (the kernels as on one device) on the device's rows and input blocks; the [T, d]
-    output summed. Returns (out [T, d], hist, ssm) as one device's."""
+    output summed. Returns (out [T, d], hist, ssm, proposals to store or None) as one
+    device's."""
     hc = cfg.own
     local = dataclasses.replace(cfg, own=dataclasses.replace(
         hc, ssm_k_heads=hc.ssm_k_heads // n, ssm_v_heads=hc.ssm_v_heads // n))  # fmt: skip
@@ -157,15 +159,19 @@ def _delta_heads(mesh, n, qmm, mixer, lp, h, hist, ssm, li, batch, live, cfg):
     eps = h.eps if isinstance(h, Normed) else None
     x = (h.x, h.w) if eps is not None else h
 
-    def local_fn(own, x, hist, ssm, li, batch, live):
+    def local_fn(own, x, hist, ssm, pend, li, batch, live):
         h = Normed(*x, eps) if eps is not None else x
-        out, hist, ssm = mixer(own, h, hist, ssm, li, batch, local, live, qmm)
-        return jax.lax.psum(out, AXIS), hist, ssm
+        out, hist, ssm, stored = mixer(own, h, hist, ssm, li, pend, batch, local, live, qmm)
+        return jax.lax.psum(out, AXIS), hist, ssm, stored
 
-    third = P(None, None, AXIS)  # hist [S, Kc-1, C] by C, the states [Lr, S, Hv, ...] by Hv
-    f = jax.shard_map(local_fn, mesh=mesh, in_specs=(specs, WHOLE, third, third) + (WHOLE,) * 3,
-                      out_specs=(WHOLE, third, third), check_vma=False)  # fmt: skip
-    return f(own, x, hist, ssm, li, batch, live)
+    # hist [S, Kc-1, C] by C, the states [Lr, S, Hv, ...] by Hv, stored inputs [S, K, W] by W
+    third = P(None, None, AXIS)
+    pend_spec = None if pend is None else (third, WHOLE)
+    f = jax.shard_map(local_fn, mesh=mesh,
+                      in_specs=(specs, WHOLE, third, third, pend_spec) + (WHOLE,) * 3,
+                      out_specs=(WHOLE, third, third, None if pend is None else third),
+                      check_vma=False)  # fmt: skip
+    return f(own, x, hist, ssm, pend, li, batch, live)
 
 
 def shard_quant_matmul(qmm, mesh, n: int):

@@ -360,7 +360,7 @@ class DeepSeek4Family:
                              "caches hold one float type (K = V)")  # fmt: skip
         return init_caches(cfg, spaces, k_type)
 
-    def init_slot_state(self, cfg: ModelConfig, max_slots: int) -> dict:
+    def init_slot_state(self, cfg: ModelConfig, max_slots: int, proposals: int = 0) -> dict:
         return init_state(cfg, max_slots)
 
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):

@@ -293,7 +293,7 @@ class DenseFamily:
         (full,) = spaces  # one full-attention group
         return init_kv(cfg, full.num_blocks, full.block_size, k_type, v_type)
 
-    def init_slot_state(self, cfg: ModelConfig, max_slots: int) -> None:
+    def init_slot_state(self, cfg: ModelConfig, max_slots: int, proposals: int = 0) -> None:
         return None
 
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):

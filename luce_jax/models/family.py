@@ -19,8 +19,11 @@ from ..config import ModelConfig
 # How a slot goes back to the position before proposals its verify row did not keep:
 # "kv_length": shorten its KV length (entries past it are overwritten later);
 # "refeed": the slot's state cannot be shortened, so its last step ran before the proposals
-# and the accepted ones are fed again (host/engine.py).
-ROLLBACKS = ("kv_length", "refeed")
+# and the accepted ones are fed again (host/engine.py);
+# "replay": the slot's state stays before the proposals and its next pass advances it over the
+# kept ones on the device, from inputs its verify row stored (models/gated_deltanet.py);
+# proposals are then kept on the device, and the host shortens the KV length as for kv_length.
+ROLLBACKS = ("kv_length", "refeed", "replay")
 # Proposers that run inside the target's step on the device (device/proposals.py); a family
 # without one runs speculation's draft model and prompt lookup on the host.
 DEVICE_PROPOSERS = frozenset({"head", "draft", "ngram"})
@@ -130,9 +133,11 @@ class ModelFamily(Protocol):
         a dtype, "q8_0" or "q4_0"."""
         ...
 
-    def init_slot_state(self, cfg: ModelConfig, max_slots: int) -> dict | None:
+    def init_slot_state(self, cfg: ModelConfig, max_slots: int,
+                        proposals: int = 0) -> dict | None:  # fmt: skip
         """Zeroed per-slot model state [.., S_max, ..], zeroed again where a row is fresh;
-        None: the family keeps none."""
+        None: the family keeps none. proposals: K, where proposals are kept on the device
+        (a "replay" family keeps what its verify rows need to follow the kept ones)."""
         ...
 
     def forward(self, params, caches, slot_state, batch: dict, cfg: ModelConfig,

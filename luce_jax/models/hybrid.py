@@ -4,9 +4,9 @@ and gated full-attention layers over the paged KV, as one pure function over a p
 Each segment (a prompt chunk, a decode row) starts its linear layers from its slot's state
 (zero on the slot's first row: `fresh`) and leaves the state after its last token there, so a
 prompt split over several steps ends in the state of one unsplit pass. A verify row leaves the
-state after its first token only: its proposals get logits, but which of them are accepted is
-known only after sampling, so the host feeds the accepted ones again in the slot's next row
-(host/engine.py), from that state.
+state after its first token only: its proposals get logits, but which of them are kept is known
+only after sampling, so the slot's next pass advances the state over the kept ones first, from
+inputs the row stored (models/gated_deltanet.py), on the device.
 
 Shapes: T packed tokens, S segments, S_max slots, C convolution channels (q, k, v), Kc
 convolution width, Hk / Hv key / value heads of the linear layers, Dk / Dv their head dims,
@@ -29,7 +29,8 @@ from . import fused_layout, moe
 from .attention import paged_attention_xla
 from .dense import apply_rope, attention_params, rms_norm, rope_tables, swiglu, write_and_attend
 from .family import CacheGroup, Kernels, register
-from .linear import Normed, QuantMatmul, embed, linear, weight_dtype
+from .gated_deltanet import linear_attention, stored_width
+from .linear import Normed, QuantMatmul, embed, linear
 from .logits import head
 
 
@@ -52,15 +53,22 @@ class HybridConfig:
         return 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim
 
 
-def init_state(cfg: ModelConfig, max_slots: int) -> dict:
+def init_state(cfg: ModelConfig, max_slots: int, proposals: int = 0) -> dict:
     """Zeroed per-slot state of the linear layers (float32): conv [Lr, S_max, Kc-1, C] (the
-    last inputs of the convolution, oldest first) and ssm [Lr, S_max, Hv, Dk, Dv]."""
+    last inputs of the convolution, oldest first) and ssm [Lr, S_max, Hv, Dk, Dv]; with
+    `proposals` K kept on the device, the inputs each slot's last verify row stored for its
+    proposals, pend [Lr, S_max, K, W], and their count, pend_n [S_max]
+    (models/gated_deltanet.py)."""
     hc = cfg.own
     n = sum(hc.recurrent)
-    return {
+    out = {
         "conv": jnp.zeros((n, max_slots, hc.ssm_conv - 1, hc.conv_dim), jnp.float32),
         "ssm": jnp.zeros((n, max_slots, hc.ssm_v_heads, hc.ssm_k_dim, hc.ssm_v_dim), jnp.float32),
     }
+    if proposals:
+        out["pend"] = jnp.zeros((n, max_slots, proposals, stored_width(cfg)), jnp.float32)
+        out["pend_n"] = jnp.zeros((max_slots,), jnp.int32)
+    return out
 
 
 def attention_layers(cfg: ModelConfig) -> int:
@@ -76,68 +84,6 @@ def init_kv(cfg: ModelConfig, num_blocks: int, block_size: int, k_type, v_type=N
         (kv_cache.init(shape, k_type), kv_cache.init(shape, v_type))
         for _ in range(attention_layers(cfg))
     ]
-
-
-def causal_conv(x, w, hist, seg_ids, offsets, cu_q_lens, n_keep):
-    """Depthwise causal convolution of each segment, continuing from its history.
-
-    Args:
-      x: [T, C] inputs; w: [C, Kc] weights (the last column multiplies the current input);
-      hist: [S, Kc-1, C] each segment's previous inputs, oldest first; seg_ids, offsets: [T]
-      segment and index in it of each token; cu_q_lens: [S+1]; n_keep: [S] leading tokens of
-      each segment the new history follows (a verify row's proposals are not kept).
-    Returns:
-      (silu of the convolution [T, C] float32, each segment's new history [S, Kc-1, C]).
-    """
-    T, Kc = x.shape[0], w.shape[1]
-    x = x.astype(jnp.float32)
-    out = jnp.zeros_like(x)
-    for i in range(Kc):  # tap i reads the input Kc-1-i tokens back
-        r = offsets - (Kc - 1 - i)  # index in the segment; < 0: from the history
-        own = x[jnp.clip(jnp.arange(T) - (Kc - 1 - i), 0, T - 1)]
-        old = hist[seg_ids, jnp.clip(Kc - 1 + r, 0, Kc - 2)]
-        out = out + jnp.where((r >= 0)[:, None], own, old) * w[:, i]
-    starts = cu_q_lens[:-1]
-    m = n_keep[:, None] - (Kc - 1) + jnp.arange(Kc - 1)[None, :]  # [S, Kc-1] index in segment
-    own = x[jnp.clip(starts[:, None] + m, 0, T - 1)]
-    old = jnp.take_along_axis(hist, jnp.clip(Kc - 1 + m, 0, Kc - 2)[..., None], axis=1)
-    new_hist = jnp.where((m >= 0)[..., None], own, old)
-    return jax.nn.silu(out), new_hist
-
-
-def l2norm(x, eps=1e-6):
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def linear_attention(lp, h, conv_hist, ssm, li, batch, cfg: ModelConfig, qmm, live, delta_fn):
-    """One Gated DeltaNet mixer over the packed step (HF's Qwen3_5GatedDeltaNet; V heads in
-    llama.cpp's tiled order: value head j reads key head j % Hk).
-
-    ssm, li: every linear layer's per-slot states [Lr, S_max, Hv, Dk, Dv] and this layer's
-    index in them; delta_fn: the gated delta rule in place (pallas_kernels/gated_delta.py: the
-    kernel or its reference), which reads and writes the rows of the step's slots only.
-    Returns: (out [T, d], new conv history [S, Kc-1, C], the updated ssm)."""
-    T = h.shape[0]
-    hc = cfg.own
-    Hk, Hv, Dk, Dv = hc.ssm_k_heads, hc.ssm_v_heads, hc.ssm_k_dim, hc.ssm_v_dim
-    C = hc.conv_dim
-    proj = linear(h, lp["w_in"], qmm, live).astype(jnp.float32)
-    mixed, z = proj[:, :C], proj[:, C : C + Hv * Dv]
-    b, a = proj[:, C + Hv * Dv : C + Hv * Dv + Hv], proj[:, C + Hv * Dv + Hv :]
-    cu = batch["cu_q_lens"]
-    seg = batch["seg_ids"]
-    offsets = jnp.arange(T) - cu[seg]
-    n_keep = cu[1:] - cu[:-1] - batch["n_draft"]  # the state stays before a row's proposals
-    mixed, new_hist = causal_conv(mixed, lp["conv"], conv_hist, seg, offsets, cu, n_keep)
-    q = mixed[:, : Hk * Dk].reshape(T, Hk, Dk)
-    k = mixed[:, Hk * Dk : 2 * Hk * Dk].reshape(T, Hk, Dk)
-    v = mixed[:, 2 * Hk * Dk :].reshape(T, Hv, Dv)
-    g = lp["ssm_a"] * jax.nn.softplus(a + lp["dt_bias"])
-    o, ssm = delta_fn(l2norm(q) * Dk**-0.5, l2norm(k), v, g, jax.nn.sigmoid(b), ssm, li,
-                      batch["slots"], batch["fresh"], cu, n_keep)  # fmt: skip
-    o = rms_norm(o, lp["ssm_norm"], cfg.rms_eps) * jax.nn.silu(z.reshape(T, Hv, Dv))
-    out = linear(o.reshape(T, Hv * Dv).astype(weight_dtype(lp["w_out"])), lp["w_out"], qmm, live)
-    return out, new_hist, ssm
 
 
 def gated_attention(lp, h, kc, vc, cos, sin, batch, cfg: ModelConfig, attn, qmm, live,
@@ -167,11 +113,12 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
 
     Args:
       mix: a Gated DeltaNet layer's (conv history [S, Kc-1, C] of its rows, every linear
-        layer's states [Lr, S_max, Hv, Dk, Dv], its index in them), or a gated attention
-        layer's (k, v) caches; kernels: (attention_fn,
-        quant_matmul, delta_fn, grouped_matmul), static.
+        layer's states [Lr, S_max, Hv, Dk, Dv], its index in them, and None or its rows'
+        stored proposals and kept counts: gated_deltanet.linear_attention's pend), or a gated
+        attention layer's (k, v) caches; kernels: (attention_fn, quant_matmul, delta_fn,
+        grouped_matmul), static.
     Returns:
-      (x, the mixer's new (history, states) or (k, v) caches).
+      (x, the mixer's new (history, states, proposals to store) or (k, v) caches).
     """
     attn, qmm, delta = kernels.attention, kernels.quant_matmul, kernels.gated_delta
     grouped_matmul = kernels.grouped_matmul
@@ -179,14 +126,13 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
     if recurrent and kernels.delta_heads is not None and fused_layout.delta_split(
             lp, cfg, kernels.shards):  # fmt: skip
 
-        def mixer(lp, h, hist, ssm, li, batch, cfg, live, qmm):  # qmm: on one device's shard
-            return linear_attention(lp, h, hist, ssm, li, batch, cfg, qmm, live, delta)
+        def mixer(lp, h, hist, ssm, li, pend, batch, cfg, live, qmm):  # qmm: one device's
+            return linear_attention(lp, h, hist, ssm, li, batch, cfg, qmm, live, delta, pend)
 
-        y, hist, ssm = kernels.delta_heads(mixer, lp, h, *mix, batch, live, cfg)
-        mix = (hist, ssm)
+        y, *mix = kernels.delta_heads(mixer, lp, h, *mix, batch, live, cfg)
     elif recurrent:
-        y, hist, ssm = linear_attention(lp, h, *mix, batch, cfg, qmm, live, delta)
-        mix = (hist, ssm)
+        hist, ssm, li, pend = mix
+        y, *mix = linear_attention(lp, h, hist, ssm, li, batch, cfg, qmm, live, delta, pend)
     else:
         y, kc, vc = gated_attention(lp, h, *mix, cos, sin, batch, cfg, attn, qmm, live,
                                     kernels.shards)  # fmt: skip
@@ -242,6 +188,9 @@ def forward(
     # written by the delta rule itself (a decode step gathering a padded bucket's rows and
     # scattering them back had moved 20x the bytes of its live rows' states).
     conv, ssm = state["conv"], state["ssm"]
+    stored = state.get("pend")  # with proposals kept on the device (gated_deltanet.py)
+    if stored is not None:  # proposals of the slot's last verify row that it kept
+        kept = jnp.where(keep, jnp.minimum(batch["kept"], state["pend_n"][read]), 0)
     new_kv = []
     li = ai = 0
     kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta, moe_router=moe_router,
@@ -249,9 +198,12 @@ def forward(
     for lp, recurrent in zip(params["layers"], cfg.own.recurrent, strict=True):
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
-            x, (hist, ssm) = layer(lp, x, (hist, ssm, jnp.int32(li)), cos, sin, batch, live,
-                                   cfg=cfg, kernels=kernels, recurrent=True)  # fmt: skip
+            pend = None if stored is None else (stored[li, read], kept)
+            x, (hist, ssm, own) = layer(lp, x, (hist, ssm, jnp.int32(li), pend), cos, sin, batch,
+                                        live, cfg=cfg, kernels=kernels, recurrent=True)  # fmt: skip
             conv = conv.at[li, write].set(hist, mode="drop")
+            if stored is not None:
+                stored = stored.at[li, write].set(own, mode="drop")
             li += 1
         else:
             x, kv_l = layer(lp, x, kv[ai], cos, sin, batch, live, cfg=cfg, kernels=kernels,
@@ -259,7 +211,11 @@ def forward(
             new_kv.append(kv_l)
             ai += 1
     logits = head(params, x, batch, cfg, quant_matmul)
-    return logits, new_kv, {"conv": conv, "ssm": ssm}
+    out = {"conv": conv, "ssm": ssm}
+    if stored is not None:
+        pend_n = state["pend_n"].at[write].set(batch["n_draft"], mode="drop")
+        out.update(pend=stored, pend_n=pend_n)
+    return logits, new_kv, out
 
 
 # A linear layer's input projections, fused in this order into w_in.
@@ -269,14 +225,15 @@ _LINEAR_IN = ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alp
 class HybridFamily:
     """qwen35 and qwen35moe (models/family.py): a full-attention cache group for the gated
     attention layers, the linear layers' state in the slot. That state holds no earlier
-    position, so a verify row's accepted proposals are fed again ("refeed"), the prefix cache
-    (which shares KV blocks only) is off, and proposers run on the host."""
+    position, so it follows a verify row's kept proposals by replaying them on the device
+    ("replay"), the prefix cache (which shares KV blocks only) is off, and a draft model or
+    prompt lookup proposes on the device (no device proposer reads its hidden states)."""
 
     name = "hybrid"
     archs = ("qwen35", "qwen35moe")
-    rollback = "refeed"
+    rollback = "replay"
     prefix_cacheable = False
-    device_proposers = frozenset()
+    device_proposers = frozenset({"draft", "ngram"})
     rope_scalings = ("none", "linear")
 
     def read_config(self, arch: str, get, md: dict, n_layers: int) -> dict:
@@ -350,8 +307,8 @@ class HybridFamily:
         (full,) = spaces  # one full-attention group
         return init_kv(cfg, full.num_blocks, full.block_size, k_type, v_type)
 
-    def init_slot_state(self, cfg: ModelConfig, max_slots: int) -> dict:
-        return init_state(cfg, max_slots)
+    def init_slot_state(self, cfg: ModelConfig, max_slots: int, proposals: int = 0) -> dict:
+        return init_state(cfg, max_slots, proposals)
 
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
         assert not hidden, "no device proposer reads a hybrid model's hidden states"
