@@ -185,9 +185,10 @@ def test_a_hybrid_model_split_serves_one_devices_tokens(tmp_path):
     tiled order: each device holds a key head and the two value heads that read it): their
     projections, convolution and per-head params, and the slot state's conv channels and
     states, half on each device; the step moves none of them, and its only collectives are
-    [T, d] sums."""
+    [T, d] sums. With prompt lookup on the device, the verify rows' stored proposal inputs
+    split with the state, and their replay runs on each device's heads."""
     path = hf_to_gguf(make_hf_model("qwen35", seed=1), "qwen35", tmp_path / "qwen35.gguf")
-    llm = same_as_one_device(str(path), tensor_parallel=2)
+    llm = same_as_one_device(str(path), tensor_parallel=2, spec_mode="ngram", draft_tokens=3)
     runner = llm.engine.runner
     lp = next(lp for lp in runner.params["layers"] if "w_in" in lp)
     for name, axis in {"w_in": 1, "conv": 0, "dt_bias": 0, "ssm_a": 0, "w_out": 0}.items():
@@ -196,6 +197,8 @@ def test_a_hybrid_model_split_serves_one_devices_tokens(tmp_path):
         assert shard_shapes(lp[name]) == [tuple(whole)] * 2, name
     conv, ssm = runner.state["model"]["conv"], runner.state["model"]["ssm"]
     assert shard_shapes(conv) == [(*conv.shape[:-1], conv.shape[-1] // 2)] * 2
+    pend = runner.state["model"]["pend"]
+    assert shard_shapes(pend) == [(*pend.shape[:-1], pend.shape[-1] // 2)] * 2
     assert shard_shapes(ssm) == [(*ssm.shape[:2], ssm.shape[2] // 2, *ssm.shape[3:])] * 2
     d = runner.cfg.d_model
     for T, S in runner.programs._exec:
