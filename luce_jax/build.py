@@ -146,7 +146,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         Runner, mc, shapes, max_proposals=spec_k, graph_max_tokens=config.cuda_graph_max_tokens,
         head=head, draft=on_device, head_lookup=config.head_lookup,
         ngram=config.spec_mode == "ngram" and "ngram" in family.device_proposers,
-        placement=placement,
+        placement=placement, synthetic_accept=config.spec_synthetic_accept,
     )  # fmt: skip
     runner.expert_orders = orders
     if config.record_expert_stats:

@@ -159,6 +159,11 @@ class EngineConfig:
     # spec_mode=head: a row whose last 3 tokens occurred before takes prompt lookup's proposals
     # (device/head_proposer.py says why)
     head_lookup: bool = True
+    # benchmarks only (refused without `benchmark`): every verify row keeps exactly min(N, K)
+    # of its proposals, whatever they are, so speculation's whole cost can be measured on
+    # random-weight files at any acceptance length (the tokens are not the model's); -1: off
+    spec_synthetic_accept: int = -1
+    benchmark: bool = False  # allow settings that serve other tokens than the model's
     compile_cache_dir: str | None = field(default_factory=default_compile_cache_dir)
     seed: int = 0
     # several devices (device/mesh.py): the model split over tensor_parallel of them; the
@@ -240,6 +245,14 @@ class EngineConfig:
             bad("coordinator", "must be host:port of process 0 with num_processes > 1")
         if self.expert_placement is not None and tp == 1:
             bad("expert_placement", "places experts over several devices; tensor_parallel=1")
+        sa = self.spec_synthetic_accept
+        if not isinstance(sa, int) or isinstance(sa, bool) or sa < -1:
+            bad("spec_synthetic_accept", "must be an integer >= 0 (-1: off)")
+        if sa >= 0 and not self.benchmark:
+            bad("spec_synthetic_accept", "serves tokens the model did not choose: for "
+                "benchmarks only (set benchmark)")  # fmt: skip
+        if sa >= 0 and self.spec_mode == "off":
+            bad("spec_synthetic_accept", "needs a spec_mode with proposals to keep")
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             bad("draft_tokens", f"must be at most {MAX_DRAFT_TOKENS}")
         if self.kv_block_size & (self.kv_block_size - 1):

@@ -78,6 +78,9 @@ HELP = {
     "always while measured faster than none, else adaptive)",
     "head_lookup": "with --spec-mode head, a sequence whose last 3 tokens occurred before "
     "verifies prompt lookup's proposals instead of the head's",
+    "spec_synthetic_accept": "benchmarks only (with --benchmark): every verify row keeps "
+    "exactly min(N, K) proposals, whatever they are (-1: off)",
+    "benchmark": "allow benchmark-only settings that serve other tokens than the model's",
     "seed": "seed for requests that do not give one",
     "tensor_parallel": "devices the model is split over (its heads, FFN width and vocabulary; "
     "docs/parallelism.md)",

@@ -250,6 +250,29 @@ def test_speculation_flags_are_validated(tiny_gguf):
         EngineConfig(spec_mode="draft", draft="/no/such.gguf")
 
 
+@pytest.mark.parametrize("n", [2])
+def test_synthetic_acceptance_keeps_exactly_n_proposals_for_benchmarks(engine_config, n):
+    """--spec-synthetic-accept N (with --benchmark alone): every verify row keeps min(N, its
+    proposals), whatever they are, so a benchmark can price any acceptance length on a random
+    file; the sequences stay whole (the pool, no compile while serving)."""
+    with pytest.raises(ValueError, match="^spec_synthetic_accept=.*benchmark"):
+        EngineConfig(spec_mode="ngram", spec_synthetic_accept=n)
+    with pytest.raises(ValueError, match="^spec_synthetic_accept=.*spec_mode"):
+        EngineConfig(benchmark=True, spec_synthetic_accept=n)
+    base = engine_config.replace(max_concurrency=4, prefill_chunk=16, prefill_token_budget=16)
+    loaded = load_engine(base.replace(spec_mode="ngram", draft_tokens=K, benchmark=True,
+                                      spec_synthetic_accept=n))  # fmt: skip
+    engine = loaded[1]
+    engine.spec.policy = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
+    engine.spec.policy.observe_step = lambda seconds: None
+    engine.spec.gate = None
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs, _ = run(loaded, [(0, p, sp) for p in prompts(4)])
+    assert all(len(o) == 12 for o in outs)
+    lengths = engine.spec.stats()["accept_lengths"]
+    assert lengths.get(n, 0) > 5 and set(lengths) <= set(range(n + 1)), lengths
+
+
 def test_a_draft_with_another_vocabulary_is_refused(engine_config, tmp_path):
     other = hf_to_gguf(make_hf_model("qwen3", seed=3, vocab=300), "qwen3", tmp_path / "o.gguf")
     with pytest.raises(ValueError, match="vocabulary"):

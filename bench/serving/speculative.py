@@ -15,6 +15,12 @@ bf16 numerics may differ between bucket shapes, so this need not be 1 on a GPU).
 A mode may name its own K after a colon (draft:3); without one it takes --draft-tokens. A
 third part is its EngineConfig.spec_policy (draft:4:adaptive, ngram:4:always; default auto).
 Mode head_alone is the head without prompt lookup beside it (EngineConfig.head_lookup off).
+A mode ending in @N keeps exactly min(N, K) proposals of every verify row, whatever they are
+(EngineConfig.spec_synthetic_accept, benchmark only: the tokens are not the model's), so the
+cost of speculation at any acceptance length shows on a random-weight file:
+
+    python bench/serving/speculative.py --model q35.gguf --concurrency 1 5 \
+        --modes off ngram:4:always@0 ngram:4:always@1 ngram:4:always@2 ngram:4:always@4
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ def humaneval_prompts(n: int) -> list[str]:
 def build(args, name: str):
     from luce_jax import LLM
 
+    name, _, synthetic = name.partition("@")
     mode, _, rest = name.partition(":")
     k, _, policy = rest.partition(":")
     lookup = mode != "head_alone"  # the head without prompt lookup beside it
@@ -55,6 +62,8 @@ def build(args, name: str):
         spec_policy=policy or "auto",
         head_lookup=lookup,
     )
+    if synthetic:  # a benchmark's fixed acceptance length
+        kw.update(benchmark=True, spec_synthetic_accept=int(synthetic))
     if mode == "draft" and args.draft:
         kw["draft"] = args.draft
     if mode == "head" and args.head:

@@ -69,6 +69,8 @@ class Runner(SampleProgram):
       ngram: prompt lookup on the device (device/ngram_lookup.py): a token
         cache on the target's block ids, proposals found in it.
       placement: where the arrays live on several devices (device/mesh.py), or None (one).
+      synthetic_accept: benchmarks only (EngineConfig.spec_synthetic_accept): every verify row
+        keeps exactly min(N, its proposals); -1: the model's rule.
     """
 
     def __init__(
@@ -86,10 +88,12 @@ class Runner(SampleProgram):
         ngram: bool = False,
         head_lookup: bool = False,
         placement: Placement | None = None,
+        synthetic_accept: int = -1,
     ):
         if placement is not None:  # the attention kernels run on each device's heads
             kernels = shard_kernels(kernels, cfg, placement)
         self.cfg, self.family, self.kernels = cfg, family_of(cfg), kernels
+        self.synthetic_accept = synthetic_accept
         self.spaces = tuple(spaces)
         block_size = spaces[0].block_size
         # self.draft: the proposer (a draft head, a draft model or the lookup), whose caches

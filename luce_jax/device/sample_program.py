@@ -51,7 +51,7 @@ class SampleProgram:
         with jax.named_scope("sampling"):  # penalty state, sampling, verification, logprobs
             packed, top_ids, top_lp, state = sampling.sample_rows(
                 logits, row_tokens, state, prompt_mask, batch, floats, self.k, allow, filtered,
-                logprobs, self.placement,
+                logprobs, self.placement, self.synthetic_accept,
             )  # fmt: skip
         if self.ahead:
             props = None

@@ -254,7 +254,7 @@ def top_k_by_parts(x, k: int, placement=None):
 
 def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, floats, k: int,
                 allow=None, filtered: bool = True, logprobs: bool = True,
-                placement=None):  # fmt: skip
+                placement=None, synthetic_accept: int = -1):  # fmt: skip
     """Sample every logits row, verify speculative proposals, and update the slot state.
 
     Every logits row samples with its segment's parameters and noise (seed, step + offset),
@@ -280,6 +280,9 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
         (device/mesh.py): the counts are kept whole on every device (else XLA splits their
         update by vocabulary, as the logits, and gathers them back) and the top logprobs
         are taken by parts (top_k_by_parts). None (or OneDevice) on one device.
+      synthetic_accept: static; benchmarks only: N >= 0 keeps exactly min(N, n_draft) of each
+        verify row's proposals, whatever they are (they are emitted as its tokens there, then
+        the token sampled after them); -1: the rule above.
     Returns:
       (packed int32 [2R + S]: sampled token per logits row, its logprob's float32 bits, and
       proposals accepted per row; top ids int32 [R, 20] and top logprobs [R, 20], zeros
@@ -308,6 +311,9 @@ def sample_rows(logits, row_tokens, state: dict, prompt_mask, batch: dict, float
     n_draft = batch["n_draft"][seg]
     nxt = row_tokens[:, k]
     miss = (off >= 0) & (off < n_draft) & (tokens != nxt)
+    if synthetic_accept >= 0:  # a benchmark's acceptance: the first N proposals, always
+        miss = (off >= 0) & (off < n_draft) & (off >= synthetic_accept)
+        tokens = jnp.where((off >= 0) & (off < n_draft) & ~miss, nxt, tokens)
     first_miss = jax.ops.segment_min(jnp.where(miss, off, R), seg, num_segments=S)
     accepted = jnp.minimum(first_miss, batch["n_draft"])  # [S]
     sampled = batch["sample_mask"] > 0
