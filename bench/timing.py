@@ -47,3 +47,15 @@ def per_call(fn, x, ws: list, layers: int, rounds: int = 7, round_s: float = 0.0
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t) / reps / layers)
     return statistics.median(times)
+
+
+def median_call(fn, *args, reps: int = 50) -> float:
+    """Median seconds of one fn(*args) (jitted, its results awaited each call), after a first
+    call that compiles it."""
+    jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)

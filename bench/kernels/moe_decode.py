@@ -21,7 +21,6 @@ import functools
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -40,6 +39,7 @@ from pallas_kernels.moe_router import moe_router
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 import make_model  # noqa: E402
+from timing import median_call  # noqa: E402
 
 LAUNCHING = ("reduce", "dot_general", "sort", "scatter", "while", "top_k")
 
@@ -49,17 +49,6 @@ def launches(text: str) -> int:
     an upper bound on its kernels)."""
     ops = collections.Counter(re.findall(r"= (?:stablehlo|chlo)\.(\w+)", text))
     return text.count("custom_call @__gpu$xla.gpu.triton(") + sum(ops[o] for o in LAUNCHING)
-
-
-def timed(fn, *args, reps: int = 50) -> float:
-    """Median seconds of fn(*args) (jitted, results awaited)."""
-    jax.block_until_ready(fn(*args))
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        out.append(time.perf_counter() - t)
-    return float(np.median(out))
 
 
 def main() -> None:
@@ -114,7 +103,7 @@ def main() -> None:
             fn = jax.jit(f)
             outs[name] = jax.device_get(fn(x, nw, live))
             stats[name] = (
-                timed(fn, x, nw, live) * 1e6,
+                median_call(fn, x, nw, live) * 1e6,
                 launches(fn.trace(x, nw, live).lower().as_text()),
             )
         ref_y, ref_p = (np.asarray(v) for v in outs["grouped ragged_dot (reference)"])

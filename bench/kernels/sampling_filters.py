@@ -9,9 +9,7 @@ draw, the logprobs) over one random [R, V] batch; the median of timed calls.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -23,6 +21,7 @@ from luce_jax.device import sampling
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 from meta import meta_line, run_meta, write_result  # noqa: E402
+from timing import median_call  # noqa: E402
 
 
 def sorted_filter(logits, sp):
@@ -42,16 +41,6 @@ def sorted_filter(logits, sp):
     return jnp.where(logits >= cut, logits, -jnp.inf)
 
 
-def timed(fn, *args, reps: int = 30) -> float:
-    jax.block_until_ready(fn(*args))
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
-
-
 def case(R: int, V: int, variant: str) -> tuple[float, np.ndarray]:
     rng = np.random.default_rng(R)
     logits = jnp.asarray(rng.standard_normal((R, V)).astype(np.float32) * 4)
@@ -68,7 +57,7 @@ def case(R: int, V: int, variant: str) -> tuple[float, np.ndarray]:
                            sampling._filter):  # fmt: skip
         fn = jax.jit(lambda *a: sampling.sample(*a, filtered=filtered)[0])
         tokens = fn(logits, counts, pmask, sp, seeds, steps)
-        return timed(fn, logits, counts, pmask, sp, seeds, steps), np.asarray(tokens)
+        return median_call(fn, logits, counts, pmask, sp, seeds, steps, reps=30), np.asarray(tokens)
 
 
 def main() -> None:
