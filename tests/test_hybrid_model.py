@@ -241,7 +241,8 @@ def spec_engines(qwen35, tiny_models, compile_cache):
 
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_speculation_on_a_hybrid_target_gives_its_own_tokens(spec_engines, mode, seeded):
+def test_speculation_on_a_hybrid_target_gives_its_own_tokens(spec_engines, mode, seeded,
+                                                            monkeypatch):  # fmt: skip
     """Prompt lookup and the draft model propose on the device, steps overlap, and a verify row
     leaves the slot's recurrent state before its proposals, which the slot's next pass replays
     as far as they were kept: greedy and seeded (with penalties) tokens equal the target's
@@ -259,11 +260,19 @@ def test_speculation_on_a_hybrid_target_gives_its_own_tokens(spec_engines, mode,
         (i // 3 * 2, p, sp.replace(seed=sp.seed and sp.seed + i)) for i, p in enumerate(prompts())
     ]
     want, _ = run(spec_engines["off"], arrivals)
+    runner, events = spec_engines[mode][1].runner, []
+    for name, code in (("launch_forward", "F"), ("launch_sample", "S"), ("fetch", "R")):
+        f = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, _f=f, _c=code: events.append(_c) or _f(*a))
     got, engine = run(spec_engines[mode], arrivals)
     assert got == want
     assert engine.spec.stats()["verify_rows"] > 0
     assert all(always and gate is not None for always, gate in spec_engines["auto"])
-    assert engine.overlap
+    # no host round trip: step N + 1 is launched (forward, sampling) before step N is
+    # collected, so one step is in flight at every collect (FS FS R FS R ... R R)
+    seq = "".join(events)
+    assert engine.overlap and seq.startswith("FSFSR") and seq.endswith("RR"), seq
+    assert seq[2:-1] == "FSR" * ((len(seq) - 3) // 3), seq
 
 
 class Oracle:
