@@ -236,6 +236,7 @@ def spec_engines(qwen35, tiny_models, compile_cache):
         engine = out[mode][1]
         engine.spec.policy = SpecPolicy(3, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
         engine.spec.policy.observe_step = lambda seconds: None  # keep it proposing
+        engine.spec.gate = None  # which no measurement turns off
     return out
 
 
