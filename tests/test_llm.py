@@ -60,6 +60,22 @@ def test_logprobs_are_returned_when_asked(llm):
     assert all(len(t) == 5 for _, t in out.logprobs)  # as many alternatives as asked
 
 
+def test_a_closed_llm_lets_its_device_arrays_go(tiny_gguf, compile_cache):
+    """An engine's KV pool takes the device memory free at its start, so a closed LLM, even
+    one still referenced, must hold none: its weights, caches and state are let go."""
+    import jax
+
+    def held():
+        return sum(a.nbytes for a in jax.live_arrays())
+
+    before = held()
+    closed = LLM(model=tiny_gguf, compile_cache_dir=compile_cache, **TINY_ENGINE)
+    closed.generate("the cat", SamplingParams(max_tokens=2))
+    assert held() - before > 100_000  # its weights and caches
+    closed.close()
+    assert held() - before < 100_000, held() - before
+
+
 def test_bad_arguments_are_clear(llm, tiny_gguf):
     with pytest.raises(ValueError, match="sampling"):
         llm.generate(["a", "b"], [SamplingParams()])

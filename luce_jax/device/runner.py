@@ -280,10 +280,14 @@ class Runner(SampleProgram):
         return Forward(logits, row_tokens, self.logit_width(T, S), S, out[8], out[7])
 
     def close(self) -> None:
-        """After the last step: the processes that follow this one's stream stop."""
+        """After the last step: the processes that follow this one's stream stop, and the
+        device arrays (weights, KV caches, per-slot state) are let go, so an engine started
+        next in this process sizes its KV pool from the memory they held (the pool takes
+        what is free at start-up) even while this runner is still referenced."""
         if self.stream is not None:
             self.stream.send(STOP, (), [])
             self.stream = None
+        self.params, self.kv, self.draft_kv, self.state = None, None, None, {}
 
     def fetch(self, launched: Launched) -> dict[str, np.ndarray]:
         """Wait for a launched step's outputs (step_io.outputs)."""
