@@ -133,6 +133,16 @@ def buckets(limit: int, smallest: int = 1) -> list[int]:
     return out
 
 
+def token_buckets(limit: int, one_row: bool = False) -> list[int]:
+    """A step's token buckets, up to the first power of two >= limit: from
+    SMALLEST_TOKEN_BUCKET (XLA's GPU dot for M=1 measured 9.4 ms a Qwen3-8B step against 6.6 ms
+    at M=8 on the H200, so a lone decode row is padded to 8), and with `one_row` a bucket of 1
+    before them, where Pallas's quantized kernels run the projections (C1 5-11% faster on an
+    H100: bench/results/history/2026-12-06_one_row_bucket_h100.md)."""
+    out = buckets(limit, SMALLEST_TOKEN_BUCKET)
+    return [1, *out] if one_row else out
+
+
 def pick_bucket(n: int, sizes: list[int]) -> int:
     for b in sizes:
         if b >= n:

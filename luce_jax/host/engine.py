@@ -30,12 +30,12 @@ import numpy as np
 from ..config import EngineConfig
 from ..step_format import (
     FROM_DEVICE,
-    SMALLEST_TOKEN_BUCKET,
     Rows,
     buckets,
     lower,
     marker_rows,
     pick_bucket,
+    token_buckets,
 )
 from .kv_pool import KVPool
 from .seq_engine import AdmitResult, StepFailed, StepLimits, StepPlan, StepResult, TokenOut
@@ -91,15 +91,8 @@ class StepEngine:
         # The step token budget counts decode rows too (as vLLM's max_num_batched_tokens).
         # One row width per token bucket, S(T) = min(T, slots): a decode-only step of C rows
         # pads to the next power of two and no further, and the buckets to compile are few.
-        # Smallest bucket 8: XLA's GPU dot for M=1 measured 9.4 ms a Qwen3-8B step against
-        # 6.6 ms at M=8 on the H200, so a lone decode row is padded to 8; `one_row` adds a
-        # bucket of 1 where Pallas's quantized kernels run the projections (C1 5-11% faster on
-        # an H100: bench/results/history/2026-12-06_one_row_bucket_h100.md).
-        self.token_buckets = buckets(
-            max(config.prefill_token_budget, self.slot_count), SMALLEST_TOKEN_BUCKET
-        )
-        if one_row:
-            self.token_buckets = [1, *self.token_buckets]
+        limit = max(config.prefill_token_budget, self.slot_count)
+        self.token_buckets = token_buckets(limit, one_row)
         self._max_rows = buckets(self.slot_count, 1)[-1]
         self.spec = None  # speculation.Speculator once enable_speculation is called
         self.grammars = None  # grammar.Grammars: structured output, when the builder sets it

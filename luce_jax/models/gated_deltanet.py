@@ -141,6 +141,6 @@ def linear_attention(lp, h, conv_hist, ssm, li, batch, cfg: ModelConfig, qmm, li
     if pend is not None:  # the rows' proposals, from the first after the kept tokens
         K = pend[0].shape[1]
         at = jnp.clip((cu[:-1] + n_keep)[:, None] + jnp.arange(K)[None], 0, T - 1)
-        flat = [x.reshape(T, -1) for x in (pre[:, :C], *ins)]
-        stored = jnp.concatenate(flat, axis=-1)[at]
+        # gathered first: a prompt step's [T, W] would be written whole for K rows a slot
+        stored = jnp.concatenate([x.reshape(T, -1)[at] for x in (pre[:, :C], *ins)], axis=-1)
     return out, new_hist, ssm, stored
