@@ -66,7 +66,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     # The weights load on a thread while the step compiles from their shapes: on the H200 a
     # warm start of the 8B-shaped bf16 file spent 3.1 s loading, then 3.3 s compiling.
     with clock.phase("weight shapes"):
-        file_cfg = model_config(f.metadata)
+        file_cfg = mtp_config(config, model_config(f.metadata))
         mc, shapes = abstract_params(f, file_cfg, config.dtype, quantized)
     config = fit_to_model(config, mc)
     family = family_of(mc)
@@ -82,6 +82,10 @@ def _load(config: EngineConfig, clock: StartupClock):
         groups[0] = dataclasses.replace(
             groups[0], bytes_per_token=groups[0].bytes_per_token + extra
         )
+    if config.spec_mode == "mtp":  # its caches are one more attention layer's on group 0
+        g = groups[0]
+        groups[0] = dataclasses.replace(g, bytes_per_token=g.bytes_per_token * (g.layers + 1)
+                                        / g.layers)  # fmt: skip
     head = None
     if config.spec_mode == "head":
         if "head" not in family.device_proposers:
@@ -146,6 +150,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         Runner, mc, shapes, max_proposals=spec_k, graph_max_tokens=config.cuda_graph_max_tokens,
         head=head, draft=on_device, head_lookup=config.head_lookup,
         ngram=config.spec_mode == "ngram" and "ngram" in family.device_proposers,
+        mtp=kv_cache_types(config, mc)[0] if config.spec_mode == "mtp" else None,
         placement=placement, synthetic_accept=config.spec_synthetic_accept,
     )  # fmt: skip
     runner.expert_orders = orders
@@ -179,6 +184,24 @@ def _load(config: EngineConfig, clock: StartupClock):
         return tokenizer, engine
     enable_speculation(config, engine, draft, runner_for, pairs, clock)
     return tokenizer, engine
+
+
+def mtp_config(config: EngineConfig, mc):
+    """The model's config with its MTP blocks' params loaded only for spec_mode=mtp, which
+    needs a family that runs them and a file that has one (models/mtp.py)."""
+    from .models.family import family_of
+
+    if config.spec_mode != "mtp":
+        return dataclasses.replace(mc, mtp_layers=0)
+    family = family_of(mc)
+    if "mtp" not in family.device_proposers:
+        raise ValueError(f"spec_mode='mtp': the {family.name} family's models run no MTP block")
+    if not mc.mtp_layers:
+        raise ValueError(f"spec_mode='mtp': {config.model} has no MTP block "
+                         f"({mc.arch}.nextn_predict_layers)")  # fmt: skip
+    if config.tensor_parallel > 1:
+        raise ValueError("spec_mode='mtp': its block runs on one device (tensor_parallel=1)")
+    return mc
 
 
 def _placement(config: EngineConfig, mc, shapes):

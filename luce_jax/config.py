@@ -43,7 +43,7 @@ QUANT_BACKENDS = ("auto", "pallas", "xla")
 QUANT_ACTIVATIONS = ("auto", "int8", "float")
 # Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
 # the sequence itself), verified by the target in the same packed step as everything else.
-SPEC_MODES = ("off", "ngram", "draft", "head")
+SPEC_MODES = ("off", "ngram", "draft", "head", "mtp")
 # How many proposals a step verifies: adaptive (speculation/policy.py: by estimated acceptance
 # and measured step cost, probing slots that stopped), always (K for every decoding slot, as
 # vLLM does), auto (with proposals on the device: always, while speculation/gate.py measures it
@@ -91,6 +91,9 @@ class ModelConfig:
     shared_expert_ffn_dim: int = 0  # qwen35moe: an always-on expert, gated by sigmoid
     swiglu_limit: float = 0.0  # the experts' SwiGLU clamp (pallas_kernels/swiglu.py; 0: none)
     attn_gate: bool = False  # full attention's query projection also yields a sigmoid gate
+    # MTP blocks after the model's own (llama.cpp's nextn layers, models/mtp.py) whose params
+    # are loaded: the file's nextn_predict_layers, set to 0 by the builder unless they propose
+    mtp_layers: int = 0
     # The family's own fields (a frozen dataclass of its module's, from its read_config:
     # models/hybrid.HybridConfig, say); None for a family that has none.
     own: Any = None

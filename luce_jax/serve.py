@@ -69,7 +69,8 @@ HELP = {
     "compile_cache_dir": "JAX persistent compilation cache ('' to disable; the default "
     "follows LUCE_COMPILE_CACHE_DIR)",
     "spec_mode": f"speculative decoding: {', '.join(SPEC_MODES)} (draft: a draft model proposes; "
-    "ngram: prompt lookup; head: a draft head on the model's hidden states, inside its step)",
+    "ngram: prompt lookup; head: a draft head on the model's hidden states, inside its step; "
+    "mtp: the model file's own MTP block, on its hidden states, inside its step)",
     "draft": "draft GGUF for --spec-mode draft (same vocabulary), or draft head GGUF for "
     "--spec-mode head (default: the embedded model's)",
     "draft_tokens": "most proposals one sequence verifies per step (K)",

@@ -157,8 +157,11 @@ def v_tiled(x: np.ndarray, axis: int, n_k: int, per_k: int, dim: int) -> np.ndar
     return np.moveaxis(x, 0, axis)
 
 
-def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_template=CHATML):
-    """Write `model` (HF, float32) as a GGUF file with a tiny byte-level vocabulary."""
+def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_template=CHATML,
+               mtp: bool = False):  # fmt: skip
+    """Write `model` (HF, float32) as a GGUF file with a tiny byte-level vocabulary; `mtp`
+    (qwen35 archs): with a random MTP block after the last, as llama.cpp's converter writes
+    Qwen3.5's (blk.N.nextn.*, nextn_predict_layers)."""
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     H, K = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -168,7 +171,9 @@ def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_temp
             if k.endswith("norm.weight") and "linear_attn" not in k:
                 sd[k] = sd[k] + 1
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(1)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -251,11 +256,29 @@ def hf_to_gguf(model, arch: str, path, qtype=GGMLQuantizationType.F32, chat_temp
         put(g + "ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
         put(g + "ffn_up.weight", sd[p + "mlp.up_proj.weight"])
         put(g + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    if mtp:
+        _mtp_block(cfg, sd, put)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _mtp_block(cfg, sd, put) -> None:
+    """A random MTP block as blk.N (N the model's blocks): a full-attention layer's tensors
+    (the model's first one's, with noise) and the nextn input projection and norms."""
+    rng = np.random.default_rng(11)
+    n, d = cfg.num_hidden_layers, cfg.hidden_size
+    i = cfg.layer_types.index("full_attention")
+    p, g = f"model.layers.{i}.", f"blk.{i}."
+    noisy = {k: v + rng.normal(0, 0.05, v.shape).astype(np.float32) if k.startswith(p) else v
+             for k, v in sd.items()}  # fmt: skip
+    _qwen35_layer(cfg, noisy, p, g, lambda name, x, q=True: put(name.replace(g, f"blk.{n}.", 1),
+                                                                 x, q))  # fmt: skip
+    put(f"blk.{n}.nextn.eh_proj.weight", rng.normal(0, 0.1, (d, 2 * d)))
+    for x in ("enorm", "hnorm", "shared_head_norm"):
+        put(f"blk.{n}.nextn.{x}.weight", 1 + rng.normal(0, 0.1, d))
 
 
 def _qwen35_layer(cfg, sd, p: str, g: str, put) -> None:

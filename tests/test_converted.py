@@ -75,14 +75,15 @@ def test_a_converter_made_file_computes_what_transformers_does(name):
 @pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
 def test_mtp_layers_the_converter_exports_are_skipped(name):
     """The converter exports Qwen3.5's MTP block as one more block (nextn_predict_layers): the
-    model is the blocks before it, and the block's tensors are left unread."""
+    model is the blocks before it, and the block is counted apart (its tensors are read only
+    for --spec-mode mtp: the next test)."""
     f = GGUFFile(converted.gguf(name))
     arch = f.metadata["general.architecture"]
     assert f.metadata[f"{arch}.nextn_predict_layers"] == 1
     n = f.metadata[f"{arch}.block_count"]
     assert any(t.startswith(f"blk.{n - 1}.nextn.") for t in f.tensors)
     cfg = model_config(f.metadata)
-    assert cfg.n_layers == n - 1 and len(cfg.own.recurrent) == n - 1
+    assert cfg.n_layers == n - 1 and len(cfg.own.recurrent) == n - 1 and cfg.mtp_layers == 1
 
 
 def test_a_tensor_of_the_wrong_shape_is_refused_in_one_line_naming_it(tmp_path):
@@ -203,3 +204,50 @@ def check_served(path, prompt: list[int], greedy: list[int], max_ctx: int = 256,
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen35moe"])
+def test_the_converters_mtp_block_computes_what_its_checkpoint_tensors_do(name):
+    """The MTP block the converter wrote (nextn.* and the block's attention and FFN tensors),
+    loaded as --spec-mode mtp loads it, gives the logits of the checkpoint's mtp.* tensors run
+    by transformers' own Qwen3.5 decoder layer and norms: fc over [norm(embed(x)); norm(h)],
+    the layer, the final norm, the lm_head (within 1e-4)."""
+    import copy
+
+    import torch
+
+    from luce_jax.models import mtp
+    from luce_jax.models.attention import paged_attention_xla
+    from luce_jax.models.family import Kernels
+
+    f, cfg, params = load(converted.gguf(name))
+    assert cfg.mtp_layers == 1 and "mtp" in params
+    model = converted.hf_model(name)
+    tensors = converted._mtp_tensors(model, cfg.n_layers)
+    full = model.config.layer_types.index("full_attention")
+    layer = copy.deepcopy(model.model.layers[full])
+    pre = "mtp.layers.0."
+    layer.load_state_dict({k[len(pre) :]: v for k, v in tensors.items() if k.startswith(pre)})
+    norms = {}
+    for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[k] = copy.deepcopy(model.model.norm)
+        norms[k].weight.data = tensors[f"mtp.{k}.weight"].clone()
+    T, rng = 12, np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, T)
+    hidden = rng.normal(0, 1, (T, cfg.d_model)).astype(np.float32)
+    with torch.no_grad():
+        e = model.model.embed_tokens(torch.tensor(tokens)[None])
+        u = torch.cat([norms["pre_fc_norm_embedding"](e),
+                       norms["pre_fc_norm_hidden"](torch.tensor(hidden)[None])], -1)  # fmt: skip
+        u = u @ tensors["mtp.fc.weight"].T
+        pos = torch.arange(T)[None]
+        x = layer(u, position_embeddings=model.model.rotary_emb(u, pos), position_ids=pos)
+        want = model.lm_head(norms["norm"](x))[0].numpy()
+    P = 16
+    b = lower([Row(0, tuple(int(t) for t in tokens), 0, True)], np.array([[1]]), P, 16, 1)
+    b = {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in b.items()}
+    kv = hybrid.init_kv(cfg, 2, P, jnp.float32)[0]
+    y, _ = mtp.block(params["mtp"], params["embed"], jnp.pad(jnp.asarray(hidden), ((0, 4), (0, 0))),
+                     b["tokens"], kv, b, cfg, Kernels(attention=paged_attention_xla))  # fmt: skip
+    got = np.asarray(mtp.logits(params["mtp"], params, y[:T], cfg, None))
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)

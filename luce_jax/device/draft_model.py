@@ -24,10 +24,6 @@ import jax.numpy as jnp
 from ..models.family import Kernels, family_of
 from . import packed_params, proposals
 
-# A decode step pads its S rows to at least this many tokens, as the step's smallest token
-# bucket does (XLA's GPU dot for M=1 is slower than for M=8: host/engine.py).
-MIN_DECODE_TOKENS = 8
-
 
 class DraftModel:
     """A draft's config, packed params (packed_params.py: two launch arguments, not one per
@@ -93,28 +89,13 @@ class DraftModel:
         Returns: (int32 [S, K], dkv).
         """
         lpos, tables = reads
-        S = batch["slots"].shape[0]
         tok, pos0, accepted = proposals.last_emitted(packed, lpos, batch)
         live = (batch["sample_mask"] > 0) & (batch["slots"] >= 0)
-        P, MB, V = self.block_size, tables.shape[1], self.vocab
-        rows = jnp.arange(S)
-        pad = jnp.zeros(max(S, MIN_DECODE_TOKENS) - S, jnp.int32)
+        V = self.vocab
         pick = proposals.picker(batch, floats, accepted, V, filtered)
         out = []
         for j in range(self.k):
-            pos = pos0 + j
-            ok = live & (pos // P < MB)
-            blk = tables[rows, jnp.where(ok, pos // P, 0)]
-            dec = {
-                "tokens": jnp.concatenate([tok, pad]),
-                "positions": jnp.concatenate([jnp.where(ok, pos, 0), pad]),
-                "seg_ids": jnp.concatenate([rows, pad + S - 1]),  # past cu_q_lens[-1]: padding
-                "write_idx": jnp.concatenate([jnp.where(ok, blk * P + pos % P, 0), pad]),
-                "block_tables": tables,
-                "kv_lens": jnp.where(ok, pos + 1, 0),
-                "cu_q_lens": jnp.arange(S + 1, dtype=jnp.int32),
-                "logit_rows": rows,
-            }
+            dec = proposals.decode_batch(tok, pos0 + j, live, tables, self.block_size)
             logits, dkv, _ = self.forward(bufs, dkv, dec)
             if logits.shape[-1] < V:  # ids the draft lacks are never proposed
                 logits = jnp.pad(logits, ((0, 0), (0, V - logits.shape[-1])),

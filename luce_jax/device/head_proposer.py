@@ -69,6 +69,7 @@ class HeadProposer:
     def feed(self, bufs, tokens_kv, batch: dict, hidden):
         """The forward pass's part. Returns (tokens_kv, reads: the logits rows' hidden states
         float32 [R, d], and with lookup its reads)."""
+        hidden = hidden[batch["logit_rows"]]
         if self.lookup is None:
             return tokens_kv, (hidden,)
         tokens_kv, reads = self.lookup.feed(None, tokens_kv, batch, None)

@@ -1,7 +1,7 @@
 """Proposals kept on the device: per-slot state, its update in the sampling program, and the
 offset by which a row lowered behind its slot's state moves (a draft head's proposals:
 device/head_proposer.py; a draft model's: device/draft_model.py; prompt lookup's:
-device/ngram_lookup.py).
+device/ngram_lookup.py; an MTP block's: device/mtp_proposer.py).
 
 Per slot the state holds `props` [S_max, K], the proposals for the slot's next verify row (a
 draft head's, a draft model's or the lookup's), and `acc` [S_max], the proposals the slot's
@@ -21,15 +21,16 @@ KEYS = ("acc", "props")  # the state's entries, beside the sampler's in the runn
 
 
 def proposer(cfg, family, kernels, k: int, block_size: int, head, draft, ngram: bool,
-             head_lookup: bool):  # fmt: skip
+             head_lookup: bool, mtp, max_slots: int):  # fmt: skip
     """The device proposer of a Runner's arguments (runner.py says what each is): a draft
-    head's, a draft model's, prompt lookup's, or None."""
+    head's, a draft model's, prompt lookup's, the model's MTP block's, or None."""
     from .draft_model import DraftModel
     from .head_proposer import HeadProposer
+    from .mtp_proposer import MtpProposer
     from .ngram_lookup import NgramLookup
 
     # build.py runs a proposer here only where the family runs it on the device
-    proposers = {"head": head, "draft": draft, "ngram": ngram or None}
+    proposers = {"head": head, "draft": draft, "ngram": ngram or None, "mtp": mtp}
     for name, x in proposers.items():
         assert x is None or (name in family.device_proposers and k), name
     assert sum(x is not None for x in proposers.values()) <= 1, "one proposer"
@@ -42,6 +43,8 @@ def proposer(cfg, family, kernels, k: int, block_size: int, head, draft, ngram: 
                           block_size=block_size, vocab=cfg.vocab_size)  # fmt: skip
     if ngram:
         return NgramLookup(k=k, block_size=block_size)
+    if mtp is not None:
+        return MtpProposer(cfg, mtp, kernels, k=k, block_size=block_size, max_slots=max_slots)
     return None
 
 
@@ -77,6 +80,32 @@ def last_emitted(packed, lpos, batch: dict) -> tuple:
     accepted = packed[2 * R : 2 * R + S]
     last = jnp.minimum(batch["logit_start"] + accepted, R - 1)  # [S] logits row
     return packed[last], lpos[last] + 1, accepted
+
+
+# A draft decode step pads its S rows to at least this many tokens, as the step's smallest
+# token bucket does (XLA's GPU dot for M=1 is slower than for M=8: host/engine.py).
+MIN_DECODE_TOKENS = 8
+
+
+def decode_batch(tok, pos, live, tables, block_size: int) -> dict:
+    """A decode batch of S rows, one token each (a draft's step over caches on the pool's block
+    ids): tok [S] at positions pos [S] of the rows' block tables [S, MB], writing K/V there;
+    rows not `live`, and positions past the table, write the sink and attend to nothing."""
+    S, MB, P = tok.shape[0], tables.shape[1], block_size
+    rows = jnp.arange(S)
+    pad = jnp.zeros(max(S, MIN_DECODE_TOKENS) - S, jnp.int32)
+    ok = live & (pos // P < MB)
+    blk = tables[rows, jnp.where(ok, pos // P, 0)]
+    return {
+        "tokens": jnp.concatenate([tok, pad]),
+        "positions": jnp.concatenate([jnp.where(ok, pos, 0), pad]),
+        "seg_ids": jnp.concatenate([rows, pad + S - 1]),  # past cu_q_lens[-1]: padding
+        "write_idx": jnp.concatenate([jnp.where(ok, blk * P + pos % P, 0), pad]),
+        "block_tables": tables,
+        "kv_lens": jnp.where(ok, pos + 1, 0),
+        "cu_q_lens": jnp.arange(S + 1, dtype=jnp.int32),
+        "logit_rows": rows,
+    }
 
 
 def offsets(acc, batch: dict):

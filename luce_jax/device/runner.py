@@ -68,6 +68,9 @@ class Runner(SampleProgram):
         the proposals as a head's (device/draft_model.py).
       ngram: prompt lookup on the device (device/ngram_lookup.py): a token
         cache on the target's block ids, proposals found in it.
+      mtp: the (k, v) cache types of the model's MTP block (params["mtp"], models/mtp.py),
+        run on the device as a draft model is, on the target's hidden states
+        (device/mtp_proposer.py); None: no MTP.
       placement: where the arrays live on several devices (device/mesh.py), or None (one).
       synthetic_accept: benchmarks only (EngineConfig.spec_synthetic_accept): every verify row
         keeps exactly min(N, its proposals); -1: the model's rule.
@@ -87,6 +90,7 @@ class Runner(SampleProgram):
         draft=None,
         ngram: bool = False,
         head_lookup: bool = False,
+        mtp=None,
         placement: Placement | None = None,
         synthetic_accept: int = -1,
     ):
@@ -99,7 +103,8 @@ class Runner(SampleProgram):
         # self.draft: the proposer (a draft head, a draft model or the lookup), whose caches
         # (if any) mirror the pool
         self.draft = proposals.proposer(cfg, self.family, kernels, max_proposals, block_size,
-                                        head, draft, ngram, head_lookup)  # fmt: skip
+                                        head, draft, ngram, head_lookup, mtp,
+                                        max_slots)  # fmt: skip
         self.ahead = self.draft is not None  # proposals kept on the device
         # a proposer's caches and a row's catch-up (sampling.catch_up) follow group 0 alone
         assert not self.ahead or len(self.spaces) == 1, "device proposers need one cache group"
@@ -231,7 +236,9 @@ class Runner(SampleProgram):
 
     def _dparams(self):
         """The draft's params, where its part of the forward pass reads them (else None)."""
-        return self.draft.bufs if self.draft is not None and self.draft.feeds_params else None
+        if self.draft is None or not self.draft.feeds_params:
+            return None
+        return self.draft.propose_bufs(self.params)
 
     def step_function(self, T: int, S: int):
         """The forward pass of bucket (T, S) and abstract arguments to trace or lower it with."""

@@ -179,8 +179,10 @@ def model_config(md: dict) -> ModelConfig:
         )
     vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", []))
     # llama.cpp's converter exports MTP (next-token prediction) blocks after the model's own,
-    # counted in block_count: the model is the blocks before them, and theirs are not read.
-    n_layers = int(get("block_count")) - int(get("nextn_predict_layers", 0))
+    # counted in block_count: the model is the blocks before them (theirs are read only to
+    # propose: models/mtp.py).
+    mtp_layers = int(get("nextn_predict_layers", 0))
+    n_layers = int(get("block_count")) - mtp_layers
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
@@ -196,5 +198,6 @@ def model_config(md: dict) -> ModelConfig:
         rope_scaling=scaling,
         rope_scaling_factor=float(get("rope.scaling.factor", 1.0)),
         context_length=int(get("context_length", 4096)),
+        mtp_layers=mtp_layers,
         **family.read_config(arch, get, md, n_layers),
     )

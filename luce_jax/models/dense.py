@@ -83,14 +83,14 @@ def forward(
       quant_matmul: how projections with quantized weights run (models/linear.py).
       rope_write: q and k's norms, rope and the KV write in one kernel
         (pallas_kernels/rope_write.py's signature), for the layers it fits; None: XLA's ops.
-      hidden: also return the logits rows' residual stream (what a draft head reads).
+      hidden: also return the residual stream (what a draft head reads).
       moe_router: MoE layers' fused router (pallas_kernels/moe_router.py), or None: XLA's.
       experts: Kernels.experts (the routed experts where their weights are), or None.
       shards: Kernels.shards (the fused projections' layout: models/fused_layout.py).
     Returns:
       (logits [R, V] float32, new kv, stats): stats holds expert_counts [L_moe, E] int32
       (real tokens routed to each expert in each MoE layer) for MoE models, and with `hidden`
-      "hidden": float32 [R, d], the last layer's output before the final norm.
+      "hidden": float32 [T, d], the last layer's output before the final norm.
     """
     attn = attention_fn or paged_attention_xla
     with jax.named_scope("embed"):
@@ -108,7 +108,7 @@ def forward(
     logits = head(params, x, batch, cfg, quant_matmul)
     stats = {"expert_counts": moe.expert_counts(jnp.stack(pairs), cfg.n_experts)} if pairs else {}
     if hidden:
-        stats["hidden"] = x[batch["logit_rows"]].astype(jnp.float32)
+        stats["hidden"] = x.astype(jnp.float32)
     return logits, new_kv, stats
 
 

@@ -26,7 +26,7 @@ from ..config import ModelConfig
 ROLLBACKS = ("kv_length", "refeed", "replay")
 # Proposers that run inside the target's step on the device (device/proposals.py); a family
 # without one runs speculation's draft model and prompt lookup on the host.
-DEVICE_PROPOSERS = frozenset({"head", "draft", "ngram"})
+DEVICE_PROPOSERS = frozenset({"head", "draft", "ngram", "mtp"})
 
 
 class Kernels(NamedTuple):
@@ -144,7 +144,8 @@ class ModelFamily(Protocol):
                 kernels: Kernels, hidden: bool = False):  # fmt: skip
         """One step over the packed tokens (step_format.lower's batch): (logits float32 [R, V],
         caches, slot_state, stats). stats: device arrays of model statistics (MoE:
-        expert_counts), and with `hidden` the logits rows' last hidden states."""
+        expert_counts), and with `hidden` "hidden": float32 [T, d], every token's last layer
+        output before the final norm."""
         ...
 
 

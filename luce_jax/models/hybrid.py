@@ -25,7 +25,7 @@ from pallas_kernels import kv_cache
 from pallas_kernels.gated_delta import gated_delta_in_place_reference
 
 from ..config import ModelConfig
-from . import fused_layout, moe
+from . import fused_layout, moe, mtp
 from .attention import paged_attention_xla
 from .dense import apply_rope, attention_params, rms_norm, rope_tables, swiglu, write_and_attend
 from .family import CacheGroup, Kernels, register
@@ -160,6 +160,7 @@ def forward(
     experts=None,
     shards: int = 1,
     delta_heads=None,
+    hidden: bool = False,
 ):
     """One hybrid model step over packed tokens.
 
@@ -169,9 +170,10 @@ def forward(
         padding rows) and fresh [S] (1 on a slot's first row: its state starts from zero).
       attention_fn, quant_matmul, grouped_matmul, moe_router, experts, shards: as
         dense.forward; delta_heads: Kernels.delta_heads;
-        delta_fn: the gated delta rule in place (default: gated_delta_in_place_reference).
+        delta_fn: the gated delta rule in place (default: gated_delta_in_place_reference);
+      hidden: also return the last layer's output before the final norm, float32 [T, d].
     Returns:
-      (logits [R, V] float32, new kv, new state).
+      (logits [R, V] float32, new kv, new state), and with `hidden` that output.
     """
     attn = attention_fn or paged_attention_xla
     delta = delta_fn or gated_delta_in_place_reference
@@ -215,6 +217,8 @@ def forward(
     if stored is not None:
         pend_n = state["pend_n"].at[write].set(batch["n_draft"], mode="drop")
         out.update(pend=stored, pend_n=pend_n)
+    if hidden:
+        return logits, new_kv, out, x.astype(jnp.float32)
     return logits, new_kv, out
 
 
@@ -226,14 +230,14 @@ class HybridFamily:
     """qwen35 and qwen35moe (models/family.py): a full-attention cache group for the gated
     attention layers, the linear layers' state in the slot. That state holds no earlier
     position, so it follows a verify row's kept proposals by replaying them on the device
-    ("replay"), the prefix cache (which shares KV blocks only) is off, and a draft model or
-    prompt lookup proposes on the device (no device proposer reads its hidden states)."""
+    ("replay"), the prefix cache (which shares KV blocks only) is off, and a draft model,
+    prompt lookup or the file's MTP block (models/mtp.py) proposes on the device."""
 
     name = "hybrid"
     archs = ("qwen35", "qwen35moe")
     rollback = "replay"
     prefix_cacheable = False
-    device_proposers = frozenset({"draft", "ngram"})
+    device_proposers = frozenset({"draft", "ngram", "mtp"})
     rope_scalings = ("none", "linear")
 
     def read_config(self, arch: str, get, md: dict, n_layers: int) -> dict:
@@ -261,7 +265,9 @@ class HybridFamily:
         )
 
     def model_params(self, cfg: ModelConfig, t) -> dict:
-        return {}
+        """The first MTP block, where its params are asked for (ModelConfig.mtp_layers; as
+        llama.cpp, which runs one)."""
+        return {"mtp": mtp.params(cfg, t, cfg.n_layers)} if cfg.mtp_layers else {}
 
     def tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple]:
         """Its linear layers' tensors (loading/params.expected_shapes' form)."""
@@ -277,6 +283,7 @@ class HybridFamily:
             "ssm_a": (Hv,),
             "ssm_norm.weight": (Dv,),
             "ssm_out.weight": (d, Hv * Dv),
+            **mtp.tensor_shapes(cfg),
         }
 
     def layer_params(self, cfg: ModelConfig, i: int, t) -> dict:
@@ -311,13 +318,12 @@ class HybridFamily:
         return init_state(cfg, max_slots, proposals)
 
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
-        assert not hidden, "no device proposer reads a hybrid model's hidden states"
         k = kernels
-        logits, caches, slot_state = forward(
+        logits, caches, slot_state, *x = forward(
             params, caches, slot_state, batch, cfg, k.attention, k.quant_matmul, k.gated_delta,
-            k.grouped_matmul, k.moe_router, k.experts, k.shards, k.delta_heads,
+            k.grouped_matmul, k.moe_router, k.experts, k.shards, k.delta_heads, hidden,
         )  # fmt: skip
-        return logits, caches, slot_state, {}
+        return logits, caches, slot_state, {"hidden": x[0]} if hidden else {}
 
 
 FAMILY = register(HybridFamily())

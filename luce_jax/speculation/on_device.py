@@ -1,11 +1,12 @@
-"""Proposals made and kept on the device (no jax): a draft head's, a draft model's or prompt
-lookup's.
+"""Proposals made and kept on the device (no jax): a draft head's, a draft model's, prompt
+lookup's or an MTP block's.
 
-With `--spec-mode head`, or `draft` or `ngram` on a dense model, every sampling program that
-may feed a next verify row proposes K tokens per sampled row, right after verification, and
-keeps them per slot on the device beside how many proposals the row kept (device/proposals.py):
-the head from the row's hidden state (models/draft_head.py), the draft model with K decode
-steps over its own KV, which the forward pass fed with the step's tokens, the lookup from a
+With `--spec-mode head`, `mtp`, or `draft` or `ngram` where the family runs them on the device,
+every sampling program that may feed a next verify row proposes K tokens per sampled row, right
+after verification, and keeps them per slot on the device beside how many proposals the row
+kept (device/proposals.py): the head from the row's hidden state (models/draft_head.py), the
+draft model (and the MTP block, on the target's hidden states) with K decode steps over its own
+KV, which the forward pass fed with the step's tokens, the lookup from a
 token cache the forward pass wrote (device/ngram_lookup.py). A verify row then carries markers,
 not tokens (step_format.proposal_from_device): the device feeds the slot's proposals and shifts
 the row past the proposals its last step kept (sampling.catch_up). So proposing needs nothing

@@ -1,0 +1,153 @@
+"""`--spec-mode mtp`: a hybrid model's own MTP block (models/mtp.py) proposing on the device.
+
+The files are tiny random qwen35 / qwen35moe models with a random MTP block, written as
+llama.cpp's converter writes Qwen3.5's (tests/hf_gguf.py); test_converted.py loads the
+converter's own. Its proposals are checked against the block run over the whole sequence at
+once, and the target's output against the target without speculation.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from luce_jax.build import load_engine
+from luce_jax.config import EngineConfig
+from luce_jax.sampling_params import SamplingParams
+from luce_jax.speculation.policy import SpecPolicy
+
+from conftest import TINY_ENGINE
+
+K = 3
+
+
+def mtp_file(arch, tmp_path_factory) -> str:
+    from hf_gguf import hf_to_gguf, make_hf_model
+
+    path = tmp_path_factory.mktemp("mtp") / f"{arch}-mtp.gguf"
+    return str(hf_to_gguf(make_hf_model(arch, seed=2), arch, path, mtp=True))
+
+
+def always_proposing(loaded):
+    """K proposals on every step, whatever the policy would measure."""
+    engine = loaded[1]
+    engine.spec.policy = SpecPolicy(K, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0)
+    engine.spec.policy.observe_step = lambda seconds: None
+    engine.spec.gate = None
+    return loaded
+
+
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
+def engines(request, tmp_path_factory, compile_cache):
+    path = mtp_file(request.param, tmp_path_factory)
+    base = EngineConfig(model=path, compile_cache_dir=compile_cache, **TINY_ENGINE)
+    base = base.replace(prefill_chunk=16, prefill_token_budget=16)
+    return {
+        "off": load_engine(base),
+        "mtp": always_proposing(load_engine(base.replace(spec_mode="mtp", draft_tokens=K))),
+    }
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_mtp_proposals_leave_the_targets_tokens_with_steps_overlapped(engines, seeded,
+                                                                     monkeypatch):  # fmt: skip
+    """The MTP block proposes on the device and the steps overlap (no host round trip): greedy
+    and seeded tokens (with a penalty) equal the target's alone, with no compile after
+    warmup (test_speculation.run checks it)."""
+    from test_speculation import prompts, run
+
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    if seeded:
+        sp = sp.replace(temperature=0.8, top_k=20, presence_penalty=0.4, seed=5)
+    arrivals = [(i // 3 * 2, p, sp) for i, p in enumerate(prompts())]
+    want, _ = run(engines["off"], arrivals)
+    runner, events = engines["mtp"][1].runner, []
+    for name, code in (("launch_forward", "F"), ("launch_sample", "S"), ("fetch", "R")):
+        f = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, _f=f, _c=code: events.append(_c) or _f(*a))
+    got, engine = run(engines["mtp"], arrivals)
+    assert got == want
+    assert engine.spec.stats()["verify_rows"] > 0
+    seq = "".join(events)  # FS FS R FS R ... R R: one step in flight at every collect
+    assert engine.overlap and seq.startswith("FSFSR") and seq.endswith("RR"), seq
+    assert seq[2:-1] == "FSR" * ((len(seq) - 3) // 3), seq
+
+
+def reference_proposals(cfg, params, tokens: list[int]) -> list[int]:
+    """K greedy proposals after `tokens`, computed the simple way: the target's hidden states
+    of the whole sequence in one pass, the MTP block over every position at once (each token
+    with the hidden state before it, zeros at 0), then each proposal by running the block
+    again over the sequence and the proposals so far, fed its own outputs."""
+    from luce_jax.models import hybrid, mtp
+    from luce_jax.models.attention import paged_attention_xla
+    from luce_jax.models.dense import rms_norm
+    from luce_jax.models.family import Kernels
+    from luce_jax.step_format import Row, lower
+
+    n, P = len(tokens), 16
+
+    def batch(toks):
+        m = len(toks)
+        table = np.arange(1, -(-m // P) + 1)[None]
+        b = lower([Row(0, tuple(toks), 0, True)], table, P, max(8, m), 1)
+        b["fresh"] = np.ones(1)
+        return {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in b.items()}
+
+    nb = -(-(n + K) // P) + 1
+    kv = hybrid.init_kv(cfg, nb, P, jnp.float32)
+    state = hybrid.init_state(cfg, 1)
+    *_, x = hybrid.forward(params, kv, state, batch(tokens), cfg, hidden=True)
+    x = x[:n]
+    h = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    hidden, toks, out = jnp.concatenate([jnp.zeros_like(h[:1]), h[:-1]]), list(tokens), []
+    for _ in range(K):
+        mkv = hybrid.init_kv(cfg, nb, P, jnp.float32)[0]
+        b = batch(toks)
+        T, m = b["tokens"].shape[0], len(toks)
+        padded = jnp.pad(hidden, ((0, T - m), (0, 0)))
+        y, _ = mtp.block(params["mtp"], params["embed"], padded, b["tokens"], mkv, b, cfg,
+                         Kernels(attention=paged_attention_xla))  # fmt: skip
+        y = y[m - 1 : m]
+        logits = mtp.logits(params["mtp"], params, y, cfg, None)
+        out.append(int(jnp.argmax(logits[0])))
+        hidden = jnp.concatenate([hidden, mtp.output(params["mtp"], y, cfg)])
+        toks.append(out[-1])
+    return out
+
+
+def test_mtp_proposals_are_the_blocks_run_over_the_whole_sequence(engines, monkeypatch):
+    """One greedy request: after each step, the K proposals the device keeps for the slot are
+    the ones the block makes from the whole sequence so far (its KV fed step by step, each row
+    paired with the hidden state its slot kept)."""
+    from test_speculation import run
+
+    tok, engine = engines["mtp"]
+    runner, seen = engine.runner, []
+    launch = runner.launch_sample
+    slot_props = lambda: np.asarray(runner.state["props"]).copy()  # noqa: E731
+    monkeypatch.setattr(runner, "launch_sample",
+                        lambda *a: (launch(*a), seen.append(slot_props()))[0])  # fmt: skip
+    prompt = list(range(40, 61))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    before = slot_props()  # earlier tests' proposals, until the slot's first sampled row
+    (out,), _ = run((tok, engine), [(0, prompt, sp)])
+    seq = prompt + out
+    cfg, params = runner.cfg, runner.params
+    slot = next(s for s in range(len(before)) if (seen[-1][s] != before[s]).any())
+    refs = {m: reference_proposals(cfg, params, seq[:m]) for m in range(len(prompt), len(seq))}
+    got = [p[slot].tolist() for p in seen if (p[slot] != before[slot]).any()]
+    # each step's proposals follow the sequence as far as it went: one m per step, rising
+    ms = [next((m for m, r in refs.items() if r == g), None) for g in got]
+    assert None not in ms and ms == sorted(ms) and len(set(ms)) >= 5, (got, refs)
+
+
+def test_mtp_is_refused_where_it_cannot_run(tiny_gguf, tmp_path, compile_cache):
+    """A file without an MTP block, and a model family that runs none, are refused at start
+    with one line that says why."""
+    from hf_gguf import hf_to_gguf, make_hf_model
+
+    config = EngineConfig(model=tiny_gguf, compile_cache_dir=compile_cache, **TINY_ENGINE)
+    with pytest.raises(ValueError, match="spec_mode='mtp': the dense family"):
+        load_engine(config.replace(spec_mode="mtp"))
+    plain = hf_to_gguf(make_hf_model("qwen35", seed=2), "qwen35", tmp_path / "q.gguf")
+    with pytest.raises(ValueError, match="has no MTP block .qwen35.nextn_predict_layers"):
+        load_engine(config.replace(model=str(plain), spec_mode="mtp"))
