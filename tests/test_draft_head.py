@@ -234,7 +234,7 @@ def test_with_lookup_a_row_whose_text_repeats_takes_the_lookups_proposals(monkey
         head_proposer.draft_head, "propose", lambda *a: jnp.full((S, K), 99, jnp.int32)
     )
     hp = draft_head.init(draft_head.HeadConfig(d=D, ffn=8), jax.random.key(0))
-    cfg = type("Cfg", (), {"d_model": D, "vocab_size": VOCAB})()
+    cfg = type("Cfg", (), {"d_model": D, "vocab_size": VOCAB, "n_layers": 1})()
     prop = head_proposer.HeadProposer(cfg, draft_head.HeadConfig(d=D, ffn=8), hp, None, k=K,
                                       block_size=P, lookup=True)  # fmt: skip
     seqs = [[5, 6, 7, 8, 5, 6, 7], [5, 6, 7, 8, 9, 6, 7], [1, 2, 3, 1, 2, 4, 2]]

@@ -44,7 +44,7 @@ class DraftModel:
             vocab,
         )
         self.writes_ahead = k  # its decodes write K positions past a row's last token
-        self.wants_hidden, self.feeds_params = False, True
+        self.hidden_layers, self.feeds_params = (), True
         self.bufs, self._layout = packed_params.pack(params)
         self.family, self._kernels = family_of(cfg), kernels
 

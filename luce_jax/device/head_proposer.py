@@ -46,13 +46,13 @@ class HeadProposer:
       before.
     """
 
-    wants_hidden = True  # the forward pass returns its logits rows' hidden states
     writes_ahead = 0
     feeds_params = False  # `feed` reads no params: the forward pass is not passed them
 
     def __init__(self, cfg, hcfg, params, quant_matmul, *, k: int, block_size: int,
                  lookup: bool = False, min_match: int = 3):  # fmt: skip
         self.cfg, self.hcfg, self.k, self._quant_matmul = cfg, hcfg, k, quant_matmul
+        self.hidden_layers = (cfg.n_layers,)  # the last block's output, before the final norm
         self.bufs, self._layout = packed_params.pack(params)  # two launch arguments
         self.lookup = NgramLookup(k=k, block_size=block_size) if lookup else None
         self.min_match = min_match
@@ -69,7 +69,7 @@ class HeadProposer:
     def feed(self, bufs, tokens_kv, batch: dict, hidden):
         """The forward pass's part. Returns (tokens_kv, reads: the logits rows' hidden states
         float32 [R, d], and with lookup its reads)."""
-        hidden = hidden[batch["logit_rows"]]
+        hidden = hidden[0][batch["logit_rows"]]
         if self.lookup is None:
             return tokens_kv, (hidden,)
         tokens_kv, reads = self.lookup.feed(None, tokens_kv, batch, None)

@@ -39,7 +39,6 @@ class MtpProposer:
       cache types; kernels: the runner's; k: K; block_size: P; max_slots: S_max.
     """
 
-    wants_hidden = True  # the forward pass returns every token's hidden state
     feeds_params = True  # `feed` runs the block: the forward pass is passed its params
     bufs = None
 
@@ -47,6 +46,7 @@ class MtpProposer:
         self.cfg, self.kv_types, self.kernels = cfg, kv_types, kernels
         self.k, self.block_size, self.max_slots = k, block_size, max_slots
         self.writes_ahead = k  # its decodes write K positions from a row's new token on
+        self.hidden_layers = (cfg.n_layers,)  # the last block's output, before the final norm
 
     def propose_bufs(self, target_params: dict) -> dict:
         """The block's params and the target's embedding, final norm and lm_head."""
@@ -70,7 +70,7 @@ class MtpProposer:
         the rows' block tables [S, MB] and the logits rows' final-normed hidden states
         float32 [R, d])."""
         c, S = self.cfg, batch["slots"].shape[0]
-        h = mtp.target_hidden(bufs["final_norm"], hidden, c)  # [T, d]
+        h = mtp.target_hidden(bufs["final_norm"], hidden[0], c)  # [T, d]
         T = h.shape[0]
         seg = jnp.clip(batch["seg_ids"], 0, S - 1)
         slot = batch["slots"][seg]

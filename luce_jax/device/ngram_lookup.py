@@ -36,7 +36,7 @@ class NgramLookup:
 
     bufs = None  # no params
     writes_ahead = 0  # proposing writes nothing past a row's last token
-    wants_hidden = False
+    hidden_layers = ()
     feeds_params = False
 
     def propose_bufs(self, target_params: dict):

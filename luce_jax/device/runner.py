@@ -209,7 +209,7 @@ class Runner(SampleProgram):
             batch = sampling.catch_up(batch, off, self.block_size)
             # per row, the proposals its slot's last sampled row kept (a "replay" family's)
             batch["kept"] = ahead["acc"][jnp.clip(batch["slots"], 0, self.max_slots - 1)]
-        hidden = self.draft is not None and self.draft.wants_hidden
+        hidden = self.draft.hidden_layers if self.draft is not None else ()
         logits, kv, model_state, stats = self.family.forward(
             params, kv, model_state, batch, self.cfg, self.kernels, hidden
         )

@@ -363,7 +363,7 @@ class DeepSeek4Family:
     def init_slot_state(self, cfg: ModelConfig, max_slots: int, proposals: int = 0) -> dict:
         return init_state(cfg, max_slots)
 
-    def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
+    def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=()):
         assert not hidden, "no device proposer reads a DeepSeek V4 model's hidden states"
         return forward(params, caches, slot_state, batch, cfg, kernels)
 

@@ -19,7 +19,7 @@ from pallas_kernels.rope_write import fits as fits_rope_write
 from ..config import ModelConfig
 from . import fused_layout, moe
 from .attention import paged_attention_xla
-from .family import CacheGroup, Kernels, register
+from .family import CacheGroup, Kernels, register, stacked
 from .linear import Gated, Normed, QuantMatmul, embed, linear, summed, weight_dtype
 from .logits import head
 
@@ -62,7 +62,7 @@ def forward(
     grouped_matmul=None,
     quant_matmul: QuantMatmul | None = None,
     rope_write=None,
-    hidden: bool = False,
+    hidden: tuple[int, ...] = (),
     moe_router=None,
     experts=None,
     shards: int = 1,
@@ -83,14 +83,15 @@ def forward(
       quant_matmul: how projections with quantized weights run (models/linear.py).
       rope_write: q and k's norms, rope and the KV write in one kernel
         (pallas_kernels/rope_write.py's signature), for the layers it fits; None: XLA's ops.
-      hidden: also return the residual stream (what a draft head reads).
+      hidden: layer ids L whose residual stream (before block L) to return (what a draft
+        head, an MTP block or a DFlash drafter reads; ModelFamily.forward).
       moe_router: MoE layers' fused router (pallas_kernels/moe_router.py), or None: XLA's.
       experts: Kernels.experts (the routed experts where their weights are), or None.
       shards: Kernels.shards (the fused projections' layout: models/fused_layout.py).
     Returns:
       (logits [R, V] float32, new kv, stats): stats holds expert_counts [L_moe, E] int32
       (real tokens routed to each expert in each MoE layer) for MoE models, and with `hidden`
-      "hidden": float32 [T, d], the last layer's output before the final norm.
+      "hidden": float32 [len(hidden), T, d].
     """
     attn = attention_fn or paged_attention_xla
     with jax.named_scope("embed"):
@@ -100,7 +101,10 @@ def forward(
     live = batch["cu_q_lens"][-1]  # rows past the last segment are padding
     kernels = Kernels(attn, grouped_matmul, quant_matmul, rope_write, moe_router=moe_router,
                       experts=experts, shards=shards)  # fmt: skip
-    for lp, (kc, vc) in zip(params["layers"], kv, strict=True):
+    kept = {}
+    for i, (lp, (kc, vc)) in enumerate(zip(params["layers"], kv, strict=True)):
+        if i in hidden:
+            kept[i] = x
         x, kc, vc, routed = layer(lp, x, kc, vc, cos, sin, batch, live, cfg=cfg, kernels=kernels)
         if routed is not None:
             pairs.append(routed)
@@ -108,7 +112,7 @@ def forward(
     logits = head(params, x, batch, cfg, quant_matmul)
     stats = {"expert_counts": moe.expert_counts(jnp.stack(pairs), cfg.n_experts)} if pairs else {}
     if hidden:
-        stats["hidden"] = x.astype(jnp.float32)
+        stats["hidden"] = stacked({**kept, cfg.n_layers: x}, hidden)
     return logits, new_kv, stats
 
 
@@ -296,7 +300,7 @@ class DenseFamily:
     def init_slot_state(self, cfg: ModelConfig, max_slots: int, proposals: int = 0) -> None:
         return None
 
-    def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
+    def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=()):
         logits, caches, stats = forward(params, caches, batch, cfg, kernels.attention,
                                         kernels.grouped_matmul, kernels.quant_matmul,
                                         kernels.rope_write, hidden, kernels.moe_router,

@@ -56,6 +56,14 @@ class Kernels(NamedTuple):
 XLA = Kernels()  # every op XLA's or the jnp reference's
 
 
+def stacked(outputs: dict, hidden: tuple[int, ...]):
+    """float32 [len(hidden), T, d]: the residual streams a forward pass kept (by layer id),
+    in `hidden`'s order (ModelFamily.forward's "hidden")."""
+    import jax.numpy as jnp
+
+    return jnp.stack([outputs[i].astype(jnp.float32) for i in hidden])
+
+
 @dataclass(frozen=True)
 class CacheGroup:
     """Layers whose paged KV shares one block space and one block table per slot.
@@ -141,11 +149,13 @@ class ModelFamily(Protocol):
         ...
 
     def forward(self, params, caches, slot_state, batch: dict, cfg: ModelConfig,
-                kernels: Kernels, hidden: bool = False):  # fmt: skip
+                kernels: Kernels, hidden: tuple[int, ...] = ()):  # fmt: skip
         """One step over the packed tokens (step_format.lower's batch): (logits float32 [R, V],
         caches, slot_state, stats). stats: device arrays of model statistics (MoE:
-        expert_counts), and with `hidden` "hidden": float32 [T, d], every token's last layer
-        output before the final norm."""
+        expert_counts), and with `hidden` "hidden": float32 [len(hidden), T, d], every token's
+        residual stream before block L for each L in `hidden` (L = n_layers: the last block's
+        output before the final norm; llama.cpp's layer-output ids, which a DFlash drafter's
+        target_layers name)."""
         ...
 
 

@@ -28,7 +28,7 @@ from ..config import ModelConfig
 from . import fused_layout, moe, mtp
 from .attention import paged_attention_xla
 from .dense import apply_rope, attention_params, rms_norm, rope_tables, swiglu, write_and_attend
-from .family import CacheGroup, Kernels, register
+from .family import CacheGroup, Kernels, register, stacked
 from .gated_deltanet import linear_attention, stored_width
 from .linear import Normed, QuantMatmul, embed, linear
 from .logits import head
@@ -160,7 +160,7 @@ def forward(
     experts=None,
     shards: int = 1,
     delta_heads=None,
-    hidden: bool = False,
+    hidden: tuple[int, ...] = (),
 ):
     """One hybrid model step over packed tokens.
 
@@ -171,9 +171,9 @@ def forward(
       attention_fn, quant_matmul, grouped_matmul, moe_router, experts, shards: as
         dense.forward; delta_heads: Kernels.delta_heads;
         delta_fn: the gated delta rule in place (default: gated_delta_in_place_reference);
-      hidden: also return the last layer's output before the final norm, float32 [T, d].
+      hidden: layer ids whose residual stream to return too (ModelFamily.forward's).
     Returns:
-      (logits [R, V] float32, new kv, new state), and with `hidden` that output.
+      (logits [R, V] float32, new kv, new state), and with `hidden` those streams [n, T, d].
     """
     attn = attention_fn or paged_attention_xla
     delta = delta_fn or gated_delta_in_place_reference
@@ -197,7 +197,10 @@ def forward(
     li = ai = 0
     kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta, moe_router=moe_router,
                       experts=experts, shards=shards, delta_heads=delta_heads)  # fmt: skip
-    for lp, recurrent in zip(params["layers"], cfg.own.recurrent, strict=True):
+    outputs = {}
+    for i, (lp, recurrent) in enumerate(zip(params["layers"], cfg.own.recurrent, strict=True)):
+        if i in hidden:
+            outputs[i] = x
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
             pend = None if stored is None else (stored[li, read], kept)
@@ -218,7 +221,7 @@ def forward(
         pend_n = state["pend_n"].at[write].set(batch["n_draft"], mode="drop")
         out.update(pend=stored, pend_n=pend_n)
     if hidden:
-        return logits, new_kv, out, x.astype(jnp.float32)
+        return logits, new_kv, out, stacked({**outputs, cfg.n_layers: x}, hidden)
     return logits, new_kv, out
 
 
@@ -317,7 +320,7 @@ class HybridFamily:
     def init_slot_state(self, cfg: ModelConfig, max_slots: int, proposals: int = 0) -> dict:
         return init_state(cfg, max_slots, proposals)
 
-    def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=False):
+    def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=()):
         k = kernels
         logits, caches, slot_state, *x = forward(
             params, caches, slot_state, batch, cfg, k.attention, k.quant_matmul, k.gated_delta,
