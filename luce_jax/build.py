@@ -86,6 +86,20 @@ def _load(config: EngineConfig, clock: StartupClock):
         g = groups[0]
         groups[0] = dataclasses.replace(g, bytes_per_token=g.bytes_per_token * (g.layers + 1)
                                         / g.layers)  # fmt: skip
+    dflash = None
+    if config.spec_mode == "dflash":  # its context rows are on group 0's block ids too
+        from pallas_kernels import kv_cache
+
+        dflash = _load_dflash(config, mc, vocab, family)
+        per_entry = (
+            dflash[0].kv_heads
+            * dflash[0].head_dim
+            * sum(kv_cache.bytes_per_value(t) for t in dflash[2])
+        )
+        g = groups[0]
+        groups[0] = dataclasses.replace(
+            g, bytes_per_token=g.bytes_per_token + dflash[0].layers * per_entry
+        )
     head = None
     if config.spec_mode == "head":
         if "head" not in family.device_proposers:
@@ -151,6 +165,7 @@ def _load(config: EngineConfig, clock: StartupClock):
         head=head, draft=on_device, head_lookup=config.head_lookup,
         ngram=config.spec_mode == "ngram" and "ngram" in family.device_proposers,
         mtp=kv_cache_types(config, mc)[0] if config.spec_mode == "mtp" else None,
+        dflash=dflash,
         placement=placement, synthetic_accept=config.spec_synthetic_accept,
     )  # fmt: skip
     runner.expert_orders = orders
@@ -238,6 +253,28 @@ def _in_background(fn, *args):
     future = pool.submit(timed)
     pool.shutdown(wait=False)
     return future
+
+
+def _load_dflash(config: EngineConfig, mc, vocab, family):
+    """A DFlash drafter's (DFlashConfig, params, kv types) for the model: its tokenizer must be
+    the model's and its block must hold draft_tokens + 1 tokens."""
+    from .loading.gguf import GGUFFile
+    from .loading.tokenizer import GGUFVocab
+    from .models import dflash
+
+    if "dflash" not in family.device_proposers:
+        raise ValueError(f"spec_mode='dflash': the {family.name} family's models run no drafter")
+    if config.tensor_parallel > 1:
+        raise ValueError("spec_mode='dflash': the drafter runs on one device (tensor_parallel=1)")
+    path = config.draft_model
+    md = GGUFFile(path).metadata
+    if "tokenizer.ggml.tokens" in md and GGUFVocab.from_metadata(md).tokens != vocab.tokens:
+        raise ValueError(f"draft={path!r}: its vocabulary differs from the model's")
+    dcfg, params = dflash.load(path, mc.d_model, mc.n_layers, config.dtype)
+    if config.draft_tokens >= dcfg.block_size:
+        raise ValueError(f"draft_tokens={config.draft_tokens}: the drafter's blocks hold "
+                         f"{dcfg.block_size} tokens, so at most {dcfg.block_size - 1}")  # fmt: skip
+    return dcfg, params, kv_cache_types(config, mc)[0]
 
 
 def _load_draft(config: EngineConfig, vocab, quantized: bool):

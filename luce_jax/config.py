@@ -43,7 +43,7 @@ QUANT_BACKENDS = ("auto", "pallas", "xla")
 QUANT_ACTIVATIONS = ("auto", "int8", "float")
 # Speculative decoding: proposals from a draft model (--draft) or from prompt lookup (n-grams of
 # the sequence itself), verified by the target in the same packed step as everything else.
-SPEC_MODES = ("off", "ngram", "draft", "head", "mtp")
+SPEC_MODES = ("off", "ngram", "draft", "head", "mtp", "dflash")
 # How many proposals a step verifies: adaptive (speculation/policy.py: by estimated acceptance
 # and measured step cost, probing slots that stopped), always (K for every decoding slot, as
 # vLLM does), auto (with proposals on the device: always, while speculation/gate.py measures it
@@ -112,6 +112,9 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL = ASSETS / "luce-stdlib-main.gguf"
 DEFAULT_DRAFT = ASSETS / "luce-stdlib-draft.gguf"
 DEFAULT_HEAD = ASSETS / "luce-stdlib-head.gguf"  # its draft head (bench/tiny_model/train_head.py)
+# its DFlash drafter (bench/tiny_model/train_dflash.py)
+DEFAULT_DFLASH = ASSETS / "luce-stdlib-dflash.gguf"
+DRAFT_FILES = {"draft": DEFAULT_DRAFT, "head": DEFAULT_HEAD, "dflash": DEFAULT_DFLASH}
 
 
 def default_compile_cache_dir() -> str:
@@ -155,7 +158,8 @@ class EngineConfig:
     prefix_cache: bool = True  # share full KV blocks of equal prompt prefixes across requests
     chat_template_file: str | None = None
     spec_mode: str = "off"
-    # draft GGUF (spec_mode=draft) or draft head GGUF (spec_mode=head); None: the embedded one
+    # draft GGUF (spec_mode=draft), draft head GGUF (head) or DFlash drafter GGUF (dflash);
+    # None: the embedded model's
     draft: str | None = None
     draft_tokens: int = 4  # K: most proposals one sequence verifies per step
     spec_policy: str = "auto"  # SPEC_POLICIES
@@ -205,11 +209,13 @@ class EngineConfig:
             bad("spec_policy", f"must be one of {SPEC_POLICIES}")
         if self.draft is not None and not Path(self.draft).is_file():
             bad("draft", "no such file")
-        if self.draft is not None and self.spec_mode not in ("draft", "head"):
-            bad("draft", f"is used only with spec_mode 'draft' or 'head' (not {self.spec_mode!r})")
+        if self.draft is not None and self.spec_mode not in DRAFT_FILES:
+            bad("draft", f"is used only with spec_mode {' or '.join(map(repr, DRAFT_FILES))} "
+                f"(not {self.spec_mode!r})")  # fmt: skip
         own_model = self.model is not None and Path(self.model) != DEFAULT_MODEL
-        if self.spec_mode in ("draft", "head") and self.draft is None and own_model:
-            what = "draft model" if self.spec_mode == "draft" else "draft head"
+        if self.spec_mode in DRAFT_FILES and self.draft is None and own_model:
+            what = {"draft": "draft model", "head": "draft head", "dflash": "DFlash drafter"}
+            what = what[self.spec_mode]
             bad("draft", f"spec_mode={self.spec_mode!r} with a model of your own needs a {what} "
                 "GGUF")  # fmt: skip
         for name in ("cache_type_k", "cache_type_v"):
@@ -302,9 +308,9 @@ class EngineConfig:
 
     @property
     def draft_model(self) -> str:
-        """The draft GGUF of spec_mode=draft or head (the embedded draft or head beside the
-        embedded model)."""
-        return self.draft or str(DEFAULT_HEAD if self.spec_mode == "head" else DEFAULT_DRAFT)
+        """The draft GGUF of spec_mode=draft, head or dflash (the embedded model's own beside
+        the embedded model)."""
+        return self.draft or str(DRAFT_FILES.get(self.spec_mode, DEFAULT_DRAFT))
 
     @property
     def max_blocks_per_seq(self) -> int:

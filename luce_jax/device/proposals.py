@@ -21,16 +21,19 @@ KEYS = ("acc", "props")  # the state's entries, beside the sampler's in the runn
 
 
 def proposer(cfg, family, kernels, k: int, block_size: int, head, draft, ngram: bool,
-             head_lookup: bool, mtp, max_slots: int):  # fmt: skip
+             head_lookup: bool, mtp, dflash, max_slots: int):  # fmt: skip
     """The device proposer of a Runner's arguments (runner.py says what each is): a draft
-    head's, a draft model's, prompt lookup's, the model's MTP block's, or None."""
+    head's, a draft model's, prompt lookup's, the model's MTP block's, a DFlash drafter's, or
+    None."""
+    from .dflash_proposer import DFlashProposer
     from .draft_model import DraftModel
     from .head_proposer import HeadProposer
     from .mtp_proposer import MtpProposer
     from .ngram_lookup import NgramLookup
 
     # build.py runs a proposer here only where the family runs it on the device
-    proposers = {"head": head, "draft": draft, "ngram": ngram or None, "mtp": mtp}
+    proposers = {"head": head, "draft": draft, "ngram": ngram or None, "mtp": mtp,
+                 "dflash": dflash}  # fmt: skip
     for name, x in proposers.items():
         assert x is None or (name in family.device_proposers and k), name
     assert sum(x is not None for x in proposers.values()) <= 1, "one proposer"
@@ -45,6 +48,8 @@ def proposer(cfg, family, kernels, k: int, block_size: int, head, draft, ngram: 
         return NgramLookup(k=k, block_size=block_size)
     if mtp is not None:
         return MtpProposer(cfg, mtp, kernels, k=k, block_size=block_size, max_slots=max_slots)
+    if dflash is not None:
+        return DFlashProposer(*dflash, kernels, k=k, block_size=block_size)
     return None
 
 

@@ -71,6 +71,8 @@ class Runner(SampleProgram):
       mtp: the (k, v) cache types of the model's MTP block (params["mtp"], models/mtp.py),
         run on the device as a draft model is, on the target's hidden states
         (device/mtp_proposer.py); None: no MTP.
+      dflash: (dflash.DFlashConfig, params, kv_types) of a DFlash block drafter on the
+        target's hidden states, run on the device (device/dflash_proposer.py), or None.
       placement: where the arrays live on several devices (device/mesh.py), or None (one).
       synthetic_accept: benchmarks only (EngineConfig.spec_synthetic_accept): every verify row
         keeps exactly min(N, its proposals); -1: the model's rule.
@@ -91,6 +93,7 @@ class Runner(SampleProgram):
         ngram: bool = False,
         head_lookup: bool = False,
         mtp=None,
+        dflash=None,
         placement: Placement | None = None,
         synthetic_accept: int = -1,
     ):
@@ -103,7 +106,7 @@ class Runner(SampleProgram):
         # self.draft: the proposer (a draft head, a draft model or the lookup), whose caches
         # (if any) mirror the pool
         self.draft = proposals.proposer(cfg, self.family, kernels, max_proposals, block_size,
-                                        head, draft, ngram, head_lookup, mtp,
+                                        head, draft, ngram, head_lookup, mtp, dflash,
                                         max_slots)  # fmt: skip
         self.ahead = self.draft is not None  # proposals kept on the device
         # a proposer's caches and a row's catch-up (sampling.catch_up) follow group 0 alone

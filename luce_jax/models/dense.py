@@ -268,7 +268,7 @@ class DenseFamily:
     archs = ("llama", "qwen2", "qwen3", "qwen3moe")
     rollback = "kv_length"
     prefix_cacheable = True
-    device_proposers = frozenset({"head", "draft", "ngram"})
+    device_proposers = frozenset({"head", "draft", "ngram", "dflash"})
     rope_scalings = ("none", "linear")
 
     def read_config(self, arch: str, get, md: dict, n_layers: int) -> dict:

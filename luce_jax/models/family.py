@@ -26,7 +26,7 @@ from ..config import ModelConfig
 ROLLBACKS = ("kv_length", "refeed", "replay")
 # Proposers that run inside the target's step on the device (device/proposals.py); a family
 # without one runs speculation's draft model and prompt lookup on the host.
-DEVICE_PROPOSERS = frozenset({"head", "draft", "ngram", "mtp"})
+DEVICE_PROPOSERS = frozenset({"head", "draft", "ngram", "mtp", "dflash"})
 
 
 class Kernels(NamedTuple):

@@ -234,13 +234,14 @@ class HybridFamily:
     attention layers, the linear layers' state in the slot. That state holds no earlier
     position, so it follows a verify row's kept proposals by replaying them on the device
     ("replay"), the prefix cache (which shares KV blocks only) is off, and a draft model,
-    prompt lookup or the file's MTP block (models/mtp.py) proposes on the device."""
+    prompt lookup, a DFlash drafter or the file's MTP block (models/mtp.py) proposes on the
+    device."""
 
     name = "hybrid"
     archs = ("qwen35", "qwen35moe")
     rollback = "replay"
     prefix_cacheable = False
-    device_proposers = frozenset({"draft", "ngram", "mtp"})
+    device_proposers = frozenset({"draft", "ngram", "mtp", "dflash"})
     rope_scalings = ("none", "linear")
 
     def read_config(self, arch: str, get, md: dict, n_layers: int) -> dict:

@@ -22,7 +22,12 @@ def head(params: dict, x, batch: dict, cfg: ModelConfig, quant_matmul):
 def logits_of(params: dict, rows, cfg: ModelConfig, quant_matmul, live=None):
     """Logits [R, V] float32 of residual-stream rows [R, d]: the final norm and the lm_head
     (live: how many leading rows are real, for the quantized kernel; None: all)."""
-    h = Normed(rows, params["final_norm"], cfg.rms_eps)
+    return project(params, Normed(rows, params["final_norm"], cfg.rms_eps), quant_matmul, live)
+
+
+def project(params: dict, h, quant_matmul, live=None):
+    """Logits [R, V] float32 of normed rows h [R, d] (or Normed rows): the lm_head, or the tied
+    embedding table, alone."""
     if quant_matmul is not None:  # unlike token buckets, any row bucket can hold one live
         # row (a lone prompt's last token), so the kernel always gets the live count
         quant_matmul = quant_matmul._replace(live_rows_max=quant_matmul.max_rows)

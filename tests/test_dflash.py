@@ -1,0 +1,157 @@
+"""`--spec-mode dflash`: a DFlash block drafter (models/dflash.py) proposing on the device, on
+dense and hybrid targets.
+
+The drafters are random, written in llama.cpp's dflash GGUF form (models/dflash.save). The
+device's proposals after every step are checked against the drafter run the plain way
+(dflash.reference: one sequence, dense attention) on the target's hidden states of the whole
+sequence, and the target's output against the target without speculation.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_mtp import always_proposing
+
+from luce_jax.build import load_engine
+from luce_jax.config import EngineConfig
+from luce_jax.loading.gguf import GGUFFile
+from luce_jax.models import dflash
+from luce_jax.sampling_params import SamplingParams
+
+from conftest import TINY_ENGINE
+
+K = 3
+
+
+def drafter(target: str, path, block_size: int = 8, layers=(1, 2), seed: int = 0) -> str:
+    """A random drafter for the target GGUF, reading its layer outputs `layers`."""
+    from luce_jax.loading.gguf import model_config
+
+    md = GGUFFile(target).metadata
+    mc = model_config(md)
+    cfg = dflash.DFlashConfig(d=mc.d_model, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=96,
+                              eps=1e-6, rope_base=10000.0, block_size=block_size,
+                              target_layers=layers, mask_token=mc.vocab_size - 1)  # fmt: skip
+    params = dflash.init(cfg, jax.random.key(seed), scale=0.2)
+    dflash.save(str(path), cfg, jax.device_get(params), md, "test-dflash")
+    return str(path)
+
+
+TARGETS = ["qwen3", "qwen35", "qwen35moe"]
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def engines(request, tiny_models, tmp_path_factory, compile_cache):
+    from hf_gguf import hf_to_gguf, make_hf_model
+
+    d = tmp_path_factory.mktemp("dflash")
+    if request.param == "qwen3":
+        target = str(tiny_models["qwen3"][1])
+    else:
+        target = str(hf_to_gguf(make_hf_model(request.param, seed=2), request.param,
+                                d / f"{request.param}.gguf"))  # fmt: skip
+    base = EngineConfig(model=target, compile_cache_dir=compile_cache, **TINY_ENGINE)
+    base = base.replace(prefill_chunk=16, prefill_token_budget=16)
+    draft = drafter(target, d / "drafter.gguf")
+    spec = base.replace(spec_mode="dflash", draft=draft, draft_tokens=K)
+    return {"off": load_engine(base), "dflash": always_proposing(load_engine(spec)),
+            "draft": draft}  # fmt: skip
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_dflash_proposals_leave_the_targets_tokens_with_steps_overlapped(engines, seeded,
+                                                                        monkeypatch):  # fmt: skip
+    """One drafter pass a step proposes for every row, the steps overlap (no host round trip)
+    and greedy and seeded tokens (with a penalty) equal the target's alone, with no compile
+    after warmup."""
+    from test_speculation import prompts, run
+
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    if seeded:
+        sp = sp.replace(temperature=0.8, top_k=20, presence_penalty=0.4, seed=5)
+    arrivals = [(i // 3 * 2, p, sp) for i, p in enumerate(prompts())]
+    want, _ = run(engines["off"], arrivals)
+    runner, events = engines["dflash"][1].runner, []
+    for name, code in (("launch_forward", "F"), ("launch_sample", "S"), ("fetch", "R")):
+        f = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, _f=f, _c=code: events.append(_c) or _f(*a))
+    got, engine = run(engines["dflash"], arrivals)
+    assert got == want
+    assert engine.spec.stats()["verify_rows"] > 0
+    seq = "".join(events)  # FS FS R FS R ... R R: one step in flight at every collect
+    assert engine.overlap and seq.startswith("FSFSR") and seq.endswith("RR"), seq
+    assert seq[2:-1] == "FSR" * ((len(seq) - 3) // 3), seq
+
+
+def reference_proposals(cfg, params, dcfg, dparams, tokens: list[int]) -> list[int]:
+    """K greedy proposals after `tokens` the plain way: the target's streams at the drafter's
+    layers over the whole sequence in one pass, then dflash.reference's block of K + 1 from
+    the last token, over the context rows of the tokens before it."""
+    from luce_jax.models.family import XLA, family_of
+    from luce_jax.models.logits import project
+    from luce_jax.step_format import GroupShape, Row, lower
+
+    n, P = len(tokens), 16
+    family = family_of(cfg)
+    caches = family.init_caches(cfg, [GroupShape(-(-n // P) + 1, P, 8)], jnp.float32, jnp.float32)
+    b = lower([Row(0, tuple(tokens), 0, True)], np.arange(1, 9)[None], P, max(8, n), 1)
+    b["fresh"] = np.ones(1)
+    b = {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in b.items()}
+    state = family.init_slot_state(cfg, 1)
+    *_, stats = family.forward(params, caches, state, b, cfg, XLA, dcfg.target_layers)
+    h = stats["hidden"][:, : n - 1]  # [n_t, n - 1, d]: the context before the last token
+    features = jnp.moveaxis(h, 0, 1).reshape(n - 1, -1)
+    out = dflash.reference(dparams, dcfg, features, params["embed"], tokens[-1], K + 1)
+    return jnp.argmax(project(params, out[1:], None), -1).tolist()
+
+
+def test_dflash_proposals_are_the_drafter_run_the_plain_way(engines, monkeypatch):
+    """One greedy request: after each step, the K proposals the device keeps for the slot are
+    the plain drafter's from the whole sequence so far (its context rows written step by step,
+    its block in one pass over every row's)."""
+    from test_speculation import run
+
+    tok, engine = engines["dflash"]
+    runner, seen = engine.runner, []
+    launch = runner.launch_sample
+    slot_props = lambda: np.asarray(runner.state["props"]).copy()  # noqa: E731
+    monkeypatch.setattr(runner, "launch_sample",
+                        lambda *a: (launch(*a), seen.append(slot_props()))[0])  # fmt: skip
+    prompt = list(range(40, 61))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    before = slot_props()  # earlier tests' proposals, until the slot's first sampled row
+    (out,), _ = run((tok, engine), [(0, prompt, sp)])
+    seq = prompt + out
+    dcfg, dparams = dflash.load(engines["draft"], runner.cfg.d_model, runner.cfg.n_layers,
+                                "float32")  # fmt: skip
+    slot = next(s for s in range(len(before)) if (seen[-1][s] != before[s]).any())
+    refs = {m: reference_proposals(runner.cfg, runner.params, dcfg, dparams, seq[:m])
+            for m in range(len(prompt) + 1, len(seq) + 1)}  # fmt: skip
+    got = [p[slot].tolist() for p in seen if (p[slot] != before[slot]).any()]
+    ms = [next((m for m, r in refs.items() if r == g), None) for g in got]
+    assert None not in ms and ms == sorted(ms) and len(set(ms)) >= 5, (got, refs)
+
+
+def test_drafters_this_engine_cannot_run_are_refused(tiny_gguf, tmp_path, compile_cache):
+    """A DFlash2 drafter (its selector), one for another width, and a block too short for
+    draft_tokens are refused at start with one line that says why."""
+    from gguf import GGUFWriter
+
+    config = EngineConfig(model=tiny_gguf, compile_cache_dir=compile_cache, **TINY_ENGINE)
+    short = drafter(tiny_gguf, tmp_path / "short.gguf", block_size=3)
+    with pytest.raises(ValueError, match="draft_tokens=3: the drafter's blocks hold 3 tokens"):
+        load_engine(config.replace(spec_mode="dflash", draft=short, draft_tokens=3))
+    deep = drafter(tiny_gguf, tmp_path / "deep.gguf", layers=(1, 99))
+    with pytest.raises(ValueError, match=r"reading layers \(1, 99\)"):
+        load_engine(config.replace(spec_mode="dflash", draft=deep))
+    with pytest.raises(ValueError, match="needs a DFlash drafter GGUF"):
+        EngineConfig(model=tiny_gguf, spec_mode="dflash")
+    w = GGUFWriter(str(tmp_path / "dflash2.gguf"), "dflash")
+    w.add_tensor("selector_hidden.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="has selector_hidden.weight .DFlash2 or DSpark"):
+        dflash.load(str(tmp_path / "dflash2.gguf"), 64, 4, "float32")
