@@ -73,6 +73,13 @@ def _load(config: EngineConfig, clock: StartupClock):
     groups = kv_cache_types(config, mc)[1]
     if not family.prefix_cacheable or not all(g.shareable for g in groups):
         config = prefix_cache_off(config, family)
+    # every proposer runs on the device, inside the step; prompt lookup also on the host, for a
+    # family whose slots are fed their kept proposals again ("refeed": the host must know them)
+    if config.spec_mode not in ("off", "ngram", *family.device_proposers):
+        raise ValueError(
+            f"spec_mode={config.spec_mode!r}: runs on the device, inside the step, which the "
+            f"{family.name} family's models do not take (spec_mode 'ngram' does)"
+        )
     draft = None
     if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
         with clock.phase("draft weights"):
@@ -102,11 +109,6 @@ def _load(config: EngineConfig, clock: StartupClock):
         )
     head = None
     if config.spec_mode == "head":
-        if "head" not in family.device_proposers:
-            raise ValueError(
-                f"spec_mode='head': a draft head runs on the device, which the {family.name} "
-                "family's models do not take"
-            )
         from .models import draft_head
 
         head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
@@ -149,17 +151,15 @@ def _load(config: EngineConfig, clock: StartupClock):
         )
 
     spec_k = config.draft_tokens if config.spec_mode != "off" else 0
-    # A draft model or prompt lookup runs on the device, in the target's step
-    # (device/proposals.py), where the family takes it; else on the host, the draft in a
-    # program of its own (speculation/draft.py): a slot whose state cannot be rolled back is
-    # fed the proposals it kept again, which the host must know.
+    # Proposers run on the device, in the target's step (device/proposals.py); prompt lookup
+    # runs on the host for a family that takes no device proposer.
     on_device = None
-    if draft is not None and "draft" in family.device_proposers:
+    if draft is not None:
         dcfg, dparams = draft
         qm = quant_matmul_fn(
             config.quant_backend, quant_activations_for(config.quant_activations, dcfg)
         )
-        on_device, draft = (dcfg, dparams, kv_cache_types(config, dcfg)[0], qm), None
+        on_device = (dcfg, dparams, kv_cache_types(config, dcfg)[0], qm)
     runner = runner_for(
         Runner, mc, shapes, max_proposals=spec_k, graph_max_tokens=config.cuda_graph_max_tokens,
         head=head, draft=on_device, head_lookup=config.head_lookup,
@@ -197,7 +197,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     )
     if config.spec_mode == "off":
         return tokenizer, engine
-    enable_speculation(config, engine, draft, runner_for, pairs, clock)
+    enable_speculation(config, engine, pairs, clock)
     return tokenizer, engine
 
 

@@ -70,9 +70,11 @@ HELP = {
     "follows LUCE_COMPILE_CACHE_DIR)",
     "spec_mode": f"speculative decoding: {', '.join(SPEC_MODES)} (draft: a draft model proposes; "
     "ngram: prompt lookup; head: a draft head on the model's hidden states, inside its step; "
+    "dflash: a DFlash block drafter on its hidden states, inside its step; "
     "mtp: the model file's own MTP block, on its hidden states, inside its step)",
-    "draft": "draft GGUF for --spec-mode draft (same vocabulary), or draft head GGUF for "
-    "--spec-mode head (default: the embedded model's)",
+    "draft": "draft GGUF for --spec-mode draft (same vocabulary), draft head GGUF for "
+    "--spec-mode head, or DFlash drafter GGUF for --spec-mode dflash (default: the embedded "
+    "model's)",
     "draft_tokens": "most proposals one sequence verifies per step (K)",
     "spec_policy": f"{', '.join(SPEC_POLICIES)}: how many proposals a step verifies (always: K "
     "a sequence; adaptive: by acceptance and step cost; auto: with proposals on the device, "

@@ -56,14 +56,9 @@ def engines(engine_config, draft_gguf):
 def run(loaded, arrivals):
     """arrivals: (step, prompt, SamplingParams). Returns token ids per request and the engine."""
     tok, engine = loaded
-    draft = getattr(engine.spec, "proposer", None)
-    draft = draft if hasattr(draft, "runner") else None  # a draft on the host (hybrid)
-    runners = [engine.runner] + ([draft.runner] if draft else [])
-    compiles = [r.compiles for r in runners]
+    compiles = engine.runner.compiles
     outs, _ = run_schedule(engine, tok, arrivals)  # checks the pool is whole again
-    assert [r.compiles for r in runners] == compiles  # verify rows fit the warmed buckets
-    if draft is not None:
-        assert draft.pool.available == draft.pool.capacity
+    assert engine.runner.compiles == compiles  # verify rows fit the warmed buckets
     return outs, engine
 
 

@@ -1,5 +1,5 @@
-"""Speculative decoding: tokens/s and acceptance with speculation off, draft, head and ngram,
-per C.
+"""Speculative decoding: tokens/s and acceptance with speculation off, draft, head, dflash,
+mtp and ngram, per C.
 
 Offline (no HTTP), the real engine loop: one engine per mode, all built first; then for each
 concurrency C the modes take turns, `--reps` times, each generating `--waves` waves of C
@@ -68,6 +68,8 @@ def build(args, name: str):
         kw["draft"] = args.draft
     if mode == "head" and args.head:
         kw["draft"] = args.head
+    if mode == "dflash" and args.dflash:
+        kw["draft"] = args.dflash
     t0 = time.perf_counter()
     llm = LLM(model=args.model, **kw)
     return llm, time.perf_counter() - t0
@@ -196,6 +198,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="target GGUF (default: the embedded model)")
     ap.add_argument("--draft", default=None, help="draft GGUF (default: the embedded draft)")
     ap.add_argument("--head", default=None, help="draft head GGUF (default: the embedded head)")
+    ap.add_argument("--dflash", default=None, help="DFlash drafter GGUF (default: the embedded)")
     ap.add_argument("--modes", nargs="+", default=["off", "draft", "head", "ngram"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 5, 8])
     ap.add_argument("--waves", type=int, default=2)

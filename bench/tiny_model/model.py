@@ -95,9 +95,11 @@ def unembed(params: dict, x, size: Size, compute=jnp.bfloat16):
     )
 
 
-def hidden(params: dict, tokens, size: Size, compute=jnp.bfloat16):
+def hidden(params: dict, tokens, size: Size, compute=jnp.bfloat16, keep: tuple = ()):
     """The last layer's residual stream [B, S, d] float32 (before the final norm) for tokens
-    [B, S]: what a draft head reads (luce_jax/models/draft_head.py)."""
+    [B, S]: what a draft head reads (luce_jax/models/draft_head.py). With `keep` (layer ids L:
+    the stream before block L, `layers` the last one's output), those streams [n, B, S, d]
+    instead: what a DFlash drafter reads (luce_jax/models/dflash.py)."""
     s = size
     B, S = tokens.shape
     x = params["embed"][tokens]
@@ -108,7 +110,9 @@ def hidden(params: dict, tokens, size: Size, compute=jnp.bfloat16):
     def mm(a, w):
         return jnp.dot(a.astype(compute), w.astype(compute), preferred_element_type=jnp.float32)
 
-    for lp in params["layers"]:
+    kept = {}
+    for i, lp in enumerate(params["layers"]):
+        kept[i] = x
         h = _rms(x, lp["attn_norm"], s.eps)
         q = mm(h, lp["wq"]).reshape(B, S, s.heads, s.head_dim)
         k = mm(h, lp["wk"]).reshape(B, S, s.kv_heads, s.head_dim)
@@ -135,6 +139,9 @@ def hidden(params: dict, tokens, size: Size, compute=jnp.bfloat16):
         x = x + mm(o, lp["wo"])
         h = _rms(x, lp["ffn_norm"], s.eps)
         x = x + mm(jax.nn.silu(mm(h, lp["wg"])) * mm(h, lp["wu"]), lp["wd"])
+    if keep:
+        kept[s.layers] = x
+        return jnp.stack([kept[i] for i in keep])
     return x
 
 

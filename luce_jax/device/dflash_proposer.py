@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from pallas_kernels import kv_cache
 
 from ..models import dflash
-from ..models.dense import write_and_attend
 from ..models.linear import embed
 from ..models.logits import project
 from . import packed_params, proposals
@@ -115,14 +114,7 @@ class DFlashProposer:
         tokens = jnp.concatenate([tok[:, None], jnp.full((S, K), c.mask_token, jnp.int32)], 1)
         x = embed(lm["embed"], flat(tokens))
         caches = list(dkv)
-
-        def attend(li, q, k, v):
-            kc, vc = caches[li]
-            o, kc, vc = write_and_attend(self.kernels.attention, q, k, v, kc, vc, dec,
-                                         c.head_dim**-0.5, p["layers"][li]["wq"])  # fmt: skip
-            caches[li] = (kc, vc)
-            return o
-
+        attend = dflash.paged_attend(self.kernels.attention, caches, dec, p, c)
         with jax.named_scope("dflash"):
             h = dflash.block(p, c, x, flat(jnp.where(ok, pos, 0)), attend)[: S * B]
             h = h.reshape(S, B, -1)[:, 1:].reshape(S * K, -1)

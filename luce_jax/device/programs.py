@@ -1,8 +1,7 @@
 """Compiled programs per bucket key: compile ahead, count compiles, warm up in parallel.
 
-The target's step (runner.py) and a hybrid target's draft propose program
-(speculation/draft_runner.py) each own one BucketPrograms. A compile after warmup is a bug:
-`compiles` must not move while serving, and a miss is logged.
+The step's forward pass and its sampling program (runner.py) each own one BucketPrograms. A
+compile after warmup is a bug: `compiles` must not move while serving, and a miss is logged.
 """
 
 from __future__ import annotations

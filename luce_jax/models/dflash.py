@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from .dense import apply_rope, rms_norm, rope_tables
+from .dense import apply_rope, rms_norm, rope_tables, write_and_attend
 
 ARCH = "dflash"
 LAYER = ("attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "ffn_norm", "wg", "wu", "wd")
@@ -118,6 +118,22 @@ def block(p: dict, cfg: DFlashConfig, x, positions, attend):
         n = rms_norm(x, lp["ffn_norm"], cfg.eps)
         x = x + _mm(jax.nn.silu(_mm(n, lp["wg"])) * _mm(n, lp["wu"]), lp["wd"])
     return rms_norm(x, p["final_norm"], cfg.eps)
+
+
+def paged_attend(attention, caches: list, batch: dict, p: dict, cfg: DFlashConfig):
+    """`block`'s attend over the drafter's paged caches [(k, v) per layer] with the paged
+    attention kernel `attention` and a step batch (write_idx, positions for the mask, block
+    tables, kv_lens, cu_q_lens, seg_ids): each layer writes its block K/V, then attends.
+    `caches` is updated in place with each layer's new (k, v)."""
+
+    def attend(li, q, k, v):
+        kc, vc = caches[li]
+        o, kc, vc = write_and_attend(attention, q, k, v, kc, vc, batch, cfg.head_dim**-0.5,
+                                     p["layers"][li]["wq"])  # fmt: skip
+        caches[li] = (kc, vc)
+        return o
+
+    return attend
 
 
 def reference(p: dict, cfg: DFlashConfig, features, embed_table, token: int, length: int = 0):

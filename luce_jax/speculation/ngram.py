@@ -8,7 +8,9 @@ the up to k tokens that followed it there (as llama.cpp's lookup decoding and vL
 contexts cost nothing per step.
 
 Proposers share one small interface (start, extend, available, propose, drop); the engine holds
-a draft model (draft.py) behind the same calls.
+proposals made on the device (on_device.py) behind the same calls. This one serves a family
+whose slots are fed their kept proposals again (the host must know them), and is the
+reference the device's lookup (device/ngram_lookup.py) is tested against.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ class Speculator:
     """A Proposer, a SpecPolicy and the counters /metrics and the trace read.
 
     Args:
-      proposer: ngram.NgramProposer, draft.DraftProposer or on_device.OnDeviceProposer.
+      proposer: ngram.NgramProposer or on_device.OnDeviceProposer.
       policy: SpecPolicy over the engine's token buckets.
-      mode: "ngram" | "draft" | "head" (reported in metrics).
+      mode: EngineConfig.spec_mode (reported in metrics).
       gate: a gate.SpecGate that turns speculation off while it measures slower, or None.
     """
 
