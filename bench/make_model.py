@@ -153,8 +153,10 @@ def write_deepseek4(shape: str, type_name: str, md: dict, out: str, rng, layers:
 
 
 def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0,
-          layers: int = 0) -> None:  # fmt: skip
-    """Write shape's random model in type_name (layers: only the first N blocks; 0: all)."""
+          layers: int = 0, mtp: bool = False) -> None:  # fmt: skip
+    """Write shape's random model in type_name (layers: only the first N blocks; 0: all; mtp:
+    a hybrid shape with an MTP block after the last, as llama.cpp's converter writes
+    Qwen3.5's)."""
     rng = np.random.default_rng(seed)
     md = GGUFFile(vocab_path).metadata
     if shape in make_deepseek4.SHAPES:
@@ -168,7 +170,10 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0,
     arch = ("qwen35" if hybrid else "qwen3") + ("moe" if moe else "")
     w = GGUFWriter(out, arch)
     w.add_name(f"random {shape} {type_name}")
-    w.add_block_count(s["L"])
+    mtp = mtp and hybrid
+    w.add_block_count(s["L"] + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(1)
     w.add_context_length(40960)
     w.add_embedding_length(s["d"])
     w.add_feed_forward_length(s["F"])
@@ -254,6 +259,15 @@ def write(shape: str, type_name: str, vocab_path: str, out: str, seed: int = 0,
         norm(p + "attn_norm.weight", d)
         norm(p + "ffn_norm.weight", d)
         ffn(p, i)
+    if mtp:  # a gated attention block and the nextn input projection and norms
+        p = f"blk.{s['L']}."
+        norm(p + "attn_norm.weight", d)
+        norm(p + "post_attention_norm.weight", d)
+        gated_attention(s, p, mat, norm, None)
+        ffn(p, None)
+        mat(p + "nextn.eh_proj.weight", d, 2 * d)
+        for x in ("enorm", "hnorm", "shared_head_norm"):
+            norm(p + f"nextn.{x}.weight", d)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=True)
@@ -264,16 +278,11 @@ def hybrid_layer(s: dict, i: int, mat, norm, w, rng) -> None:
     """The norms and mixer of one qwen35 layer under llama.cpp's names (its FFN is written
     apart): gated full attention every 4th layer (query and gate rows together), else Gated
     DeltaNet; the small ssm tensors stay F32 as in llama.cpp's quantized files."""
-    p, d, H, K, D = f"blk.{i}.", s["d"], s["H"], s["K"], s["D"]
+    p, d = f"blk.{i}.", s["d"]
     norm(p + "attn_norm.weight", d)
     norm(p + "post_attention_norm.weight", d)
     if (i + 1) % 4 == 0:
-        mat(p + "attn_q.weight", 2 * H * D, d, layer=i)
-        mat(p + "attn_k.weight", K * D, d, layer=i)
-        mat(p + "attn_v.weight", K * D, d, layer=i)
-        mat(p + "attn_output.weight", d, H * D, layer=i)
-        norm(p + "attn_q_norm.weight", D)
-        norm(p + "attn_k_norm.weight", D)
+        gated_attention(s, p, mat, norm, i)
         return
     Hk, Hv, Dh = s["Hk"], s["Hv"], 128
     C = 2 * Hk * Dh + Hv * Dh
@@ -288,6 +297,17 @@ def hybrid_layer(s: dict, i: int, mat, norm, w, rng) -> None:
     norm(p + "ssm_norm.weight", Dh)
 
 
+def gated_attention(s: dict, p: str, mat, norm, i) -> None:
+    """A qwen35 full-attention mixer's tensors (query and gate rows together)."""
+    d, H, K, D = s["d"], s["H"], s["K"], s["D"]
+    mat(p + "attn_q.weight", 2 * H * D, d, layer=i)
+    mat(p + "attn_k.weight", K * D, d, layer=i)
+    mat(p + "attn_v.weight", K * D, d, layer=i)
+    mat(p + "attn_output.weight", d, H * D, layer=i)
+    norm(p + "attn_q_norm.weight", D)
+    norm(p + "attn_k_norm.weight", D)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES) + sorted(make_deepseek4.SHAPES),
@@ -297,12 +317,13 @@ def main():
     ap.add_argument("--layers", type=int, default=0,
                     help="write only the first N blocks, at full width (0: all)")  # fmt: skip
     ap.add_argument("--vocab", required=True, help="a GGUF whose tokenizer is copied")
+    ap.add_argument("--mtp", action="store_true", help="hybrid shapes: with an MTP block")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
     t = time.time()
-    write(a.shape, a.type, a.vocab, a.out, a.seed, a.layers)
+    write(a.shape, a.type, a.vocab, a.out, a.seed, a.layers, a.mtp)
     log.info("wrote %s in %.1f s", a.out, time.time() - t)
 
 

@@ -173,7 +173,8 @@ def main():
             hl, hh, hk = held_out(p)
             log.info("step %d loss %.3f agreement %s kept %.2f | held-out loss %.3f agreement %s "
                      "kept %.2f of %d (%.0f s)", i + 1, float(loss), np.round(hits, 3),
-                     float(kept), hl, np.round(hh, 3), hk, a.block - 1, time.time() - t0)  # fmt: skip
+                     float(kept), hl, np.round(hh, 3), hk, a.block - 1,
+                     time.time() - t0)  # fmt: skip
     hl, hh, hk = held_out(p)
     dflash.save(a.out, cfg, jax.device_get(p), GGUFFile(a.model).metadata, Path(a.out).stem)
     stats = {
