@@ -56,8 +56,9 @@ def continuations(a, texts: list[str], tok, n: int, seed: int, cache: str) -> np
     ids = np.asarray([t for text in texts for t in tok.encode(text, add_special=False)], np.int32)
     starts = np.random.default_rng(seed).integers(0, len(ids) - a.prompt_tokens, n)
     prompts = [ids[s : s + a.prompt_tokens].tolist() for s in starts]
-    llm = LLM(model=a.model, max_concurrency=64, max_ctx=a.prompt_tokens + a.cont + 8,
-              dtype="float32")  # fmt: skip
+    # the served dtype (auto: bf16 on a GPU, float32 on CPU), so the text is the one served
+    llm = LLM(model=a.model, max_concurrency=a.gen_concurrency,
+              max_ctx=a.prompt_tokens + a.cont + 8)  # fmt: skip
     t0 = time.time()
     sp = SamplingParams(max_tokens=a.cont, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, sp)
@@ -134,6 +135,7 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--continue", dest="cont", type=int, default=128)
     ap.add_argument("--generated-cache", default="", help=".npy of train continuations")
+    ap.add_argument("--gen-concurrency", type=int, default=64)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     size, tp = load_target(a.model)
