@@ -112,9 +112,10 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL = ASSETS / "luce-stdlib-main.gguf"
 DEFAULT_DRAFT = ASSETS / "luce-stdlib-draft.gguf"
 DEFAULT_HEAD = ASSETS / "luce-stdlib-head.gguf"  # its draft head (bench/tiny_model/train_head.py)
-# its DFlash drafter (bench/tiny_model/train_dflash.py)
-DEFAULT_DFLASH = ASSETS / "luce-stdlib-dflash.gguf"
-DRAFT_FILES = {"draft": DEFAULT_DRAFT, "head": DEFAULT_HEAD, "dflash": DEFAULT_DFLASH}
+# the modes that read a draft GGUF, and the embedded model's own (None: none ships; the DFlash
+# drafter bench/tiny_model/train_dflash.py trains keeps fewer proposals than the head and the
+# draft: docs/speculative.md)
+DRAFT_FILES = {"draft": DEFAULT_DRAFT, "head": DEFAULT_HEAD, "dflash": None}
 
 
 def default_compile_cache_dir() -> str:
@@ -213,11 +214,12 @@ class EngineConfig:
             bad("draft", f"is used only with spec_mode {' or '.join(map(repr, DRAFT_FILES))} "
                 f"(not {self.spec_mode!r})")  # fmt: skip
         own_model = self.model is not None and Path(self.model) != DEFAULT_MODEL
-        if self.spec_mode in DRAFT_FILES and self.draft is None and own_model:
+        embedded = DRAFT_FILES.get(self.spec_mode, 0) is not None
+        if self.spec_mode in DRAFT_FILES and self.draft is None and (own_model or not embedded):
             what = {"draft": "draft model", "head": "draft head", "dflash": "DFlash drafter"}
-            what = what[self.spec_mode]
-            bad("draft", f"spec_mode={self.spec_mode!r} with a model of your own needs a {what} "
-                "GGUF")  # fmt: skip
+            whose = "with a model of your own" if own_model else "(the embedded model ships none)"
+            bad("draft", f"spec_mode={self.spec_mode!r} {whose} needs a "
+                f"{what[self.spec_mode]} GGUF")  # fmt: skip
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
                 bad(name, f"must be one of {CACHE_TYPES}")
@@ -310,7 +312,7 @@ class EngineConfig:
     def draft_model(self) -> str:
         """The draft GGUF of spec_mode=draft, head or dflash (the embedded model's own beside
         the embedded model)."""
-        return self.draft or str(DRAFT_FILES.get(self.spec_mode, DEFAULT_DRAFT))
+        return self.draft or str(DRAFT_FILES.get(self.spec_mode) or DEFAULT_DRAFT)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -147,6 +147,8 @@ def test_drafters_this_engine_cannot_run_are_refused(tiny_gguf, tmp_path, compil
         load_engine(config.replace(spec_mode="dflash", draft=deep))
     with pytest.raises(ValueError, match="needs a DFlash drafter GGUF"):
         EngineConfig(model=tiny_gguf, spec_mode="dflash")
+    with pytest.raises(ValueError, match="the embedded model ships none"):
+        EngineConfig(spec_mode="dflash")
     w = GGUFWriter(str(tmp_path / "dflash2.gguf"), "dflash")
     w.add_tensor("selector_hidden.weight", np.zeros((4, 4), np.float32))
     w.write_header_to_file()
