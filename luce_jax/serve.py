@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -125,6 +126,13 @@ def on_off(value: str) -> bool:
     return value == "on"
 
 
+def web_ui_on(args) -> bool:
+    """--web-ui as asked, else on for a loopback --host only (the page shows every prompt)."""
+    from server.auth import loopback
+
+    return loopback(args.host) if args.web_ui is None else args.web_ui
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(
         prog="python -m luce_jax.serve",
@@ -141,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         "loopback clients",
     )
     ap.add_argument("--port", type=int, default=8000, help="port to listen on")
+    ap.add_argument(
+        "--web-ui",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the chat and engine page at / and the /debug/steps it reads (default: on where "
+        "--host is a loopback address; elsewhere it must be asked for, as it shows prompts)",
+    )
     ap.add_argument(
         "--max-request-bytes",
         type=int,
@@ -309,6 +324,7 @@ def main(argv=None) -> int:
         max_request_bytes=args.max_request_bytes,
         default_max_tokens=args.default_max_tokens,
         api_key=args.api_key,
+        web_ui=web_ui_on(args),
     )
     server = Server(
         state,
@@ -326,8 +342,14 @@ def main(argv=None) -> int:
         try:
             handle = start_engine(config)
             handle.loop.step_listeners.append(state.metrics.step.observe)
+            if state.web_ui:
+                handle.loop.step_listeners.append(
+                    functools.partial(state.step_log.add, handle.scheduler)
+                )
             state.engine = handle
-            log.info("ready: serving %s on http://%s:%d", config.model_name, args.host, args.port)
+            url = f"http://{args.host}:{args.port}"
+            log.info("ready: serving %s on %s%s", config.model_name, url,
+                     f" (chat and engine page: {url}/)" if state.web_ui else "")  # fmt: skip
         except Exception as e:
             log.exception("failed to load %s", config.model)
             failed.append(e)

@@ -16,11 +16,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from luce_jax.host.step_log import StepLog
+
 from . import protocol as P
 from . import tools as T
 from .auth import APIKey
 from .generation import error_response, respond
 from .metrics import Metrics
+from .web import ROUTES as WEB_ROUTES
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,9 @@ class ServerState:
     max_request_bytes: int = 4 << 20  # larger bodies get 413 before they are read whole
     default_max_tokens: int | None = None  # a chat request's cap when it sets none
     api_key: str | None = None  # --api-key: Bearer token of /v1/*, /tokenize, /detokenize
+    web_ui: bool = False  # the web page at / and the /debug/steps it polls (server/web.py)
     metrics: Metrics = field(init=False)
+    step_log: StepLog = field(init=False, default_factory=StepLog)  # the engine thread's steps
     # generations being answered (a shutdown ends them at once: serve.py)
     streams: weakref.WeakSet = field(init=False, default_factory=weakref.WeakSet)
 
@@ -286,6 +291,7 @@ def create_app(state: ServerState) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
+            *(WEB_ROUTES if state.web_ui else []),
         ],
     )
     app.state.luce = state

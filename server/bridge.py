@@ -70,6 +70,7 @@ class Stream:
         if ev.token_ids:
             if self._last_token is None:
                 m.ttft.observe(t - self.arrival)
+                m.recent_ttft.append((time.time(), t - self.arrival))
             else:
                 m.itl.observe(t - self._last_token)
             self._last_token = t

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -50,6 +52,7 @@ class Metrics:
             "luce_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY, registry=r
         )
         self.step = Histogram("luce_step_seconds", "Engine step time", buckets=_ITL, registry=r)
+        self.recent_ttft: deque = deque(maxlen=512)  # (unix time, seconds): the web page's plot
         r.register(_PrefixCollector(state))
         r.register(_SpecCollector(state))
 

@@ -11,13 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mtp import always_proposing
+from test_mtp import (
+    always_proposing,
+    check_overlapped_and_unchanged,
+    check_rising,
+    proposals_after_each_step,
+)
 
 from luce_jax.build import load_engine
 from luce_jax.config import EngineConfig
 from luce_jax.loading.gguf import GGUFFile
 from luce_jax.models import dflash
-from luce_jax.sampling_params import SamplingParams
 
 from conftest import TINY_ENGINE
 
@@ -62,26 +66,9 @@ def engines(request, tiny_models, tmp_path_factory, compile_cache):
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_dflash_proposals_leave_the_targets_tokens_with_steps_overlapped(engines, seeded,
                                                                         monkeypatch):  # fmt: skip
-    """One drafter pass a step proposes for every row, the steps overlap (no host round trip)
-    and greedy and seeded tokens (with a penalty) equal the target's alone, with no compile
-    after warmup."""
-    from test_speculation import prompts, run
-
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    if seeded:
-        sp = sp.replace(temperature=0.8, top_k=20, presence_penalty=0.4, seed=5)
-    arrivals = [(i // 3 * 2, p, sp) for i, p in enumerate(prompts())]
-    want, _ = run(engines["off"], arrivals)
-    runner, events = engines["dflash"][1].runner, []
-    for name, code in (("launch_forward", "F"), ("launch_sample", "S"), ("fetch", "R")):
-        f = getattr(runner, name)
-        monkeypatch.setattr(runner, name, lambda *a, _f=f, _c=code: events.append(_c) or _f(*a))
-    got, engine = run(engines["dflash"], arrivals)
-    assert got == want
-    assert engine.spec.stats()["verify_rows"] > 0
-    seq = "".join(events)  # FS FS R FS R ... R R: one step in flight at every collect
-    assert engine.overlap and seq.startswith("FSFSR") and seq.endswith("RR"), seq
-    assert seq[2:-1] == "FSR" * ((len(seq) - 3) // 3), seq
+    """One drafter pass a step proposes for every row, the steps overlap and the tokens are the
+    target's."""
+    check_overlapped_and_unchanged(engines["off"], engines["dflash"], seeded, monkeypatch)
 
 
 def reference_proposals(cfg, params, dcfg, dparams, tokens: list[int]) -> list[int]:
@@ -107,30 +94,16 @@ def reference_proposals(cfg, params, dcfg, dparams, tokens: list[int]) -> list[i
 
 
 def test_dflash_proposals_are_the_drafter_run_the_plain_way(engines, monkeypatch):
-    """One greedy request: after each step, the K proposals the device keeps for the slot are
-    the plain drafter's from the whole sequence so far (its context rows written step by step,
-    its block in one pass over every row's)."""
-    from test_speculation import run
-
-    tok, engine = engines["dflash"]
-    runner, seen = engine.runner, []
-    launch = runner.launch_sample
-    slot_props = lambda: np.asarray(runner.state["props"]).copy()  # noqa: E731
-    monkeypatch.setattr(runner, "launch_sample",
-                        lambda *a: (launch(*a), seen.append(slot_props()))[0])  # fmt: skip
-    prompt = list(range(40, 61))
-    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    before = slot_props()  # earlier tests' proposals, until the slot's first sampled row
-    (out,), _ = run((tok, engine), [(0, prompt, sp)])
-    seq = prompt + out
+    """After each step, the K proposals the device keeps for the slot are the plain drafter's
+    from the whole sequence so far (its context rows written step by step, its block in one
+    pass over every row's)."""
+    seq, got = proposals_after_each_step(engines["dflash"], monkeypatch)
+    runner = engines["dflash"][1].runner
     dcfg, dparams = dflash.load(engines["draft"], runner.cfg.d_model, runner.cfg.n_layers,
                                 "float32")  # fmt: skip
-    slot = next(s for s in range(len(before)) if (seen[-1][s] != before[s]).any())
     refs = {m: reference_proposals(runner.cfg, runner.params, dcfg, dparams, seq[:m])
-            for m in range(len(prompt) + 1, len(seq) + 1)}  # fmt: skip
-    got = [p[slot].tolist() for p in seen if (p[slot] != before[slot]).any()]
-    ms = [next((m for m, r in refs.items() if r == g), None) for g in got]
-    assert None not in ms and ms == sorted(ms) and len(set(ms)) >= 5, (got, refs)
+            for m in range(22, len(seq) + 1)}  # fmt: skip
+    check_rising(got, refs)
 
 
 def test_drafters_this_engine_cannot_run_are_refused(tiny_gguf, tmp_path, compile_cache):

@@ -47,29 +47,60 @@ def engines(request, tmp_path_factory, compile_cache):
     }
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_mtp_proposals_leave_the_targets_tokens_with_steps_overlapped(engines, seeded,
-                                                                     monkeypatch):  # fmt: skip
-    """The MTP block proposes on the device and the steps overlap (no host round trip): greedy
-    and seeded tokens (with a penalty) equal the target's alone, with no compile after
-    warmup (test_speculation.run checks it)."""
+def check_overlapped_and_unchanged(off, spec, seeded: bool, monkeypatch):
+    """Requests arriving over several steps give the target's tokens alone (greedy, or
+    seeded with a penalty), with no compile after warmup (test_speculation.run checks it) and
+    one step in flight at every collect: no host round trip (FS FS R FS R ... R R)."""
     from test_speculation import prompts, run
 
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     if seeded:
         sp = sp.replace(temperature=0.8, top_k=20, presence_penalty=0.4, seed=5)
     arrivals = [(i // 3 * 2, p, sp) for i, p in enumerate(prompts())]
-    want, _ = run(engines["off"], arrivals)
-    runner, events = engines["mtp"][1].runner, []
+    want, _ = run(off, arrivals)
+    runner, events = spec[1].runner, []
     for name, code in (("launch_forward", "F"), ("launch_sample", "S"), ("fetch", "R")):
         f = getattr(runner, name)
         monkeypatch.setattr(runner, name, lambda *a, _f=f, _c=code: events.append(_c) or _f(*a))
-    got, engine = run(engines["mtp"], arrivals)
+    got, engine = run(spec, arrivals)
     assert got == want
     assert engine.spec.stats()["verify_rows"] > 0
-    seq = "".join(events)  # FS FS R FS R ... R R: one step in flight at every collect
+    seq = "".join(events)
     assert engine.overlap and seq.startswith("FSFSR") and seq.endswith("RR"), seq
     assert seq[2:-1] == "FSR" * ((len(seq) - 3) // 3), seq
+
+
+def proposals_after_each_step(loaded, monkeypatch) -> tuple[list[int], list[list[int]]]:
+    """One greedy request alone: (its prompt and output, the proposals the device kept for its
+    slot after each sampling program that changed them)."""
+    from test_speculation import run
+
+    tok, engine = loaded
+    runner, seen = engine.runner, []
+    launch = runner.launch_sample
+    slot_props = lambda: np.asarray(runner.state["props"]).copy()  # noqa: E731
+    monkeypatch.setattr(runner, "launch_sample",
+                        lambda *a: (launch(*a), seen.append(slot_props()))[0])  # fmt: skip
+    prompt = list(range(40, 61))
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    before = slot_props()  # earlier tests' proposals, until the slot's first sampled row
+    (out,), _ = run((tok, engine), [(0, prompt, sp)])
+    slot = next(s for s in range(len(before)) if (seen[-1][s] != before[s]).any())
+    return prompt + out, [p[slot].tolist() for p in seen if (p[slot] != before[slot]).any()]
+
+
+def check_rising(got: list, refs: dict) -> None:
+    """Each step's proposals are the reference's for the sequence as far as it went: one m per
+    step, rising."""
+    ms = [next((m for m, r in refs.items() if r == g), None) for g in got]
+    assert None not in ms and ms == sorted(ms) and len(set(ms)) >= 5, (got, refs)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_mtp_proposals_leave_the_targets_tokens_with_steps_overlapped(engines, seeded,
+                                                                     monkeypatch):  # fmt: skip
+    """The MTP block proposes on the device, steps overlap and the tokens are the target's."""
+    check_overlapped_and_unchanged(engines["off"], engines["mtp"], seeded, monkeypatch)
 
 
 def reference_proposals(cfg, params, tokens: list[int]) -> list[int]:
@@ -115,29 +146,13 @@ def reference_proposals(cfg, params, tokens: list[int]) -> list[int]:
 
 
 def test_mtp_proposals_are_the_blocks_run_over_the_whole_sequence(engines, monkeypatch):
-    """One greedy request: after each step, the K proposals the device keeps for the slot are
-    the ones the block makes from the whole sequence so far (its KV fed step by step, each row
-    paired with the hidden state its slot kept)."""
-    from test_speculation import run
-
-    tok, engine = engines["mtp"]
-    runner, seen = engine.runner, []
-    launch = runner.launch_sample
-    slot_props = lambda: np.asarray(runner.state["props"]).copy()  # noqa: E731
-    monkeypatch.setattr(runner, "launch_sample",
-                        lambda *a: (launch(*a), seen.append(slot_props()))[0])  # fmt: skip
-    prompt = list(range(40, 61))
-    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    before = slot_props()  # earlier tests' proposals, until the slot's first sampled row
-    (out,), _ = run((tok, engine), [(0, prompt, sp)])
-    seq = prompt + out
-    cfg, params = runner.cfg, runner.params
-    slot = next(s for s in range(len(before)) if (seen[-1][s] != before[s]).any())
-    refs = {m: reference_proposals(cfg, params, seq[:m]) for m in range(len(prompt), len(seq))}
-    got = [p[slot].tolist() for p in seen if (p[slot] != before[slot]).any()]
-    # each step's proposals follow the sequence as far as it went: one m per step, rising
-    ms = [next((m for m, r in refs.items() if r == g), None) for g in got]
-    assert None not in ms and ms == sorted(ms) and len(set(ms)) >= 5, (got, refs)
+    """After each step, the K proposals the device keeps for the slot are the ones the block
+    makes from the whole sequence so far (its KV fed step by step, each row paired with the
+    hidden state its slot kept)."""
+    seq, got = proposals_after_each_step(engines["mtp"], monkeypatch)
+    runner = engines["mtp"][1].runner
+    refs = {m: reference_proposals(runner.cfg, runner.params, seq[:m]) for m in range(21, len(seq))}
+    check_rising(got, refs)
 
 
 def test_mtp_is_refused_where_it_cannot_run(tiny_gguf, tmp_path, compile_cache):

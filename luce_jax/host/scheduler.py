@@ -53,6 +53,7 @@ class Scheduler:
         self.queue: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request, in admission order
         self.steps = 0  # steps dispatched
+        self.last_plan = None  # the plan of the last step()
 
     # -- requests -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -97,6 +98,7 @@ class Scheduler:
         """Admit, plan, dispatch, collect and route. Returns False if there was nothing to do."""
         self._admit(time.monotonic() if now is None else now)
         plan = self.plan()
+        self.last_plan = plan  # for the step log (host/step_log.py)
         planned = bool(plan.decode or plan.prefills)
         launched = planned and self._dispatch(plan)
         keep = 1 if launched and self.engine.overlap else 0
