@@ -42,33 +42,43 @@ def drafter(target: str, path, block_size: int = 8, layers=(1, 2), seed: int = 0
     return str(path)
 
 
-TARGETS = ["qwen3", "qwen35", "qwen35moe"]
-
-
-@pytest.fixture(scope="module", params=TARGETS)
-def engines(request, tiny_models, tmp_path_factory, compile_cache):
+@pytest.fixture(scope="module")
+def engines(tiny_models, tmp_path_factory, compile_cache):
+    """arch (qwen3, qwen35 or qwen35moe) -> its target with a random drafter proposing K on
+    every step, and the drafter's path; built once for the module's tests."""
     from hf_gguf import hf_to_gguf, make_hf_model
 
-    d = tmp_path_factory.mktemp("dflash")
-    if request.param == "qwen3":
-        target = str(tiny_models["qwen3"][1])
-    else:
-        target = str(hf_to_gguf(make_hf_model(request.param, seed=2), request.param,
-                                d / f"{request.param}.gguf"))  # fmt: skip
-    base = EngineConfig(model=target, compile_cache_dir=compile_cache, **TINY_ENGINE)
-    base = base.replace(prefill_chunk=16, prefill_token_budget=16)
-    draft = drafter(target, d / "drafter.gguf")
-    spec = base.replace(spec_mode="dflash", draft=draft, draft_tokens=K)
-    return {"off": load_engine(base), "dflash": always_proposing(load_engine(spec)),
-            "draft": draft}  # fmt: skip
+    built = {}
+
+    def get(arch):
+        if arch in built:
+            return built[arch]
+        d = tmp_path_factory.mktemp("dflash")
+        if arch == "qwen3":
+            target = str(tiny_models["qwen3"][1])
+        else:
+            target = str(hf_to_gguf(make_hf_model(arch, seed=2), arch, d / f"{arch}.gguf"))
+        draft = drafter(target, d / "drafter.gguf")
+        spec = EngineConfig(model=target, compile_cache_dir=compile_cache, **TINY_ENGINE).replace(
+            prefill_chunk=16, prefill_token_budget=16, spec_mode="dflash", draft=draft,
+            draft_tokens=K)  # fmt: skip
+        built[arch] = {"dflash": always_proposing(load_engine(spec)), "draft": draft}
+        return built[arch]
+
+    return get
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_dflash_proposals_leave_the_targets_tokens_with_steps_overlapped(engines, seeded,
+# seeded sampling on the hybrid only
+@pytest.mark.parametrize(
+    "arch, seeded",
+    [("qwen3", False), ("qwen35", False), ("qwen35", True), ("qwen35moe", False)],
+    ids=["qwen3-greedy", "qwen35-greedy", "qwen35-seeded", "qwen35moe-greedy"],
+)
+def test_dflash_proposals_leave_the_targets_tokens_with_steps_overlapped(engines, arch, seeded,
                                                                         monkeypatch):  # fmt: skip
     """One drafter pass a step proposes for every row, the steps overlap and the tokens are the
     target's."""
-    check_overlapped_and_unchanged(engines["off"], engines["dflash"], seeded, monkeypatch)
+    check_overlapped_and_unchanged(engines(arch)["dflash"], seeded, monkeypatch)
 
 
 def reference_proposals(cfg, params, dcfg, dparams, tokens: list[int]) -> list[int]:
@@ -79,10 +89,12 @@ def reference_proposals(cfg, params, dcfg, dparams, tokens: list[int]) -> list[i
     from luce_jax.models.logits import project
     from luce_jax.step_format import GroupShape, Row, lower
 
-    n, P = len(tokens), 16
+    n, P, T = len(tokens), 16, 64  # one shape for every call: compiled once
+    assert n <= T
     family = family_of(cfg)
-    caches = family.init_caches(cfg, [GroupShape(-(-n // P) + 1, P, 8)], jnp.float32, jnp.float32)
-    b = lower([Row(0, tuple(tokens), 0, True)], np.arange(1, 9)[None], P, max(8, n), 1)
+    caches = family.init_caches(cfg, [GroupShape(T // P + 1, P, T // P)], jnp.float32,
+                                jnp.float32)  # fmt: skip
+    b = lower([Row(0, tuple(tokens), 0, True)], np.arange(1, T // P + 1)[None], P, T, 1)
     b["fresh"] = np.ones(1)
     b = {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in b.items()}
     state = family.init_slot_state(cfg, 1)
@@ -93,13 +105,14 @@ def reference_proposals(cfg, params, dcfg, dparams, tokens: list[int]) -> list[i
     return jnp.argmax(project(params, out[1:], None), -1).tolist()
 
 
-def test_dflash_proposals_are_the_drafter_run_the_plain_way(engines, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_dflash_proposals_are_the_drafter_run_the_plain_way(engines, arch, monkeypatch):
     """After each step, the K proposals the device keeps for the slot are the plain drafter's
     from the whole sequence so far (its context rows written step by step, its block in one
     pass over every row's)."""
-    seq, got = proposals_after_each_step(engines["dflash"], monkeypatch)
-    runner = engines["dflash"][1].runner
-    dcfg, dparams = dflash.load(engines["draft"], runner.cfg.d_model, runner.cfg.n_layers,
+    seq, got = proposals_after_each_step(engines(arch)["dflash"], monkeypatch)
+    runner = engines(arch)["dflash"][1].runner
+    dcfg, dparams = dflash.load(engines(arch)["draft"], runner.cfg.d_model, runner.cfg.n_layers,
                                 "float32")  # fmt: skip
     refs = {m: reference_proposals(runner.cfg, runner.params, dcfg, dparams, seq[:m])
             for m in range(22, len(seq) + 1)}  # fmt: skip

@@ -36,28 +36,43 @@ def always_proposing(loaded):
     return loaded
 
 
-@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
-def engines(request, tmp_path_factory, compile_cache):
-    path = mtp_file(request.param, tmp_path_factory)
-    base = EngineConfig(model=path, compile_cache_dir=compile_cache, **TINY_ENGINE)
-    base = base.replace(prefill_chunk=16, prefill_token_budget=16)
-    return {
-        "off": load_engine(base),
-        "mtp": always_proposing(load_engine(base.replace(spec_mode="mtp", draft_tokens=K))),
-    }
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, compile_cache):
+    """arch (qwen35 or qwen35moe) -> its target with an MTP block proposing K on every step,
+    built once for the module's tests."""
+    built = {}
+
+    def get(arch):
+        if arch not in built:
+            path = mtp_file(arch, tmp_path_factory)
+            base = EngineConfig(model=path, compile_cache_dir=compile_cache, **TINY_ENGINE)
+            base = base.replace(prefill_chunk=16, prefill_token_budget=16, spec_mode="mtp",
+                                draft_tokens=K)  # fmt: skip
+            built[arch] = {"mtp": always_proposing(load_engine(base))}
+        return built[arch]
+
+    return get
 
 
-def check_overlapped_and_unchanged(off, spec, seeded: bool, monkeypatch):
-    """Requests arriving over several steps give the target's tokens alone (greedy, or
-    seeded with a penalty), with no compile after warmup (test_speculation.run checks it) and
-    one step in flight at every collect: no host round trip (FS FS R FS R ... R R)."""
+def check_overlapped_and_unchanged(spec, seeded: bool, monkeypatch):
+    """Requests arriving over several steps give the tokens the same engine gives with its
+    speculation off (greedy, or seeded with a penalty; the target without speculation is held
+    to transformers and to one-at-a-time elsewhere), with no compile after warmup
+    (test_speculation.run checks it) and one step in flight at every collect: no host round
+    trip (FS FS R FS R ... R R)."""
     from test_speculation import prompts, run
 
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     if seeded:
         sp = sp.replace(temperature=0.8, top_k=20, presence_penalty=0.4, seed=5)
     arrivals = [(i // 3 * 2, p, sp) for i, p in enumerate(prompts())]
-    want, _ = run(off, arrivals)
+    engine = spec[1]
+    speculation, engine.spec = engine.spec, None  # no proposals, no verify rows
+    try:
+        want, _ = run(spec, arrivals)
+        assert engine.runner.ahead  # the same programs, proposing nothing
+    finally:
+        engine.spec = speculation
     runner, events = spec[1].runner, []
     for name, code in (("launch_forward", "F"), ("launch_sample", "S"), ("fetch", "R")):
         f = getattr(runner, name)
@@ -96,11 +111,15 @@ def check_rising(got: list, refs: dict) -> None:
     assert None not in ms and ms == sorted(ms) and len(set(ms)) >= 5, (got, refs)
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_mtp_proposals_leave_the_targets_tokens_with_steps_overlapped(engines, seeded,
+@pytest.mark.parametrize(
+    "arch, seeded",
+    [("qwen35", False), ("qwen35", True), ("qwen35moe", False)],
+    ids=["qwen35-greedy", "qwen35-seeded", "qwen35moe-greedy"],
+)
+def test_mtp_proposals_leave_the_targets_tokens_with_steps_overlapped(engines, arch, seeded,
                                                                      monkeypatch):  # fmt: skip
     """The MTP block proposes on the device, steps overlap and the tokens are the target's."""
-    check_overlapped_and_unchanged(engines["off"], engines["mtp"], seeded, monkeypatch)
+    check_overlapped_and_unchanged(engines(arch)["mtp"], seeded, monkeypatch)
 
 
 def reference_proposals(cfg, params, tokens: list[int]) -> list[int]:
@@ -114,16 +133,15 @@ def reference_proposals(cfg, params, tokens: list[int]) -> list[int]:
     from luce_jax.models.family import Kernels
     from luce_jax.step_format import Row, lower
 
-    n, P = len(tokens), 16
+    n, P, T = len(tokens), 16, 64  # one shape for every call: compiled once
 
     def batch(toks):
-        m = len(toks)
-        table = np.arange(1, -(-m // P) + 1)[None]
-        b = lower([Row(0, tuple(toks), 0, True)], table, P, max(8, m), 1)
+        b = lower([Row(0, tuple(toks), 0, True)], np.arange(1, T // P + 1)[None], P, T, 1)
         b["fresh"] = np.ones(1)
         return {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in b.items()}
 
-    nb = -(-(n + K) // P) + 1
+    assert n + K <= T
+    nb = T // P + 1
     kv = hybrid.init_kv(cfg, nb, P, jnp.float32)
     state = hybrid.init_state(cfg, 1)
     *_, x = hybrid.forward(params, kv, state, batch(tokens), cfg, hidden=(cfg.n_layers,))
@@ -132,8 +150,7 @@ def reference_proposals(cfg, params, tokens: list[int]) -> list[int]:
     hidden, toks, out = jnp.concatenate([jnp.zeros_like(h[:1]), h[:-1]]), list(tokens), []
     for _ in range(K):
         mkv = hybrid.init_kv(cfg, nb, P, jnp.float32)[0]
-        b = batch(toks)
-        T, m = b["tokens"].shape[0], len(toks)
+        b, m = batch(toks), len(toks)
         padded = jnp.pad(hidden, ((0, T - m), (0, 0)))
         y, _ = mtp.block(params["mtp"], params["embed"], padded, b["tokens"], mkv, b, cfg,
                          Kernels(attention=paged_attention_xla))  # fmt: skip
@@ -145,12 +162,13 @@ def reference_proposals(cfg, params, tokens: list[int]) -> list[int]:
     return out
 
 
-def test_mtp_proposals_are_the_blocks_run_over_the_whole_sequence(engines, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_mtp_proposals_are_the_blocks_run_over_the_whole_sequence(engines, arch, monkeypatch):
     """After each step, the K proposals the device keeps for the slot are the ones the block
     makes from the whole sequence so far (its KV fed step by step, each row paired with the
     hidden state its slot kept)."""
-    seq, got = proposals_after_each_step(engines["mtp"], monkeypatch)
-    runner = engines["mtp"][1].runner
+    seq, got = proposals_after_each_step(engines(arch)["mtp"], monkeypatch)
+    runner = engines(arch)["mtp"][1].runner
     refs = {m: reference_proposals(runner.cfg, runner.params, seq[:m]) for m in range(21, len(seq))}
     check_rising(got, refs)
 
