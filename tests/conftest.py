@@ -38,7 +38,8 @@ from hf_gguf import hf_to_gguf, make_hf_model  # noqa: E402
 # order, so a long file started last would keep one worker busy while the other idles. From
 # `--durations` on the 2-core machine (docs/development.md); the order changes no result.
 LONG_FIRST = ("test_converted", "test_quantized_weights", "test_quant_matmul", "test_bench",
-              "test_moe_decode", "test_notebook", "test_hybrid_model", "test_paged_attention",
+              "test_moe_decode", "test_notebook", "test_hybrid_model", "test_mtp", "test_dflash",
+              "test_web_page", "test_paged_attention",
               "test_server", "test_speculation", "test_default_model", "test_moe_launches",
               "test_soak", "test_draft_head", "test_structured_output", "test_tokenizer",
               "test_tensor_parallel", "test_kv_cache")  # fmt: skip

@@ -124,7 +124,7 @@ def test_a_chat_reply_streams_in(page, tmp_path):
 
 
 def test_two_chats_at_once_are_two_busy_slots_and_leave_the_pool_empty(page, tmp_path):
-    page.locator("#max-tokens").fill("300")
+    page.locator("#max-tokens").fill("120")
     a, b = chat(page, 0), chat(page, 1)
     send(a, "import os")
     send(b, "class Stack:")
