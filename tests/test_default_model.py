@@ -4,7 +4,6 @@ import ast
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -58,7 +57,7 @@ def test_draft_model_loads_with_the_same_tokenizer(llm, compile_cache):
 
 
 def test_serve_with_no_arguments_serves_the_embedded_model(compile_cache):
-    from test_server import free_port
+    from test_server import free_port, wait_healthy
 
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -82,15 +81,7 @@ def test_serve_with_no_arguments_serves_the_embedded_model(compile_cache):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            assert proc.poll() is None, "the server exited"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(proc, url)
         models = httpx.get(url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["luce-stdlib-main"]
         r = httpx.post(

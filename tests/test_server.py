@@ -23,6 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, url: str, timeout: float = 300.0) -> None:
+    """Poll url/health until it answers 200; the server process must stay up meanwhile."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:  # its output is read only once it has ended
+            out = proc.stdout.read().decode()[-3000:] if proc.stdout else ""
+            raise AssertionError(f"the server exited: {out}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("server did not become healthy")
+
+
 SERVER = {}  # the module's server process (the shutdown test, last in this file, stops it)
 
 
