@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .config import DEFAULT_MODEL, FLOAT_CACHE_TYPES, EngineConfig
+from .draft_files import load_proposers, mtp_config
 from .kv_sizing import kv_spaces
 from .startup import StartupClock
 
@@ -80,38 +81,8 @@ def _load(config: EngineConfig, clock: StartupClock):
             f"spec_mode={config.spec_mode!r}: runs on the device, inside the step, which the "
             f"{family.name} family's models do not take (spec_mode 'ngram' does)"
         )
-    draft = None
-    if config.spec_mode == "draft":  # loaded first: its weights and KV share the memory
-        with clock.phase("draft weights"):
-            draft = _load_draft(config, vocab, quantized)
-        # its caches are on the first group's block ids (device/draft_model.py)
-        extra = sum(g.bytes_per_token for g in kv_cache_types(config, draft[0])[1])
-        groups[0] = dataclasses.replace(
-            groups[0], bytes_per_token=groups[0].bytes_per_token + extra
-        )
-    if config.spec_mode == "mtp":  # its caches are one more attention layer's on group 0
-        g = groups[0]
-        groups[0] = dataclasses.replace(g, bytes_per_token=g.bytes_per_token * (g.layers + 1)
-                                        / g.layers)  # fmt: skip
-    dflash = None
-    if config.spec_mode == "dflash":  # its context rows are on group 0's block ids too
-        from pallas_kernels import kv_cache
-
-        dflash = _load_dflash(config, mc, vocab, family)
-        per_entry = (
-            dflash[0].kv_heads
-            * dflash[0].head_dim
-            * sum(kv_cache.bytes_per_value(t) for t in dflash[2])
-        )
-        g = groups[0]
-        groups[0] = dataclasses.replace(
-            g, bytes_per_token=g.bytes_per_token + dflash[0].layers * per_entry
-        )
-    head = None
-    if config.spec_mode == "head":
-        from .models import draft_head
-
-        head = draft_head.load(config.draft_model, mc.d_model, mc.vocab_size, config.dtype)
+    draft, head, dflash, kv_bytes = load_proposers(config, mc, vocab, quantized, groups[0], clock)
+    groups[0] = dataclasses.replace(groups[0], bytes_per_token=groups[0].bytes_per_token + kv_bytes)
     placement = _placement(config, mc, shapes)
     device = jax.local_devices()[0] if placement is None else placement.first_local_device
     # one device's share of the weights (the draft's whole): the pool is sized for each alike
@@ -201,24 +172,6 @@ def _load(config: EngineConfig, clock: StartupClock):
     return tokenizer, engine
 
 
-def mtp_config(config: EngineConfig, mc):
-    """The model's config with its MTP blocks' params loaded only for spec_mode=mtp, which
-    needs a family that runs them and a file that has one (models/mtp.py)."""
-    from .models.family import family_of
-
-    if config.spec_mode != "mtp":
-        return dataclasses.replace(mc, mtp_layers=0)
-    family = family_of(mc)
-    if "mtp" not in family.device_proposers:
-        raise ValueError(f"spec_mode='mtp': the {family.name} family's models run no MTP block")
-    if not mc.mtp_layers:
-        raise ValueError(f"spec_mode='mtp': {config.model} has no MTP block "
-                         f"({mc.arch}.nextn_predict_layers)")  # fmt: skip
-    if config.tensor_parallel > 1:
-        raise ValueError("spec_mode='mtp': its block runs on one device (tensor_parallel=1)")
-    return mc
-
-
 def _placement(config: EngineConfig, mc, shapes):
     """Where the step's arrays live on several devices (device/mesh.py), or None for one."""
     from .device.mesh import Placement, make_mesh
@@ -253,40 +206,6 @@ def _in_background(fn, *args):
     future = pool.submit(timed)
     pool.shutdown(wait=False)
     return future
-
-
-def _load_dflash(config: EngineConfig, mc, vocab, family):
-    """A DFlash drafter's (DFlashConfig, params, kv types) for the model: its tokenizer must be
-    the model's and its block must hold draft_tokens + 1 tokens."""
-    from .loading.gguf import GGUFFile
-    from .loading.tokenizer import GGUFVocab
-    from .models import dflash
-
-    if "dflash" not in family.device_proposers:
-        raise ValueError(f"spec_mode='dflash': the {family.name} family's models run no drafter")
-    if config.tensor_parallel > 1:
-        raise ValueError("spec_mode='dflash': the drafter runs on one device (tensor_parallel=1)")
-    path = config.draft_model
-    md = GGUFFile(path).metadata
-    if "tokenizer.ggml.tokens" in md and GGUFVocab.from_metadata(md).tokens != vocab.tokens:
-        raise ValueError(f"draft={path!r}: its vocabulary differs from the model's")
-    dcfg, params = dflash.load(path, mc.d_model, mc.n_layers, config.dtype)
-    if config.draft_tokens >= dcfg.block_size:
-        raise ValueError(f"draft_tokens={config.draft_tokens}: the drafter's blocks hold "
-                         f"{dcfg.block_size} tokens, so at most {dcfg.block_size - 1}")  # fmt: skip
-    return dcfg, params, kv_cache_types(config, mc)[0]
-
-
-def _load_draft(config: EngineConfig, vocab, quantized: bool):
-    """The draft model's (ModelConfig, params); its vocabulary must be the target's."""
-    from .loading.gguf import GGUFFile, model_config
-    from .loading.params import load_params
-    from .loading.tokenizer import GGUFVocab
-
-    f = GGUFFile(config.draft_model)
-    if GGUFVocab.from_metadata(f.metadata).tokens != vocab.tokens:
-        raise ValueError(f"draft={config.draft_model!r}: its vocabulary differs from the model's")
-    return load_params(f, model_config(f.metadata), config.dtype, quantized)
 
 
 def keep_quantized(dtype: str, f, device) -> bool:

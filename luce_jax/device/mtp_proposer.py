@@ -40,7 +40,6 @@ class MtpProposer:
     """
 
     feeds_params = True  # `feed` runs the block: the forward pass is passed its params
-    bufs = None
 
     def __init__(self, cfg, kv_types, kernels, *, k: int, block_size: int, max_slots: int):
         self.cfg, self.kv_types, self.kernels = cfg, kv_types, kernels

@@ -41,7 +41,7 @@ def proposer(cfg, family, kernels, k: int, block_size: int, head, draft, ngram: 
         return HeadProposer(cfg, *head, kernels.quant_matmul, k=k, block_size=block_size,
                             lookup=head_lookup)  # fmt: skip
     if draft is not None:
-        # the draft's weights load in order (build._load_draft: no mesh layout)
+        # the draft's weights load in order (draft_files.py: no mesh layout)
         return DraftModel(*draft[:3], kernels._replace(quant_matmul=draft[3], shards=1), k=k,
                           block_size=block_size, vocab=cfg.vocab_size)  # fmt: skip
     if ngram:

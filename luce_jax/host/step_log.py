@@ -65,8 +65,13 @@ def engine_view(handle) -> dict:
     return {
         "slots": sorted(slots, key=lambda s: s["slot"]),
         "max_slots": handle.config.max_concurrency,
-        "kv": {"used": pool.used, "cached": pool.cached, "free": pool.available,
-               "total": pool.capacity, "block_size": handle.config.kv_block_size},  # fmt: skip
+        "kv": {
+            "used": pool.used,
+            "cached": pool.cached,
+            "free": pool.available,
+            "total": pool.capacity,
+            "block_size": handle.config.kv_block_size,
+        },  # fmt: skip
         "queue": handle.waiting(),
         "spec": handle.spec_stats(),
     }
