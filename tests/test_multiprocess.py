@@ -105,13 +105,17 @@ d.WAIT_MS, d.KEPT = 200, 4  # short waits and a short history: both paths run
 sender, follower = d.StepStream(), d.StepStream()
 sent = [(d.FORWARD, (8, 4), [np.arange(i, i + 5, dtype=np.int32)]) for i in range(6)]
 sent.append((d.SAMPLE, (4, 4, 1, 0, 0), [np.full(12, -1, np.int32)]))
+received = threading.Semaphore(0)  # released per message the follower has read
 def send():
     time.sleep(0.7)  # the follower waits past three deadlines first
-    for m in sent:
+    for i, m in enumerate(sent):
+        if i >= d.KEPT:  # as process 0 does, never past a follower by the messages it keeps
+            received.acquire()  # (sent back to back on a loaded machine, one was deleted unread)
         sender.send(*m)
-threading.Thread(target=send).start()
+threading.Thread(target=send, daemon=True).start()
 for kind, key, arrays in sent:
     got = follower.recv()
+    received.release()
     assert got[0] == kind and got[1][: len(key)] == key, (got, key)
     assert all(np.array_equal(a, b) for a, b in zip(got[2], arrays, strict=True)), got
 try:  # the oldest messages are gone
@@ -129,6 +133,9 @@ def test_the_step_stream_delivers_in_order_past_idle_waits(tmp_path):
     script = tmp_path / "stream.py"
     script.write_text(STREAM)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, str(script), f"127.0.0.1:{free_port()}"], env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    try:
+        out = subprocess.run([sys.executable, str(script), f"127.0.0.1:{free_port()}"],
+                             env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the stream stalled: {e.stderr!r:.3000}") from None
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
