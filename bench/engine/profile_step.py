@@ -12,7 +12,9 @@ With --prefill the traced steps are prefill steps (chunks of --chunk tokens of C
 
 With --spec-mode the policy proposes K for every decoding slot in every step (flat step times),
 so each traced step verifies and proposes; the draft's kernels count as part `draft` (the
-draft model's, in the forward pass and the sampling program) or `draft_head`.
+draft model's, in the forward pass and the sampling program) or `draft_head`. With
+--no-proposals the speculating engine's gate stays off: its steps verify nothing, and what
+they cost beyond `off`'s is what speculation costs a step that does not use it.
 """
 
 from __future__ import annotations
@@ -274,6 +276,9 @@ def main():
     ap.add_argument("--compile-cache-dir", default=None)
     ap.add_argument("--spec-mode", default="off", help="EngineConfig.spec_mode")
     ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument(
+        "--no-proposals", action="store_true", help="with --spec-mode: steps with its gate off"
+    )
     ap.add_argument("--title", default="decode step profile")
     ap.add_argument("--out", default=None, help="JSON path; .md beside it")
     ap.add_argument("--save-raw", default=None, help="folder for each C's trace and HLO text")
@@ -315,11 +320,22 @@ def main():
             a.draft_tokens, dict.fromkeys(engine.token_buckets, 1.0), min_gain=0.0
         )
         engine.spec.policy.observe_step = lambda seconds: None
+        if a.no_proposals:  # what speculation costs a step that verifies nothing
+            engine.spec.gate = _GateOff()
     results = [
         profile(engine, tok, C, a.ctx, a.steps, a.warm, a.save_raw, a.prefill)
         for C in a.concurrency
     ]
     write(results, a)
+
+
+class _GateOff:
+    """A speculation gate (luce_jax/speculation/gate.py's interface) that stays off."""
+
+    on = on_soon = False
+
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        pass
 
 
 def write(results: list[dict], a) -> None:

@@ -61,6 +61,7 @@ def build(args, name: str):
         draft_tokens=int(k or args.draft_tokens),
         spec_policy=policy or "auto",
         head_lookup=lookup,
+        dtype=args.dtype,
     )
     if synthetic:  # a benchmark's fixed acceptance length
         kw.update(benchmark=True, spec_synthetic_accept=int(synthetic))
@@ -216,6 +217,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--max-ctx", type=int, default=1024)
+    ap.add_argument("--dtype", default="auto", help="EngineConfig.dtype (quantized: keep packed)")
     ap.add_argument("--compile-cache-dir", default=None)
     ap.add_argument("--title", default="speculative decoding, embedded target + draft")
     ap.add_argument("--out", default=None)
