@@ -356,7 +356,7 @@ def test_kept_proposals_are_replayed_from_the_state_before_them(spec_engines, se
     assert lengths[3] > 0 and sum(lengths[n] for n in (1, 2)) > 0, lengths
 
 
-@pytest.mark.parametrize("kept", [1, 3])
+@pytest.mark.parametrize("kept", [0, 1, 3])
 def test_a_verify_row_replayed_leaves_the_state_of_feeding_its_kept_tokens(qwen35, kept):
     """A verify row [token, 3 proposals] stores its proposals' inputs; the slot's next pass,
     told how many were kept, replays them before its own token. Its recurrent state then equals

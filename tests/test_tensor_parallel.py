@@ -197,8 +197,8 @@ def test_a_hybrid_model_split_serves_one_devices_tokens(tmp_path):
         assert shard_shapes(lp[name]) == [tuple(whole)] * 2, name
     conv, ssm = runner.state["model"]["conv"], runner.state["model"]["ssm"]
     assert shard_shapes(conv) == [(*conv.shape[:-1], conv.shape[-1] // 2)] * 2
-    pend = runner.state["model"]["pend"]
-    assert shard_shapes(pend) == [(*pend.shape[:-1], pend.shape[-1] // 2)] * 2
+    for pend in runner.state["model"]["pend"]:  # a layer's [S_max, K, W]
+        assert shard_shapes(pend) == [(*pend.shape[:-1], pend.shape[-1] // 2)] * 2
     assert shard_shapes(ssm) == [(*ssm.shape[:2], ssm.shape[2] // 2, *ssm.shape[3:])] * 2
     d = runner.cfg.d_model
     for T, S in runner.programs._exec:

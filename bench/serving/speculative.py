@@ -26,6 +26,7 @@ cost of speculation at any acceptance length shows on a random-weight file:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -116,6 +117,8 @@ def run_all(args, prompts: list[str]) -> dict:
         out = {}
         for mode in args.modes:
             out.update(run_all(argparse.Namespace(**{**vars(args), "modes": [mode]}), prompts))
+            if args.out:  # the modes so far, should a time limit stop the run
+                Path(args.out + ".partial").write_text(json.dumps(out))
         return out
     from luce_jax import SamplingParams
 

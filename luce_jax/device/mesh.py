@@ -175,8 +175,10 @@ class Placement:
         out = self.replicate(state)
         if self.delta is not None and "model" in state:
             model = state["model"]
-            split = {"conv": -1, "ssm": 2, "pend": -1}  # pend [Lr, S_max, K, W]: by W
-            parts = {k: self.split(model[k].shape, a) for k, a in split.items() if k in model}
+            # conv and pend by channel (pend: Lr arrays [S_max, K, W], by W), ssm by head
+            split = {"conv": -1, "ssm": 2, "pend": -1}
+            parts = {k: jax.tree.map(lambda x, a=a: self.split(x.shape, a), model[k])
+                     for k, a in split.items() if k in model}  # fmt: skip
             out["model"] = {**out["model"], **parts}
         return out
 

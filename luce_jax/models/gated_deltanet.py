@@ -106,7 +106,17 @@ def replay(lp, pend, kept, hist, ssm, li, slots, cfg: ModelConfig, delta_fn):
     seg, offsets = jnp.repeat(jnp.arange(S), K), jnp.tile(jnp.arange(K), S)
     mixed, ins = _unstore(pend.reshape(S * K, W), cfg)
     _, hist = causal_conv(mixed, lp["conv"], hist, seg, offsets, cu, kept)
-    _, ssm = delta_fn(*ins, ssm, li, slots, jnp.zeros_like(slots), cu, kept)
+    # The delta rule walks the kept proposals only, packed row after row (a segment's tokens
+    # past its kept ones would be walked for outputs nobody reads), and a row that kept none
+    # is a padding row to it: its state is neither read nor written. A speculating engine's
+    # every step replays, most rows keeping few or none.
+    cu_kept = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(kept).astype(jnp.int32)])
+    t = jnp.arange(S * K, dtype=jnp.int32)
+    row = jnp.minimum(jnp.searchsorted(cu_kept[1:], t, side="right"), S - 1)
+    src = jnp.where(t < cu_kept[-1], row * K + t - cu_kept[row], 0)
+    ins = tuple(x[src] for x in ins)
+    rows = jnp.where(kept > 0, slots, -1)
+    _, ssm = delta_fn(*ins, ssm, li, rows, jnp.zeros_like(slots), cu_kept, kept)
     return hist, ssm
 
 

@@ -57,8 +57,9 @@ def init_state(cfg: ModelConfig, max_slots: int, proposals: int = 0) -> dict:
     """Zeroed per-slot state of the linear layers (float32): conv [Lr, S_max, Kc-1, C] (the
     last inputs of the convolution, oldest first) and ssm [Lr, S_max, Hv, Dk, Dv]; with
     `proposals` K kept on the device, the inputs each slot's last verify row stored for its
-    proposals, pend [Lr, S_max, K, W], and their count, pend_n [S_max]
-    (models/gated_deltanet.py)."""
+    proposals, pend (Lr arrays [S_max, K, W]: a layer's step rewrites its own array in place,
+    where the slice of one [Lr, ...] array had been copied whole by every layer on the GPU),
+    and their count, pend_n [S_max] (models/gated_deltanet.py)."""
     hc = cfg.own
     n = sum(hc.recurrent)
     out = {
@@ -66,7 +67,8 @@ def init_state(cfg: ModelConfig, max_slots: int, proposals: int = 0) -> dict:
         "ssm": jnp.zeros((n, max_slots, hc.ssm_v_heads, hc.ssm_k_dim, hc.ssm_v_dim), jnp.float32),
     }
     if proposals:
-        out["pend"] = jnp.zeros((n, max_slots, proposals, stored_width(cfg)), jnp.float32)
+        shape = (max_slots, proposals, stored_width(cfg))
+        out["pend"] = tuple(jnp.zeros(shape, jnp.float32) for _ in range(n))
         out["pend_n"] = jnp.zeros((max_slots,), jnp.int32)
     return out
 
@@ -191,6 +193,7 @@ def forward(
     # scattering them back had moved 20x the bytes of its live rows' states).
     conv, ssm = state["conv"], state["ssm"]
     stored = state.get("pend")  # with proposals kept on the device (gated_deltanet.py)
+    stored = None if stored is None else list(stored)
     if stored is not None:  # proposals of the slot's last verify row that it kept
         kept = jnp.where(keep, jnp.minimum(batch["kept"], state["pend_n"][read]), 0)
     new_kv = []
@@ -203,12 +206,12 @@ def forward(
             outputs[i] = x
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
-            pend = None if stored is None else (stored[li, read], kept)
+            pend = None if stored is None else (stored[li][read], kept)
             x, (hist, ssm, own) = layer(lp, x, (hist, ssm, jnp.int32(li), pend), cos, sin, batch,
                                         live, cfg=cfg, kernels=kernels, recurrent=True)  # fmt: skip
             conv = conv.at[li, write].set(hist, mode="drop")
             if stored is not None:
-                stored = stored.at[li, write].set(own, mode="drop")
+                stored[li] = stored[li].at[write].set(own, mode="drop")
             li += 1
         else:
             x, kv_l = layer(lp, x, kv[ai], cos, sin, batch, live, cfg=cfg, kernels=kernels,
@@ -219,7 +222,7 @@ def forward(
     out = {"conv": conv, "ssm": ssm}
     if stored is not None:
         pend_n = state["pend_n"].at[write].set(batch["n_draft"], mode="drop")
-        out.update(pend=stored, pend_n=pend_n)
+        out.update(pend=tuple(stored), pend_n=pend_n)
     if hidden:
         return logits, new_kv, out, stacked({**outputs, cfg.n_layers: x}, hidden)
     return logits, new_kv, out
