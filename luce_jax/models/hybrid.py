@@ -57,9 +57,10 @@ def init_state(cfg: ModelConfig, max_slots: int, proposals: int = 0) -> dict:
     """Zeroed per-slot state of the linear layers (float32): conv [Lr, S_max, Kc-1, C] (the
     last inputs of the convolution, oldest first) and ssm [Lr, S_max, Hv, Dk, Dv]; with
     `proposals` K kept on the device, the inputs each slot's last verify row stored for its
-    proposals, pend (Lr arrays [S_max, K, W]: a layer's step rewrites its own array in place,
-    where the slice of one [Lr, ...] array had been copied whole by every layer on the GPU),
-    and their count, pend_n [S_max] (models/gated_deltanet.py)."""
+    proposals, pend (Lr arrays [S_max, K, W], a layer's own: with one [Lr, ...] array a
+    64-layer engine's plain decode step had cost 1.9x off's on the GPU, growing faster than
+    the layer count; docs/benchmarks.md, "Hybrid"), and their count, pend_n [S_max]
+    (models/gated_deltanet.py)."""
     hc = cfg.own
     n = sum(hc.recurrent)
     out = {
