@@ -266,6 +266,7 @@ def main() -> None:
     write_result(res, md, args.out)
     if args.out:
         plot(res, args.out.rsplit(".", 1)[0] + ".png")
+        Path(args.out + ".partial").unlink(missing_ok=True)  # the whole run is written
 
 
 if __name__ == "__main__":
