@@ -1,6 +1,8 @@
 """The hybrid (qwen35: Gated DeltaNet + gated attention) forward against HF transformers, and
 its recurrent state in the slot: chunked equals unchunked, batched equals alone."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -388,6 +390,49 @@ def test_a_verify_row_replayed_leaves_the_state_of_feeding_its_kept_tokens(qwen3
     for name in ("conv", "ssm"):
         np.testing.assert_array_equal(replayed_state[name][:, 0], want_state[name][:, 0], name)
     np.testing.assert_allclose(replayed, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel"])
+def test_the_replay_walks_each_rows_kept_proposals_and_leaves_the_others(qwen35, kernel):
+    """Three rows replay their slots' stored proposals, keeping 0, 2 and all 3: each kept
+    row's slot state is that of running the delta rule over its first kept proposals alone
+    (the reference rule from the slot's state), the row that kept none and every other slot
+    are left as they were. With the kernel (interpret mode) and with its reference."""
+    from luce_jax.models import gated_deltanet as gd
+    from pallas_kernels.gated_delta import (
+        gated_delta_in_place,
+        gated_delta_in_place_reference,
+        gated_delta_reference,
+    )
+
+    _, cfg, params, _ = qwen35
+    lp = next(lp for lp, rec in zip(params["layers"], cfg.own.recurrent, strict=True) if rec)
+    hc = cfg.own
+    S, K, W = 3, 3, gd.stored_width(cfg)
+    rng = np.random.default_rng(5)
+    pend = rng.standard_normal((S, K, W)).astype(np.float32)
+    C, Hv = hc.conv_dim, hc.ssm_v_heads
+    pend[..., 2 * C : 2 * C + Hv] = -rng.uniform(0.05, 1.0, (S, K, Hv))  # g: a log decay
+    pend[..., 2 * C + Hv :] = rng.uniform(0.0, 1.0, (S, K, Hv))  # beta
+    state_shape = (2, SLOTS, Hv, hc.ssm_k_dim, hc.ssm_v_dim)
+    ssm = jnp.asarray(rng.standard_normal(state_shape) * 0.3, jnp.float32)
+    hist = jnp.asarray(rng.standard_normal((S, hc.ssm_conv - 1, C)), jnp.float32)
+    kept, slots, li = jnp.asarray([0, 2, 3]), jnp.asarray([3, 0, 2], jnp.int32), 1
+    if kernel:
+        delta = functools.partial(gated_delta_in_place, interpret=True)
+    else:
+        delta = gated_delta_in_place_reference
+    _, got = gd.replay(lp, jnp.asarray(pend), kept, hist, ssm, jnp.int32(li), slots, cfg, delta)
+    want = np.array(ssm)
+    _, ins = gd._unstore(jnp.asarray(pend).reshape(S * K, W), cfg)
+    for s in (1, 2):
+        n, rows = int(kept[s]), slice(s * K, s * K + int(kept[s]))
+        h0 = ssm[li, int(slots[s])][None]
+        _, h = gated_delta_reference(*(x[rows] for x in ins), h0, jnp.asarray([0, n]))
+        want[li, int(slots[s])] = np.asarray(h[0])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got)[li, 3], np.asarray(ssm)[li, 3])  # kept none
+    np.testing.assert_array_equal(np.asarray(got)[0], np.asarray(ssm)[0])  # another layer
 
 
 TINY_SHAPES = {
