@@ -193,8 +193,8 @@ def forward(
     # written by the delta rule itself (a decode step gathering a padded bucket's rows and
     # scattering them back had moved 20x the bytes of its live rows' states).
     conv, ssm = state["conv"], state["ssm"]
-    stored = state.get("pend")  # with proposals kept on the device (gated_deltanet.py)
-    stored = None if stored is None else list(stored)
+    # with proposals kept on the device (gated_deltanet.py): each linear layer's array
+    stored = list(state["pend"]) if "pend" in state else None
     if stored is not None:  # proposals of the slot's last verify row that it kept
         kept = jnp.where(keep, jnp.minimum(batch["kept"], state["pend_n"][read]), 0)
     new_kv = []
