@@ -98,7 +98,7 @@ def quant_matmul_fn(backend: str, activations: str = "int8"):
     if backend == "pallas":
         from pallas_kernels.dequantize import dequantized_matmul
         from pallas_kernels.expert_rows import expert_rows
-        from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
+        from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows, norm_rows
 
         from .step_format import SMALLEST_TOKEN_BUCKET
 
@@ -106,6 +106,7 @@ def quant_matmul_fn(backend: str, activations: str = "int8"):
         kernel = functools.partial(served_quant_matmul, int8_x=int8)
         return QuantMatmul(kernel, live_rows_max=SMALLEST_TOKEN_BUCKET, prefill=dequantized_matmul,
                            norm_int8=norm_int8_rows if int8 else None,
+                           norm=None if int8 else norm_rows,
                            glu_int8=glu_int8_rows if int8 else None,
                            expert_rows=expert_rows)  # fmt: skip
     return QuantMatmul()

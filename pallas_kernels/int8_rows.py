@@ -20,6 +20,7 @@ rounding, where XLA's fusion (2.1 us) and int8_rows (1.5 us) were two kernels. q
 glu_int8_rows reads no others; with the gate | up, attention output and down projections'
 partials so and glu_int8_rows' programs at 128 values (PARTS_BLOCK), the device step went 5.17
 -> 4.97 ms at C1 (history/2026-12-02_engine_decode_qwen3-8b-q4_k_m_5c5faaf.md).
+`norm_rows` is that norm alone, for projections on float activations (MoE models' default).
 A kernel for the residual add of the attention output's and the down projection's partials
 and the norm after it was tried the same way and dropped: a program per row (the norm needs
 the whole row) was 0.2 ms a step slower than XLA's sum and norm_int8_rows, and chunks of a row
@@ -104,20 +105,33 @@ def _kernel(x_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx):
     _round_groups(x, m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx)
 
 
-def _norm_kernel(x_ref, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, eps, ptx):
-    """Program m: row m whole (its RMS needs every value), G groups a power of two, those past
-    K masked."""
-    m = pl.program_id(0)
+def _normed_row(x_ref, w_ref, m, G: int, eps: float, dtype):
+    """Row m of x [M, K] RMS-normed in dtype, as [G, 2, 16] groups (those past K masked), with
+    the groups' indices (_groups) and mask."""
     K = x_ref.shape[1]
     g, half, ks = _groups(0, G)
     ok = g < K // 32
     x = plgpu.load(x_ref.at[m, ks], mask=ok[:, None, None], other=0).astype(jnp.float32)
     w = plgpu.load(w_ref.at[ks], mask=ok[:, None, None], other=0).astype(jnp.float32)
     ms = jnp.sum(jnp.sum(jnp.sum(x * x, axis=2), axis=1), axis=0) / K
-    h = (x * jax.lax.rsqrt(ms + eps) * w).astype(h_ref.dtype)
+    return (x * jax.lax.rsqrt(ms + eps) * w).astype(dtype), (g, half, ks), ok
+
+
+def _norm_kernel(x_ref, w_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, eps, ptx):
+    """Program m: row m whole (its RMS needs every value), G groups a power of two, those past
+    K masked."""
+    m = pl.program_id(0)
+    h, (g, half, ks), ok = _normed_row(x_ref, w_ref, m, G, eps, h_ref.dtype)
     plgpu.store(h_ref.at[m, ks], h, mask=ok[:, None, None])
     # the codes round h as the matmul's dots see it: in its dtype
     _round_groups(h.astype(jnp.float32), m, g, half, ks, q_ref, d_ref, s16_ref, s32_ref, ptx, ok)
+
+
+def _norm_only_kernel(x_ref, w_ref, h_ref, *, G, eps):
+    """_norm_kernel's h alone."""
+    m = pl.program_id(0)
+    h, (_, _, ks), ok = _normed_row(x_ref, w_ref, m, G, eps, h_ref.dtype)
+    plgpu.store(h_ref.at[m, ks], h, mask=ok[:, None, None])
 
 
 def _glu_kernel(p_ref, live_ref, h_ref, q_ref, d_ref, s16_ref, s32_ref, *, G, ptx, limit):
@@ -227,6 +241,31 @@ def norm_int8_rows(x, w, *, eps: float, dtype, ptx: bool | None = None, interpre
     ptx = uses_ptx(interpret) if ptx is None else ptx
     kernel = functools.partial(_norm_kernel, G=G, eps=eps, ptx=ptx)
     return _call(kernel, (M,), (x, w), M, K, dtype, interpret=interpret, name="norm_int8_rows")
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "interpret"))
+def norm_rows(x, w, *, eps: float, dtype, interpret=None):
+    """rms_norm(x, w, eps) in dtype as one kernel (a program per row), for projections on float
+    activations: at one row XLA ran the norm as two kernels, a reduction to a scalar and the
+    scaling (bench/results/history/2026-12-06_c1_step_call_qwen3-30b-a3b-q4_k_m_h100.md).
+
+    Args: x [M, K] float32 rows, K a multiple of 32; w [K]; eps; dtype: the result's dtype;
+      interpret: as int8_rows'.
+    Returns: h [M, K] dtype.
+    """
+    M, K = x.shape
+    if K % 32 or w.shape != (K,):
+        raise ValueError(f"norm_rows needs K a multiple of 32 and w [K]: {x.shape}, {w.shape}")
+    G = 1 << max(K // 32 - 1, 0).bit_length()
+    out = jax.ShapeDtypeStruct((M, K), dtype)
+    return pl.pallas_call(
+        functools.partial(_norm_only_kernel, G=G, eps=eps),
+        grid=(M,),
+        in_specs=[whole(x), whole(w)],
+        out_specs=whole(out),
+        out_shape=out,
+        **call_options(interpret, 4, 1, name="norm_rows"),
+    )(x, w)
 
 
 def live_sum(parts, live):

@@ -283,6 +283,7 @@ def quant_matmul(
     min_programs: int = 2112,
     vector_rows: int = 2,
     vector_programs: int = 2112,
+    expert_splits: int | None = None,
     unit_codes: bool = False,
     int8_x: bool = False,
     prefetch: bool | None = None,
@@ -318,6 +319,8 @@ def quant_matmul(
         per SM of an H200), never below one step per split.
       vector_rows, vector_programs: with `live`, a call of r <= vector_rows live rows takes
         the vector path for r rows on a grid of about vector_programs programs.
+      expert_splits: with `experts`, the contraction splits a pair's programs take (each a
+        loop over its share of U-block steps); None: one step each.
       unit_codes: the vector path decodes Q4_0, Q4_K, Q5_K and Q6_K codes q into the floats
         1 + q / 128 four bytes at a time (ggml_asm.py); off: mostly slower on the H200.
       int8_x: the vector path takes x quantized to int8 per 32 values (int8_rows.py; llama.cpp's
@@ -346,7 +349,10 @@ def quant_matmul(
     R = 0 if live is None or E else min(vector_rows, M)
     n_blocks, U = K // fmt.block, max(1, values_per_step // fmt.block)
     if E:
-        BM, BN, S, steps = 1, pow2_within(N, 16, block_n), -(-n_blocks // U), 1
+        n_steps = -(-n_blocks // U)
+        S = n_steps if expert_splits is None else max(1, min(expert_splits, n_steps))
+        steps = -(-n_steps // S)  # per split; the last split's tail is masked
+        BM, BN, S = 1, pow2_within(N, 16, block_n), -(-n_steps // steps)
     else:
         programs = vector_programs if R else min_programs
         BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)

@@ -1,5 +1,5 @@
 """int8_rows: activations rounded to int8 per 32 values in one kernel, equal to its reference
-(and norm_int8_rows: the RMSNorm before it in the same kernel)."""
+(and norm_int8_rows: the RMSNorm before it in the same kernel; norm_rows: that norm alone)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,8 @@ from pallas_kernels.int8_rows import (
     int8_rows_reference,
     norm_int8_rows,
     norm_int8_rows_reference,
+    norm_rows,
+    rms_norm,
 )
 
 
@@ -111,6 +113,54 @@ def test_a_normed_input_is_normed_and_rounded_in_one_kernel_where_the_kernel_tak
         want = jnp.concatenate([qk(h, p, jnp.int32(live) if T <= 8 else None) for p in w], -1)
         np.testing.assert_allclose(got[:live], want[:live], rtol=1e-3, atol=1e-3)
     assert seen == [(8, ["x8"])] * 2 + [(16, [])] * 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("M, K", [(1, 96), (3, 2048)])
+def test_the_norm_alone_is_the_models_rms_norm(M, K, dtype):
+    """norm_rows: rms_norm(x, w) in dtype (to float32 rounding: its sum of squares adds in
+    another order than XLA's), over widths whose groups are and are not a power of two."""
+    x = rows(M, K, jnp.float32, seed=K)
+    w = jax.random.normal(jax.random.key(2), (K,), jnp.float32)
+    got = norm_rows(x, w, eps=1e-6, dtype=dtype, interpret=True)
+    want = rms_norm(x, w, 1e-6).astype(dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tol, atol=tol)  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of 32"):
+        norm_rows(x[:, :48], w[:48], eps=1e-6, dtype=dtype, interpret=True)
+
+
+def test_a_normed_input_on_float_activations_is_normed_in_one_kernel():
+    """Where the kernel takes float activations, a decode step's norm is norm_rows' (one
+    kernel) and no int8 rows go to the kernel; a step past the live-rows bucket norms with
+    XLA. The products equal the kernel's on rms_norm(x) (interpret mode)."""
+    import functools
+
+    from test_quantized_weights import qweight
+
+    from pallas_kernels.quant_matmul import quant_matmul
+
+    qk = functools.partial(quant_matmul, interpret=True)
+    normed = []
+
+    def norm(x, w, **kw):
+        normed.append(x.shape[0])
+        return norm_rows(x, w, interpret=True, **kw)
+
+    def kernel(x, w, live, **kw):
+        assert "x8" not in kw
+        return qk(x, w, live, **kw)
+
+    qmm = QuantMatmul(kernel, max_rows=64, live_rows_max=8, norm=norm)
+    w, nw = qweight(N=24), jax.random.normal(jax.random.key(9), (64,))
+    for T, live in ((1, 1), (8, 2), (16, 3)):
+        x = jax.random.normal(jax.random.key(T), (T, 64), jnp.float32) * 3
+        got = linear(Normed(x, nw, 1e-6), w, qmm, jnp.int32(live))
+        want = qk(rms_norm(x, nw, 1e-6), w, jnp.int32(live) if T <= 8 else None)
+        np.testing.assert_allclose(got[:live], want[:live], rtol=1e-2, atol=1e-2)
+    assert normed == [1, 8]
 
 
 def padded_parts(S: int, M: int, N: int, live: int, seed: int):

@@ -312,6 +312,20 @@ def test_rows_times_their_own_experts_match_the_reference(qtype):
         quant_matmul(x, weight(qtype, N, K), experts=experts, interpret=True)
 
 
+def test_experts_split_into_loops_give_the_same_rows():
+    """expert_splits: a pair's contraction in fewer programs, each looping over its steps (the
+    last split's tail past K adds nothing); the summed splits are the one-step-a-program rows."""
+    w = weight("q4_k", 40, 3 * 256, seed=5, lead=(3,))
+    x = jax.random.normal(jax.random.key(4), (2, 3 * 256), jnp.float32)
+    experts = jnp.array([2, 0, 1, 2], jnp.int32)  # fan_out 2: token m takes pairs 2m, 2m + 1
+    one = quant_matmul(x, w, experts=experts, fan_out=2, splits=True, interpret=True)
+    two = quant_matmul(x, w, experts=experts, fan_out=2, splits=True, expert_splits=2,
+                       interpret=True)  # fmt: skip
+    assert one.shape == (3, 4, 40) and two.shape == (2, 4, 40)  # 3 steps of one Q4_K block
+    np.testing.assert_allclose(np.asarray(two.sum(0)), np.asarray(one.sum(0)), rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(one.sum(0)).max()))  # fmt: skip
+
+
 @pytest.mark.parametrize("qtype", by_block_structure())
 def test_bfloat16_activations_and_output(qtype):
     w = weight(qtype, 32, 512, seed=3)

@@ -190,6 +190,7 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None,
     }
     if save_dir:
         raw = {**raw, "trace": _device_only(trace)}
+        os.makedirs(save_dir, exist_ok=True)
         with gzip.open(os.path.join(save_dir, f"profile_raw_C{C}.json.gz"), "wt") as f:
             json.dump(raw, f)
     return analyze(raw)

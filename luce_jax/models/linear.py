@@ -56,6 +56,9 @@ class QuantMatmul(NamedTuple):
     # the kernel rounds h to, in one kernel (pallas_kernels/int8_rows.norm_int8_rows), where
     # the kernel takes int8 activations; None: XLA's norm, and the kernel rounds h itself.
     norm_int8: object = None
+    # (x [T, K], w [K], eps=, dtype=) -> h: the norm alone in one kernel (int8_rows.norm_rows),
+    # for decode-sized calls on float activations; None: XLA's norm (two kernels at one row).
+    norm: object = None
     # (parts [S, T, 2F], dtype=) -> (h, x8): a Gated input's silu(gate) * up from the gate | up
     # kernel's split partials and its int8 rows, in one kernel (int8_rows.glu_int8_rows).
     glu_int8: object = None
@@ -106,6 +109,8 @@ class Normed(NamedTuple):
         """(h [T, K], its int8 rows or None) for linear(self, w, qmm, live)."""
         if _int8_rows_call(self.shape[0], w, qmm, live) and qmm.norm_int8 is not None:
             return qmm.norm_int8(self.x, self.w, eps=self.eps, dtype=weight_dtype(w))
+        if _int8_rows_call(self.shape[0], w, qmm, live) and qmm.norm is not None:
+            return qmm.norm(self.x, self.w, eps=self.eps, dtype=weight_dtype(w)), None
         return self.array(), None
 
 

@@ -132,13 +132,15 @@ def by_rows(ws: tuple, pairs: int, qmm) -> bool:
 
 def normed_rows(h, w, qmm):
     """(normed rows [T, d], their int8 rows or None) of the FFN input h (Normed or an array):
-    in one kernel where the engine rounds activations to int8 for quantized experts w
-    (qmm.norm_int8), so the router and the experts read the same normed rows and nobody norms
-    them again."""
+    in one kernel for quantized experts w (qmm.norm_int8 where the engine rounds activations to
+    int8, with their int8 rows; else qmm.norm), so the router and the experts read the same
+    normed rows and nobody norms them again."""
+    # float32 rows: the router's choices from bf16-rounded rows differed from float32's
+    # (bench/results/moe_decode_kernel_qwen3-30b-a3b_h100.md)
     if isinstance(h, Normed) and isinstance(w, QuantWeight) and qmm.norm_int8 is not None:
-        # float32 rows: the router's choices from bf16-rounded rows differed from float32's
-        # (bench/results/moe_decode_kernel_qwen3-30b-a3b_h100.md)
         return qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=jnp.float32)
+    if isinstance(h, Normed) and isinstance(w, QuantWeight) and qmm.norm is not None:
+        return qmm.norm(h.x, h.w, eps=h.eps, dtype=jnp.float32), None  # one kernel, not two
     return (h.array() if isinstance(h, Normed) else h), None
 
 
