@@ -11,6 +11,7 @@
 #   bench/peers/run_h200.sh build_bg models:bf16 prefix:ours ours:bf16 ours_nocache:bf16
 #   bench/peers/run_h200.sh wait_build prefix:llama prefix:merge     # the next call
 #   bench/peers/run_h200.sh models:bf16 ours:bf16 structured:bf16     # constrained vs not
+#   SHAPE=qwen3-30b-a3b bench/peers/run_h200.sh models:q4_k_m step_call:q4_k_m  # host per step
 #     (structured needs xgrammar's cp312 wheels in .whl: pip download --no-deps
 #      --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 xgrammar
 #      apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection; the device's python3 has the torch xgrammar imports)
@@ -106,6 +107,25 @@ step_profile() {  # $1 weight type (default bf16): C1 and C8 decode steps of $SH
 step profile, random $SHAPE-shaped $t${LAYERS:+ (its first $LAYERS layers)}, 1024-token contexts, $(nvidia-smi --query-gpu=name \
 --format=csv,noheader), $DAY, commit ${LUCE_COMMIT:-?}" --out "$RES/profile_$SHAPE-$t.json" 2>&1 |
     grep -v "^WARNING"
+}
+
+step_step_call() {  # $1 weight type (default q4_k_m): the host's time in a decode step's call by
+  # token bucket (bench/engine/step_call.py), as the engine runs and with XLA's temp buffers in
+  # their own memory space (stable addresses: the step's CUDA graph updates fewer commands),
+  # each run's command-buffer updates from XLA's log
+  local t=${1:-q4_k_m} x
+  for x in plain temp_color; do
+    local flags=${XLA_FLAGS:-}
+    [ $x = temp_color ] && flags="$flags --xla_gpu_temp_buffer_use_separate_color=true"
+    XLA_FLAGS="$flags" TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+      python3 bench/engine/step_call.py --model "$M/$SHAPE-$t.gguf" --dtype quantized \
+      --phases 1:8 1:1 1:8 1:1 2:8 --compile-cache-dir /tmp/xc \
+      --title "host time of a decode step's call, random $SHAPE-shaped $t, XLA temp buffers: $x" \
+      --out "$RES/step_call_${x}_$SHAPE-$t.json" 2> "$RES/step_call_${x}.log" | grep "^|"
+    grep -o "Updated command buffer in [0-9]* .*num_commands=[0-9]*" "$RES/step_call_${x}.log" |
+      awk '{n[$NF]++; s[$NF]+=$5} END {for (k in n) printf "  %s: %d updates, mean %.0f us\n", k, n[k], s[k]/n[k]}'
+    gzip -f "$RES/step_call_${x}.log"
+  done
 }
 
 common_args() {
