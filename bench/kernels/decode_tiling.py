@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -35,6 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 from make_model import random_rows  # noqa: E402
 from meta import run_meta, write_result  # noqa: E402
 from roofline import copy_bandwidth  # noqa: E402
+from timing import per_call  # noqa: E402
 
 log = logging.getLogger("decode_tiling")
 LAYERS = 8
@@ -45,31 +44,6 @@ CASES = [("gate/up", "q4_k", 128, 1536, 2048), ("down", "q6_k", 128, 2048, 768),
          ("v", "q6_k", 0, 512, 2048), ("out", "q4_k", 0, 2048, 4096),
          ("head", "q6_k", 0, 151936, 2048)]  # fmt: skip
 K_USED = 8  # experts a token
-
-
-def chain_time(fn, x, ws, rounds=7, round_s=0.01):
-    """Median seconds per call of fn(x, w) over LAYERS dependent calls, w = ws[i]."""
-
-    def chain(x, ws):
-        for w in ws:
-            x = x + (jnp.sum(fn(x, w)) * 0).astype(x.dtype)
-        return x
-
-    f = jax.jit(chain)
-    jax.block_until_ready(f(x, ws))
-    t0, runs = time.perf_counter(), 0
-    while runs == 0 or time.perf_counter() - t0 < 0.05:
-        jax.block_until_ready(f(x, ws))
-        runs += 1
-    reps = max(1, round(round_s / ((time.perf_counter() - t0) / runs)))
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = f(x, ws)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / reps / len(ws))
-    return statistics.median(times)
 
 
 def experts_kw(v: str) -> dict:
@@ -127,7 +101,7 @@ def run_case(case, tokens: int, variants: list[str], bw: float, rows: list, flus
             got = jax.jit(fn)(x, ws[0]).sum(0).astype(jnp.float32)
             ref = got if ref is None else ref
             err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-            t = chain_time(fn, x, ws)
+            t = per_call(lambda x, w, fn=fn: fn(x, w)[0], x, ws, LAYERS)  # split 0: [M, N]
         except Exception as e:  # a tiling Triton cannot build is recorded, not fatal
             rows.append(dict(base, error=str(e).splitlines()[0][:200]))
             log.warning("%s", rows[-1])
