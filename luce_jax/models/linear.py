@@ -5,7 +5,8 @@ device), or a tuple of these whose outputs are concatenated (q / k / v or gate /
 different GGML types, which cannot share one block matrix). An input is an array, or rows
 linear() computes itself: Normed (an RMSNorm) and Gated (a SwiGLU's silu(gate) * up), so that
 a decode step on the quantized kernel's int8 rows computes them and their rounding in one
-kernel (pallas_kernels/int8_rows.py).
+kernel (pallas_kernels/int8_rows.py), and on float activations a decode step's norm is one
+kernel too (norm_rows).
 
 Shapes: T tokens, K input width, N output width, V vocabulary, d model width.
 """
