@@ -12,6 +12,7 @@
 #   bench/peers/run_h200.sh wait_build prefix:llama prefix:merge     # the next call
 #   bench/peers/run_h200.sh models:bf16 ours:bf16 structured:bf16     # constrained vs not
 #   SHAPE=qwen3-30b-a3b bench/peers/run_h200.sh models:q4_k_m step_call:q4_k_m  # host per step
+#   SHAPE=qwen3-30b-a3b bench/peers/run_h200.sh decode_ab:q4_k_m,float-plain,int8-temp_color
 #     (structured needs xgrammar's cp312 wheels in .whl: pip download --no-deps
 #      --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 xgrammar
 #      apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection; the device's python3 has the torch xgrammar imports)
@@ -125,6 +126,21 @@ step_step_call() {  # $1 weight type (default q4_k_m): the host's time in a deco
     grep -o "Updated command buffer in [0-9]* .*num_commands=[0-9]*" "$RES/step_call_${x}.log" |
       awk '{n[$NF]++; s[$NF]+=$5} END {for (k in n) printf "  %s: %d updates, mean %.0f us\n", k, n[k], s[k]/n[k]}'
     gzip -f "$RES/step_call_${x}.log"
+  done
+}
+
+step_decode_ab() {  # $1 weight type, then configs ACTIVATIONS-XLA (float|int8 - plain|temp_color):
+  # offline decode (engine_decode.py) at C1, C2 and C8, an engine per config in this order (the
+  # first engine of a fresh machine's call is slow on the host: lead with a throwaway config)
+  local t=$1 c
+  shift
+  for c in "$@"; do
+    local qa=${c%-*} x=${c#*-} flags=${XLA_FLAGS:-}
+    [ "$x" = temp_color ] && flags="$flags --xla_gpu_temp_buffer_use_separate_color=true"
+    XLA_FLAGS="$flags" python3 bench/engine/engine_decode.py --model "$M/$SHAPE-$t.gguf" \
+      --ctx 1024 --concurrency 1 2 8 --steps 64 --warm 8 --dtype quantized \
+      --quant-activations "$qa" --compile-cache-dir /tmp/xc \
+      --out "$RES/engine_decode_${c}_$SHAPE-$t.json" 2>&1 | grep "^| pallas"
   done
 }
 
