@@ -20,7 +20,7 @@ from luce_jax.backends import served_quant_matmul
 from luce_jax.models import moe
 from luce_jax.models.linear import Normed, QuantMatmul
 from pallas_kernels.expert_rows import expert_rows
-from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows
+from pallas_kernels.int8_rows import glu_int8_rows, norm_int8_rows, norm_rows
 from pallas_kernels.moe_router import moe_router
 from pallas_kernels.quant_matmul import quant_matmul
 from pallas_kernels.quant_weight import QuantWeight
@@ -50,6 +50,7 @@ def served(int8: bool) -> QuantMatmul:
     return QuantMatmul(
         interp(served_quant_matmul, int8_x=int8, interpret=True),
         norm_int8=interp(norm_int8_rows, interpret=True) if int8 else None,
+        norm=None if int8 else interp(norm_rows, interpret=True),
         glu_int8=interp(glu_int8_rows, interpret=True) if int8 else None,
         expert_rows=interp(expert_rows, interpret=True),
     )
