@@ -115,8 +115,7 @@ def test_a_normed_input_is_normed_and_rounded_in_one_kernel_where_the_kernel_tak
     assert seen == [(8, ["x8"])] * 2 + [(16, [])] * 2
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("M, K", [(1, 96), (3, 2048)])
+@pytest.mark.parametrize("M, K, dtype", [(1, 96, jnp.float32), (3, 2048, jnp.bfloat16)])
 def test_the_norm_alone_is_the_models_rms_norm(M, K, dtype):
     """norm_rows: rms_norm(x, w) in dtype (to float32 rounding: its sum of squares adds in
     another order than XLA's), over widths whose groups are and are not a power of two."""
