@@ -18,7 +18,7 @@ from pallas_kernels import kv_cache
 from pallas_kernels.dequantize import dequantize
 from pallas_kernels.ggml_asm import DECODERS as FLOAT_DECODERS
 from pallas_kernels.ggml_blocks import FORMATS
-from pallas_kernels.int8_rows import glu_int8_rows, int8_rows, norm_int8_rows
+from pallas_kernels.int8_rows import glu_int8_rows, int8_rows, norm_int8_rows, norm_rows
 from pallas_kernels.moe_grouping import grouped_matmul
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.quant_matmul import INT8_DOTS, quant_matmul
@@ -130,12 +130,16 @@ def test_quant_matmul_lowers_to_a_valid_triton_module(verified, qtype, M, K, N):
     assert len(verified) == 2  # with live rows: the vector path and the dots under one branch
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_k", "q6_k"])
-def test_rows_times_their_experts_lower(verified, qtype):
-    """The decode path of quantized experts (a row a program, 30B-A3B's gate/up shape)."""
+@pytest.mark.parametrize(
+    "qtype, splits", [("q8_0", None), ("q4_k", None), ("q6_k", None), ("q4_k", 3)]
+)
+def test_rows_times_their_experts_lower(verified, qtype, splits):
+    """The decode path of quantized experts (a row a program, 30B-A3B's gate/up shape), and
+    with expert_splits a loop over each split's steps (8 steps in 3: the last split's tail
+    masked)."""
     w = zero_weight(qtype, 2 * 768, 2048, lead=(8,))
     x = jnp.zeros((64, 2048), jnp.bfloat16)
-    f = lambda x, ex: quant_matmul(x, w, experts=ex, interpret=False)  # noqa: E731
+    f = lambda x, ex: quant_matmul(x, w, experts=ex, expert_splits=splits, interpret=False)  # noqa: E731
     lower_for_cuda(f, x, jnp.zeros((64,), jnp.int32))
     assert len(verified) == 1
 
@@ -202,6 +206,16 @@ def test_the_norm_and_its_int8_rows_lower_as_one_kernel(verified, K):
     lower_for_cuda(f, jnp.zeros((8, K), jnp.float32))
     assert len(verified) == 1
     assert "cvt.rni.s32.f32" in str(verified[0].module)
+
+
+@pytest.mark.parametrize("K, dtype", [(2048, jnp.float32), (384, jnp.bfloat16)])
+def test_the_norm_alone_lowers(verified, K, dtype):
+    """norm_rows: the RMSNorm of float activations, a row a program (float32 rows as the MoE
+    FFN's router and experts read them; 384: groups padded to a power of two)."""
+    w = jnp.ones((K,), jnp.float32)
+    f = lambda x: norm_rows(x, w, eps=1e-6, dtype=dtype, interpret=False)  # noqa: E731
+    lower_for_cuda(f, jnp.zeros((8, K), jnp.float32))
+    assert len(verified) == 1
 
 
 def test_the_glu_and_its_int8_rows_lower_as_one_kernel(verified):
