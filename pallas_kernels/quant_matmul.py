@@ -56,7 +56,7 @@ from .ggml_blocks import (
     issue_loads,
 )
 from .int8_rows import int8_rows
-from .quant_tiling import pow2_within, tiling
+from .quant_tiling import expert_tiling, tiling
 from .quant_weight import QuantWeight, dequantize_weight
 
 # Types whose int8_dots run on int8 codes (pieces of 32 values): Q6_K's 16-value pieces, a K
@@ -349,10 +349,7 @@ def quant_matmul(
     R = 0 if live is None or E else min(vector_rows, M)
     n_blocks, U = K // fmt.block, max(1, values_per_step // fmt.block)
     if E:
-        n_steps = -(-n_blocks // U)
-        S = n_steps if expert_splits is None else max(1, min(expert_splits, n_steps))
-        steps = -(-n_steps // S)  # per split; the last split's tail is masked
-        BM, BN, S = 1, pow2_within(N, 16, block_n), -(-n_steps // steps)
+        BM, (BN, S, steps) = 1, expert_tiling(N, n_blocks, U, block_n, expert_splits)
     else:
         programs = vector_programs if R else min_programs
         BM, BN, S, steps = tiling(M, N, n_blocks, U, block_m, block_n, programs)

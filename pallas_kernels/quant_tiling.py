@@ -1,6 +1,7 @@
 """How a quantized matmul's grid is cut (quant_matmul.py): row and column tiles of powers of
 two, and the contraction split across programs only where the tiles alone are too few to fill
-the GPU."""
+the GPU; in experts mode a row a program, the contraction split a loop step a program unless
+told otherwise."""
 
 from __future__ import annotations
 
@@ -22,3 +23,13 @@ def tiling(M: int, N: int, n_blocks: int, U: int, block_m=64, block_n=64, min_pr
     S = max(1, min(n_steps, min_programs // tiles))
     steps = -(-n_steps // S)  # per split; the last split's tail is masked
     return BM, BN, -(-n_steps // steps), steps
+
+
+def expert_tiling(N: int, n_blocks: int, U: int, block_n: int, splits: int | None = None):
+    """(BN, S, steps) of quant_matmul's experts mode (BM 1: a (token, expert) pair a row):
+    `splits` contraction splits (None: one U-block step each), each a loop over its steps, the
+    last split's tail masked."""
+    n_steps = -(-n_blocks // U)
+    S = n_steps if splits is None else max(1, min(splits, n_steps))
+    steps = -(-n_steps // S)
+    return pow2_within(N, 16, block_n), -(-n_steps // steps), steps
