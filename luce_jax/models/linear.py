@@ -108,10 +108,11 @@ class Normed(NamedTuple):
 
     def rows(self, w, qmm: QuantMatmul | None, live):
         """(h [T, K], its int8 rows or None) for linear(self, w, qmm, live)."""
-        if _int8_rows_call(self.shape[0], w, qmm, live) and qmm.norm_int8 is not None:
-            return qmm.norm_int8(self.x, self.w, eps=self.eps, dtype=weight_dtype(w))
-        if _int8_rows_call(self.shape[0], w, qmm, live) and qmm.norm is not None:
-            return qmm.norm(self.x, self.w, eps=self.eps, dtype=weight_dtype(w)), None
+        if _int8_rows_call(self.shape[0], w, qmm, live):
+            if qmm.norm_int8 is not None:
+                return qmm.norm_int8(self.x, self.w, eps=self.eps, dtype=weight_dtype(w))
+            if qmm.norm is not None:
+                return qmm.norm(self.x, self.w, eps=self.eps, dtype=weight_dtype(w)), None
         return self.array(), None
 
 

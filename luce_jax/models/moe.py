@@ -137,11 +137,13 @@ def normed_rows(h, w, qmm):
     normed rows and nobody norms them again."""
     # float32 rows: the router's choices from bf16-rounded rows differed from float32's
     # (bench/results/moe_decode_kernel_qwen3-30b-a3b_h100.md)
-    if isinstance(h, Normed) and isinstance(w, QuantWeight) and qmm.norm_int8 is not None:
+    if not isinstance(h, Normed):
+        return h, None
+    if isinstance(w, QuantWeight) and qmm.norm_int8 is not None:
         return qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=jnp.float32)
-    if isinstance(h, Normed) and isinstance(w, QuantWeight) and qmm.norm is not None:
+    if isinstance(w, QuantWeight) and qmm.norm is not None:
         return qmm.norm(h.x, h.w, eps=h.eps, dtype=jnp.float32), None  # one kernel, not two
-    return (h.array() if isinstance(h, Normed) else h), None
+    return h.array(), None
 
 
 def _pairs(w, qmm):
