@@ -36,6 +36,43 @@ from roofline import copy_bandwidth, decode_step, model_bytes  # noqa: E402
 log = logging.getLogger("engine_decode")
 
 
+class CallClock:
+    """While in use (`with CallClock(runner) as clock:`), the host seconds spent inside the
+    runner's compiled step calls (`seconds`: each step is one CUDA graph, XLA's command buffer,
+    which the call updates for the step's new buffers and then launches), the buckets called
+    (`buckets`) and the last step's launch arguments (`launch`: Runner.launch_forward's, what
+    device_step_time re-launches)."""
+
+    def __init__(self, runner):
+        self.runner, self.seconds, self.buckets, self.launch = runner, 0.0, set(), None
+
+    def __enter__(self) -> CallClock:
+        runner = self.runner
+        self._originals = dict(runner.programs._exec)
+
+        def spy(key, exe):
+            def call(*a):
+                self.buckets.add(key)
+                t = time.perf_counter()
+                out = exe(*a)
+                self.seconds += time.perf_counter() - t
+                return out
+
+            return call
+
+        def capture(b, T, S, _f=runner.launch_forward):
+            self.launch = (b, T, S)
+            return _f(b, T, S)
+
+        runner.programs._exec = {k: spy(k, v) for k, v in self._originals.items()}
+        runner.launch_forward = capture
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runner.programs._exec = self._originals
+        del self.runner.launch_forward  # the class's again
+
+
 def device_step_time(runner, launch_args: tuple, n: int) -> float:
     """Seconds per step of the runner's forward pass and sampling re-launched back to back on
     the last decode step's lowered arrays (launch_args: what Runner.launch_forward was given).
@@ -142,33 +179,13 @@ def run(args, backend: str, moe_backend: str, cache_type: str, bw: float) -> dic
             sched.step()
         compiles = engine.runner.compiles
         runner = engine.runner
-        steps, captured = runner.programs, {}
-        originals = dict(steps._exec)
-        in_call = [0.0]  # host seconds inside the compiled step's call (XLA's dispatch)
-
-        def spy(exe, _t=in_call):
-            def call(*a):
-                t = time.perf_counter()
-                out = exe(*a)
-                _t[0] += time.perf_counter() - t
-                return out
-
-            return call
-
-        def capture(b, T, S, _f=runner.launch_forward, _c=captured):
-            _c["launch"] = (b, T, S)
-            return _f(b, T, S)
-
-        steps._exec = {k: spy(v) for k, v in originals.items()}
-        runner.launch_forward = capture
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            sched.step()
-        dt = (time.perf_counter() - t) / args.steps
-        steps._exec = originals
-        del runner.launch_forward  # the class's again
+        with CallClock(runner) as clock:
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                sched.step()
+            dt = (time.perf_counter() - t) / args.steps
         assert engine.runner.compiles == compiles, "compiled while decoding"
-        dev_dt = device_step_time(runner, captured["launch"], args.steps)
+        dev_dt = device_step_time(runner, clock.launch, args.steps)
         for r in reqs:
             sched.cancel(r)
         ctx_avg = args.ctx + args.warm + args.steps / 2
@@ -187,7 +204,7 @@ def run(args, backend: str, moe_backend: str, cache_type: str, bw: float) -> dic
             "host_overhead_ms": (dt - dev_dt) * 1e3,
             # Each step is one CUDA graph (XLA's command buffer) that the call updates for the
             # step's new buffers before launching it, in time that grows with its kernels.
-            "in_call_ms": in_call[0] / args.steps * 1e3,
+            "in_call_ms": clock.seconds / args.steps * 1e3,
             "prefill_s": t_prefill,
             "load_warmup_s": t_load,
             "warm_compiles": warm_compiles_at_load,

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+from engine_decode import CallClock  # noqa: E402
+
 from meta import run_meta, write_result  # noqa: E402
 
 log = logging.getLogger("step_call")
@@ -51,46 +53,28 @@ def phase(engine, tok, C: int, smallest: int, ctx: int, steps: int) -> dict:
         sched.step()
     for _ in range(8):
         sched.step()
-    originals, in_call, used, captured = dict(runner.programs._exec), [0.0], set(), {}
-
-    def spy(key, exe):
-        def call(*a):
-            used.add(key)
-            t = time.perf_counter()
-            out = exe(*a)
-            in_call[0] += time.perf_counter() - t
-            return out
-
-        return call
-
-    def capture(b, T, S, _f=runner.launch_forward):
-        captured["args"] = (b, T, S)
-        return _f(b, T, S)
-
-    runner.programs._exec = {k: spy(k, v) for k, v in originals.items()}
-    runner.launch_forward = capture
-    t = time.perf_counter()
-    for _ in range(steps):
-        sched.step()
-    step = (time.perf_counter() - t) / steps
-    step_in_call = in_call[0] / steps
-    del runner.launch_forward  # the class's again
     # Re-running the last step rewrites the same KV slots with the same values.
-    idle, busy = [], []
-    for _ in range(16):
-        jax.block_until_ready(runner.kv)
-        in_call[0] = 0.0
-        out = runner.launch(*captured["args"])
-        idle.append(in_call[0])
-    jax.block_until_ready(out.packed)
-    t = time.perf_counter()
-    for _ in range(16):
-        in_call[0] = 0.0
-        out = runner.launch(*captured["args"])
-        busy.append(in_call[0])
-    jax.block_until_ready(out.packed)
-    back_to_back = (time.perf_counter() - t) / 16
-    runner.programs._exec = originals
+    with CallClock(runner) as clock:
+        t = time.perf_counter()
+        for _ in range(steps):
+            sched.step()
+        step = (time.perf_counter() - t) / steps
+        step_in_call = clock.seconds / steps
+        idle, busy = [], []
+        for _ in range(16):
+            jax.block_until_ready(runner.kv)
+            s0 = clock.seconds
+            out = runner.launch(*clock.launch)
+            idle.append(clock.seconds - s0)
+        jax.block_until_ready(out.packed)
+        t = time.perf_counter()
+        for _ in range(16):
+            s0 = clock.seconds
+            out = runner.launch(*clock.launch)
+            busy.append(clock.seconds - s0)
+        jax.block_until_ready(out.packed)
+        back_to_back = (time.perf_counter() - t) / 16
+        used = set(clock.buckets)
     for r in reqs:
         sched.cancel(r)
     sched.step()
