@@ -64,9 +64,16 @@ def archive(out: str) -> None:
         p.rename(history / (name + p.suffix))
 
 
+def write_partial(res, out: str | None) -> None:
+    """What a run has measured so far, as JSON at `out`.partial (with `out`), for a run a time
+    limit may stop; write_result removes it once the whole run is written."""
+    if out:
+        Path(out + ".partial").write_text(json.dumps(res))
+
+
 def write_result(res: dict, md: str, out: str | None) -> None:
     """Print the markdown; with `out`, write the JSON there and the markdown beside it (a record
-    already there moves to history/ first)."""
+    already there moves to history/ first; a partial file of the run is removed)."""
     sys.stdout.write(md)
     if out:
         archive(out)
@@ -74,6 +81,7 @@ def write_result(res: dict, md: str, out: str | None) -> None:
             json.dump(res, f, indent=1)
         with open(out.rsplit(".", 1)[0] + ".md", "w") as f:
             f.write(md)
+        Path(out + ".partial").unlink(missing_ok=True)
 
 
 def keep(paths: list[str], results: Path = RESULTS) -> None:

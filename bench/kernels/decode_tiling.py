@@ -16,7 +16,6 @@ the engine's); vector variants block_n:values_per_step:warps:vector_programs.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from pallas_kernels.quant_matmul import quant_matmul
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 from make_model import random_rows  # noqa: E402
-from meta import run_meta, write_result  # noqa: E402
+from meta import run_meta, write_partial, write_result  # noqa: E402
 from roofline import copy_bandwidth  # noqa: E402
 from timing import per_call  # noqa: E402
 
@@ -143,16 +142,13 @@ def main():
     res = {"bench": "decode_tiling", **meta, "title": a.title, "rows": [], "meta": line}
 
     def flush():  # what is measured so far, should the run be cut short
-        if a.out:
-            Path(a.out + ".partial").write_text(json.dumps(res))
+        write_partial(res, a.out)
 
     for i in a.cases if a.cases is not None else range(len(CASES)):
         case = CASES[i]
         for tokens in a.tokens if case[2] else [1]:
             run_case(case, tokens, a.experts if case[2] else a.vectors, bw, res["rows"], flush)
     write_result(res, markdown(res), a.out)
-    if a.out:
-        Path(a.out + ".partial").unlink()
 
 
 if __name__ == "__main__":

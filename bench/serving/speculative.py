@@ -26,7 +26,6 @@ cost of speculation at any acceptance length shows on a random-weight file:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 
 # Run as a script: bench/ holds the helpers the benchmarks share.
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
-from meta import meta_line, run_meta, write_result  # noqa: E402
+from meta import meta_line, run_meta, write_partial, write_result  # noqa: E402
 
 log = logging.getLogger("speculative")
 
@@ -117,8 +116,7 @@ def run_all(args, prompts: list[str]) -> dict:
         out = {}
         for mode in args.modes:
             out.update(run_all(argparse.Namespace(**{**vars(args), "modes": [mode]}), prompts))
-            if args.out:  # the modes so far, should a time limit stop the run
-                Path(args.out + ".partial").write_text(json.dumps(out))
+            write_partial(out, args.out)  # the modes so far, should a time limit stop the run
         return out
     from luce_jax import SamplingParams
 
@@ -266,7 +264,6 @@ def main() -> None:
     write_result(res, md, args.out)
     if args.out:
         plot(res, args.out.rsplit(".", 1)[0] + ".png")
-        Path(args.out + ".partial").unlink(missing_ok=True)  # the whole run is written
 
 
 if __name__ == "__main__":
