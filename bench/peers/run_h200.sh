@@ -110,15 +110,19 @@ step profile, random $SHAPE-shaped $t${LAYERS:+ (its first $LAYERS layers)}, 102
     grep -v "^WARNING"
 }
 
+xla_flags() {  # $1 plain|temp_color: XLA_FLAGS, with temp_color XLA's temp buffers in their own
+  # memory space (a CUDA async pool: fixed addresses from step to step)
+  if [ "$1" = temp_color ]; then echo "${XLA_FLAGS:-} --xla_gpu_temp_buffer_use_separate_color=true"
+  else echo "${XLA_FLAGS:-}"; fi
+}
+
 step_step_call() {  # $1 weight type (default q4_k_m): the host's time in a decode step's call by
   # token bucket (bench/engine/step_call.py), as the engine runs and with XLA's temp buffers in
   # their own memory space (stable addresses: the step's CUDA graph updates fewer commands),
   # each run's command-buffer updates from XLA's log
   local t=${1:-q4_k_m} x
   for x in plain temp_color; do
-    local flags=${XLA_FLAGS:-}
-    [ $x = temp_color ] && flags="$flags --xla_gpu_temp_buffer_use_separate_color=true"
-    XLA_FLAGS="$flags" TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+    XLA_FLAGS="$(xla_flags $x)" TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
       python3 bench/engine/step_call.py --model "$M/$SHAPE-$t.gguf" --dtype quantized \
       --phases 1:8 1:1 1:8 1:1 2:8 --compile-cache-dir /tmp/xc \
       --title "host time of a decode step's call, random $SHAPE-shaped $t, XLA temp buffers: $x" \
@@ -135,9 +139,8 @@ step_decode_ab() {  # $1 weight type, then configs ACTIVATIONS-XLA (float|int8 -
   local t=$1 c
   shift
   for c in "$@"; do
-    local qa=${c%-*} x=${c#*-} flags=${XLA_FLAGS:-}
-    [ "$x" = temp_color ] && flags="$flags --xla_gpu_temp_buffer_use_separate_color=true"
-    XLA_FLAGS="$flags" python3 bench/engine/engine_decode.py --model "$M/$SHAPE-$t.gguf" \
+    local qa=${c%-*} x=${c#*-}
+    XLA_FLAGS="$(xla_flags "$x")" python3 bench/engine/engine_decode.py --model "$M/$SHAPE-$t.gguf" \
       --ctx 1024 --concurrency 1 2 8 --steps 64 --warm 8 --dtype quantized \
       --quant-activations "$qa" --compile-cache-dir /tmp/xc \
       --out "$RES/engine_decode_${c}_$SHAPE-$t.json" 2>&1 | grep "^| pallas"
