@@ -36,6 +36,8 @@ import numpy as np
 
 # Run as a script: bench/ holds the helpers the benchmarks share.
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+from engine_decode import CallClock  # noqa: E402
+
 from meta import run_meta, write_result  # noqa: E402
 
 log = logging.getLogger("profile_step")
@@ -122,16 +124,6 @@ def device_time(trace: dict, cats: dict[str, str]) -> tuple[dict, dict, float, f
     return dict(by_cat), by_kernel, busy, span, sorted(gaps, reverse=True)[:8], dict(counts)
 
 
-def _spy(key, exe, used: set):
-    """exe, noting `key` in `used` when called (which buckets the traced steps ran)."""
-
-    def call(*args):
-        used.add(key)
-        return exe(*args)
-
-    return call
-
-
 def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None, prefill=False):
     """The report of `steps` traced engine steps at concurrency C: decode steps after C prompts
     of ctx tokens are prefilled, or (prefill) steps while those prompts are being prefilled
@@ -154,11 +146,8 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None,
         sched.step()
     for _ in range(warm):
         sched.step()
-    used = set()
-    originals = dict(runner.programs._exec)
-    runner.programs._exec = {k: _spy(k, v, used) for k, v in originals.items()}
     sampling = runner.sample_programs._exec  # the sampling programs, one per row width
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, CallClock(runner) as clock:
         opts = jax.profiler.ProfileOptions()
         opts.python_tracer_level = 0  # tracing every Python call would inflate host time
         with jax.profiler.trace(d, create_perfetto_trace=True, profiler_options=opts):
@@ -166,7 +155,6 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None,
             for _ in range(steps):
                 sched.step()
             wall = (time.perf_counter() - t) * 1e3
-        runner.programs._exec = originals
         (path,) = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
         with gzip.open(path) as f:
             trace = json.load(f)
@@ -179,10 +167,10 @@ def profile(engine, tok, C: int, ctx: int, steps: int, warm: int, save_dir=None,
         "ctx": ctx,
         "steps": steps,
         "wall_ms": wall,
-        "buckets": sorted(used),
+        "buckets": sorted(clock.buckets),  # which the traced steps ran
         "hlo": "\n".join(
             [
-                *(originals[k].as_text() for k in sorted(used)),
+                *(runner.programs._exec[k].as_text() for k in sorted(clock.buckets)),
                 *(e.as_text() for e in sampling.values()),
             ]
         ),  # fmt: skip
