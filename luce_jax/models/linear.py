@@ -109,11 +109,19 @@ class Normed(NamedTuple):
     def rows(self, w, qmm: QuantMatmul | None, live):
         """(h [T, K], its int8 rows or None) for linear(self, w, qmm, live)."""
         if _int8_rows_call(self.shape[0], w, qmm, live):
-            if qmm.norm_int8 is not None:
-                return qmm.norm_int8(self.x, self.w, eps=self.eps, dtype=weight_dtype(w))
-            if qmm.norm is not None:
-                return qmm.norm(self.x, self.w, eps=self.eps, dtype=weight_dtype(w)), None
+            rows = self.kernel_rows(qmm, weight_dtype(w))
+            if rows is not None:
+                return rows
         return self.array(), None
+
+    def kernel_rows(self, qmm: QuantMatmul, dtype):
+        """(h in dtype, its int8 rows or None) from one kernel: qmm.norm_int8 where the kernel
+        takes int8 activations, else qmm.norm; None where qmm has neither."""
+        if qmm.norm_int8 is not None:
+            return qmm.norm_int8(self.x, self.w, eps=self.eps, dtype=dtype)
+        if qmm.norm is not None:
+            return qmm.norm(self.x, self.w, eps=self.eps, dtype=dtype), None
+        return None
 
 
 class Gated(NamedTuple):

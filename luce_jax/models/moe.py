@@ -139,11 +139,8 @@ def normed_rows(h, w, qmm):
     # (bench/results/moe_decode_kernel_qwen3-30b-a3b_h100.md)
     if not isinstance(h, Normed):
         return h, None
-    if isinstance(w, QuantWeight) and qmm.norm_int8 is not None:
-        return qmm.norm_int8(h.x, h.w, eps=h.eps, dtype=jnp.float32)
-    if isinstance(w, QuantWeight) and qmm.norm is not None:
-        return qmm.norm(h.x, h.w, eps=h.eps, dtype=jnp.float32), None  # one kernel, not two
-    return h.array(), None
+    rows = h.kernel_rows(qmm, jnp.float32) if isinstance(w, QuantWeight) else None
+    return (h.array(), None) if rows is None else rows
 
 
 def _pairs(w, qmm):
