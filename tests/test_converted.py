@@ -43,7 +43,7 @@ def greedy_logits(cfg, params, prompt, n=converted.GREEDY) -> np.ndarray:
         if cfg.own is not None:
             batch["fresh"] = np.array([i == 0], np.int32)
             batch = {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in batch.items()}
-            logits, kv, state = step(params, kv, state, batch, cfg)
+            logits, kv, state, _ = step(params, kv, state, batch, cfg)
         else:
             logits, kv, _ = step(params, kv, {k: jnp.asarray(v) for k, v in batch.items()}, cfg)
         out.append(np.asarray(logits)[0])

@@ -58,7 +58,7 @@ def run(cfg, params, kv, state, rows, tables, fresh=(), step=_step, kept=0):
     if "pend" in state:
         batch["kept"] = np.full(SLOTS, kept)
     batch = {k: jnp.asarray(np.asarray(v, np.int32)) for k, v in batch.items()}
-    logits, kv, state = step(params, kv, state, batch, cfg)
+    logits, kv, state, _ = step(params, kv, state, batch, cfg)
     return np.asarray(logits)[: len(rows)], kv, state
 
 
@@ -545,18 +545,27 @@ def test_the_pallas_kernels_give_the_engine_the_same_tokens(engine, qwen35, comp
     assert run_schedule(eng, tok, arrivals, cfg)[0] == run_schedule(ref, tok, arrivals, config)[0]
 
 
-def test_moe_hybrid_engine_batched_equals_one_at_a_time(qwen35moe, compile_cache):
-    from test_engine import check_batched_equals_alone
+def test_moe_hybrid_engine_batched_equals_one_at_a_time(qwen35moe, compile_cache, tmp_path):
+    """...and records its routing (--record-expert-stats): each MoE layer counts k experts for
+    every token fed, prompts and generated tokens alike."""
+    from test_engine import GREEDY, check_batched_equals_alone, prompts
 
     from luce_jax.build import load_engine
     from luce_jax.config import EngineConfig
 
     from conftest import TINY_ENGINE
 
-    cfg = EngineConfig(model=qwen35moe[3], compile_cache_dir=compile_cache, **TINY_ENGINE)
+    cfg = EngineConfig(model=qwen35moe[3], compile_cache_dir=compile_cache,
+                       record_expert_stats=str(tmp_path / "stats.json"), **TINY_ENGINE)  # fmt: skip
     tok, eng = load_engine(cfg)
-    assert eng.runner.cfg.n_experts == 8 and eng.runner.cfg.own.recurrent
+    mc = eng.runner.cfg
+    assert mc.n_experts == 8 and mc.own.recurrent
     check_batched_equals_alone(tok, eng, cfg, 8, 16)
+    counts = eng.runner.tally.counts(eng.runner.placement)
+    # every prompt twice (alone, then batched); a request's last token is never fed
+    fed = 2 * sum(len(p) + GREEDY.max_tokens - 1 for p in prompts(8))
+    assert counts.shape == (mc.n_layers, 8)  # every layer's FFN routes
+    assert (counts.sum(1) == fed * mc.n_experts_used).all(), counts.sum(1)
 
 
 def test_the_pool_is_sized_for_attention_layers_and_the_state_is_reserved(engine):

@@ -144,8 +144,8 @@ def reference_proposals(cfg, params, tokens: list[int]) -> list[int]:
     nb = T // P + 1
     kv = hybrid.init_kv(cfg, nb, P, jnp.float32)
     state = hybrid.init_state(cfg, 1)
-    *_, x = hybrid.forward(params, kv, state, batch(tokens), cfg, hidden=(cfg.n_layers,))
-    x = x[0, :n]
+    *_, stats = hybrid.forward(params, kv, state, batch(tokens), cfg, hidden=(cfg.n_layers,))
+    x = stats["hidden"][0, :n]
     h = rms_norm(x, params["final_norm"], cfg.rms_eps)
     hidden, toks, out = jnp.concatenate([jnp.zeros_like(h[:1]), h[:-1]]), list(tokens), []
     for _ in range(K):

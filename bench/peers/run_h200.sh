@@ -143,7 +143,8 @@ step_decode_ab() {  # $1 weight type, then configs ACTIVATIONS-XLA (float|int8 -
     XLA_FLAGS="$(xla_flags "$x")" python3 bench/engine/engine_decode.py --model "$M/$SHAPE-$t.gguf" \
       --ctx 1024 --concurrency 1 2 8 --steps 64 --warm 8 --dtype quantized \
       --quant-activations "$qa" --compile-cache-dir /tmp/xc \
-      --out "$RES/engine_decode_${c}_$SHAPE-$t.json" 2>&1 | grep "^| pallas"
+      --out "$RES/engine_decode_${c}_$SHAPE-$t.json" > "$RES/engine_decode_$c.log" 2>&1
+    grep "^| pallas" "$RES/engine_decode_$c.log" || tail -5 "$RES/engine_decode_$c.log"
   done
 }
 

@@ -121,7 +121,8 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
         attention layer's (k, v) caches; kernels: (attention_fn, quant_matmul, delta_fn,
         grouped_matmul), static.
     Returns:
-      (x, the mixer's new (history, states, proposals to store) or (k, v) caches).
+      (x, the mixer's new (history, states, proposals to store) or (k, v) caches, the FFN's
+       routing pairs [T*k] (moe.ffn's) or None for a dense FFN).
     """
     attn, qmm, delta = kernels.attention, kernels.quant_matmul, kernels.gated_delta
     grouped_matmul = kernels.grouped_matmul
@@ -143,10 +144,10 @@ def layer(lp: dict, x, mix, cos, sin, batch: dict, live, *, cfg: ModelConfig, ke
     x = x + y.astype(x.dtype)
     h = Normed(x, lp["ffn_norm"], cfg.rms_eps)
     if "router" in lp:  # qwen35moe: routed experts and the gated shared expert
-        y = moe.ffn(lp, h, cfg, grouped_matmul, live, qmm, kernels.moe_router,
-                    experts_on=kernels.experts, shards=kernels.shards)[0]  # fmt: skip
-        return x + y, mix
-    return x + swiglu(lp, h, qmm, live, cfg=cfg, shards=kernels.shards), mix
+        y, routed = moe.ffn(lp, h, cfg, grouped_matmul, live, qmm, kernels.moe_router,
+                            experts_on=kernels.experts, shards=kernels.shards)  # fmt: skip
+        return x + y, mix, routed
+    return x + swiglu(lp, h, qmm, live, cfg=cfg, shards=kernels.shards), mix, None
 
 
 def forward(
@@ -176,7 +177,9 @@ def forward(
         delta_fn: the gated delta rule in place (default: gated_delta_in_place_reference);
       hidden: layer ids whose residual stream to return too (ModelFamily.forward's).
     Returns:
-      (logits [R, V] float32, new kv, new state), and with `hidden` those streams [n, T, d].
+      (logits [R, V] float32, new kv, new state, stats): stats holds expert_counts [L_moe, E]
+      int32 for a model with routed experts (dense.forward's), and with `hidden` "hidden":
+      those streams [n, T, d].
     """
     attn = attention_fn or paged_attention_xla
     delta = delta_fn or gated_delta_in_place_reference
@@ -197,7 +200,7 @@ def forward(
     stored = list(state["pend"]) if "pend" in state else None
     if stored is not None:  # proposals of the slot's last verify row that it kept
         kept = jnp.where(keep, jnp.minimum(batch["kept"], state["pend_n"][read]), 0)
-    new_kv = []
+    new_kv, pairs = [], []
     li = ai = 0
     kernels = Kernels(attn, grouped_matmul, quant_matmul, gated_delta=delta, moe_router=moe_router,
                       experts=experts, shards=shards, delta_heads=delta_heads)  # fmt: skip
@@ -208,25 +211,29 @@ def forward(
         if recurrent:
             hist = jnp.where(keep[:, None, None], conv[li, read], 0.0)
             pend = None if stored is None else (stored[li][read], kept)
-            x, (hist, ssm, own) = layer(lp, x, (hist, ssm, jnp.int32(li), pend), cos, sin, batch,
-                                        live, cfg=cfg, kernels=kernels, recurrent=True)  # fmt: skip
+            x, (hist, ssm, own), routed = layer(
+                lp, x, (hist, ssm, jnp.int32(li), pend), cos, sin, batch, live, cfg=cfg,
+                kernels=kernels, recurrent=True)  # fmt: skip
             conv = conv.at[li, write].set(hist, mode="drop")
             if stored is not None:
                 stored[li] = stored[li].at[write].set(own, mode="drop")
             li += 1
         else:
-            x, kv_l = layer(lp, x, kv[ai], cos, sin, batch, live, cfg=cfg, kernels=kernels,
-                            recurrent=False)  # fmt: skip
+            x, kv_l, routed = layer(lp, x, kv[ai], cos, sin, batch, live, cfg=cfg,
+                                    kernels=kernels, recurrent=False)  # fmt: skip
             new_kv.append(kv_l)
             ai += 1
+        if routed is not None:
+            pairs.append(routed)
     logits = head(params, x, batch, cfg, quant_matmul)
     out = {"conv": conv, "ssm": ssm}
     if stored is not None:
         pend_n = state["pend_n"].at[write].set(batch["n_draft"], mode="drop")
         out.update(pend=tuple(stored), pend_n=pend_n)
+    stats = {"expert_counts": moe.expert_counts(jnp.stack(pairs), cfg.n_experts)} if pairs else {}
     if hidden:
-        return logits, new_kv, out, stacked({**outputs, cfg.n_layers: x}, hidden)
-    return logits, new_kv, out
+        stats["hidden"] = stacked({**outputs, cfg.n_layers: x}, hidden)
+    return logits, new_kv, out, stats
 
 
 # A linear layer's input projections, fused in this order into w_in.
@@ -327,11 +334,10 @@ class HybridFamily:
 
     def forward(self, params, caches, slot_state, batch, cfg, kernels: Kernels, hidden=()):
         k = kernels
-        logits, caches, slot_state, *x = forward(
+        return forward(
             params, caches, slot_state, batch, cfg, k.attention, k.quant_matmul, k.gated_delta,
             k.grouped_matmul, k.moe_router, k.experts, k.shards, k.delta_heads, hidden,
         )  # fmt: skip
-        return logits, caches, slot_state, {"hidden": x[0]} if hidden else {}
 
 
 FAMILY = register(HybridFamily())

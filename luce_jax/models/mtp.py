@@ -70,7 +70,7 @@ def block(mp: dict, embed_table, hidden, tokens, kv, batch: dict, cfg: ModelConf
     h = rms_norm(hidden, mp["hnorm"], cfg.rms_eps)
     u = linear(jnp.concatenate([e, h], -1), mp["eh_proj"], kernels.quant_matmul, live)
     cos, sin = rope_tables(batch["positions"], cfg)
-    x, kv = layer(mp["layer"], u.astype(jnp.float32), kv, cos, sin, batch, live, cfg=cfg,
+    x, kv, _ = layer(mp["layer"], u.astype(jnp.float32), kv, cos, sin, batch, live, cfg=cfg,
                   kernels=kernels, recurrent=False)  # fmt: skip
     return x.astype(jnp.float32), kv
 
