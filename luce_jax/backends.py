@@ -78,22 +78,12 @@ def moe_router_fn(backend: str):
     return functools.partial(moe_router, fused_dot=False)
 
 
-def quant_activations_for(setting: str, model_cfg) -> str:
-    """EngineConfig.quant_activations for a model: "auto" is int8 for dense models and float
-    for MoE. On the H200 int8 made 30B-A3B Q4_K_M's C1 decode 175 -> 74 tok/s: its kernels ran
-    0.5 ms faster a step, but each rounding of x added kernels to a step of 1122 and the host
-    prepares the step's CUDA graph in time that grows with them (8.7 -> 15.6 ms a step in one
-    profile); the dense 8B Q4_K_M gained, 154 -> 196 tok/s at C1 (bench/results/
-    history/2026-12-01_profile_qwen3-30b-a3b-q4_k_m_int8_0b2eb14.md)."""
-    if setting != "auto":
-        return setting
-    return "float" if model_cfg.n_experts else "int8"
-
-
 def quant_matmul_fn(backend: str, activations: str = "int8"):
     """How projections with quantized weights run, for a resolved quant_backend and
-    EngineConfig.quant_activations."""
+    EngineConfig.quant_activations (resolved: int8 or float)."""
     from .models.linear import QuantMatmul
+
+    assert activations in ("int8", "float"), activations
 
     if backend == "pallas":
         from pallas_kernels.dequantize import dequantized_matmul
@@ -130,17 +120,15 @@ def served_quant_matmul(x, w, live=None, *, int8_x: bool, **kw):
     return quant_matmul(x, w, live, int8_x=int8_x, int8_dots=dots, **kw)
 
 
-def kernels(config, model_cfg):
+def kernels(config):
     """The Kernels a model's forward pass runs with under a resolved EngineConfig (its
-    attention, MoE and quant backends; quantized projections' activations by the model)."""
+    attention, MoE and quant backends, and its quantized projections' activations)."""
     from .models.family import Kernels
 
     return Kernels(
         attention=attention_fn(config.attention_backend),
         grouped_matmul=grouped_matmul_fn(config.moe_backend),
-        quant_matmul=quant_matmul_fn(
-            config.quant_backend, quant_activations_for(config.quant_activations, model_cfg)
-        ),
+        quant_matmul=quant_matmul_fn(config.quant_backend, config.quant_activations),
         rope_write=rope_write_fn(config.attention_backend),
         gated_delta=gated_delta_fn(config.attention_backend),
         moe_router=moe_router_fn(config.moe_backend),

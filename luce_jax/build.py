@@ -41,7 +41,7 @@ def _load(config: EngineConfig, clock: StartupClock):
 
         initialize(config.coordinator, config.num_processes, config.process_id)
 
-    from .backends import kernels, quant_activations_for, quant_matmul_fn
+    from .backends import kernels, quant_matmul_fn
     from .device import bucket_runs
     from .device.programs import enable_compile_cache
     from .device.runner import Runner
@@ -117,7 +117,7 @@ def _load(config: EngineConfig, clock: StartupClock):
             spaces,
             config.max_concurrency,
             kv_cache_types(config, model_cfg)[0],
-            kernels(config, model_cfg),
+            kernels(config),
             **kw,
         )
 
@@ -127,9 +127,7 @@ def _load(config: EngineConfig, clock: StartupClock):
     on_device = None
     if draft is not None:
         dcfg, dparams = draft
-        qm = quant_matmul_fn(
-            config.quant_backend, quant_activations_for(config.quant_activations, dcfg)
-        )
+        qm = quant_matmul_fn(config.quant_backend, config.quant_activations)
         on_device = (dcfg, dparams, kv_cache_types(config, dcfg)[0], qm)
     runner = runner_for(
         Runner, mc, shapes, max_proposals=spec_k, graph_max_tokens=config.cuda_graph_max_tokens,

@@ -54,8 +54,7 @@ HELP = {
     ),
     "quant_activations": (
         f"{', '.join(QUANT_ACTIVATIONS)}: what the quantized kernel's decode calls dot the codes "
-        "with (int8: activations rounded per 32 values, as llama.cpp; auto: int8 for dense "
-        "models, float for MoE)"
+        "with (int8: activations rounded per 32 values, as llama.cpp; auto: int8)"
     ),
     "prefill_chunk": "prompt tokens one sequence appends per step",
     "prefill_token_budget": "tokens per step, decode rows included",

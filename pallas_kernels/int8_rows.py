@@ -20,7 +20,7 @@ rounding, where XLA's fusion (2.1 us) and int8_rows (1.5 us) were two kernels. q
 glu_int8_rows reads no others; with the gate | up, attention output and down projections'
 partials so and glu_int8_rows' programs at 128 values (PARTS_BLOCK), the device step went 5.17
 -> 4.97 ms at C1 (history/2026-12-02_engine_decode_qwen3-8b-q4_k_m_5c5faaf.md).
-`norm_rows` is that norm alone, for projections on float activations (MoE models' default).
+`norm_rows` is that norm alone, for projections on float activations (quant_activations=float).
 A kernel for the residual add of the attention output's and the down projection's partials
 and the norm after it was tried the same way and dropped: a program per row (the norm needs
 the whole row) was 0.2 ms a step slower than XLA's sum and norm_int8_rows, and chunks of a row
