@@ -117,20 +117,18 @@ xla_flags() {  # $1 plain|temp_color: XLA_FLAGS, with temp_color XLA's temp buff
 }
 
 step_step_call() {  # $1 weight type (default q4_k_m): the host's time in a decode step's call by
-  # token bucket (bench/engine/step_call.py), as the engine runs and with XLA's temp buffers in
-  # their own memory space (stable addresses: the step's CUDA graph updates fewer commands),
-  # each run's command-buffer updates from XLA's log
-  local t=${1:-q4_k_m} x
-  for x in plain temp_color; do
-    XLA_FLAGS="$(xla_flags $x)" TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
-      python3 bench/engine/step_call.py --model "$M/$SHAPE-$t.gguf" --dtype quantized \
-      --phases 1:8 1:1 1:8 1:1 2:8 --compile-cache-dir /tmp/xc \
-      --title "host time of a decode step's call, random $SHAPE-shaped $t, XLA temp buffers: $x" \
-      --out "$RES/step_call_${x}_$SHAPE-$t.json" 2> "$RES/step_call_${x}.log" | grep "^|"
-    grep -o "Updated command buffer in [0-9]* .*num_commands=[0-9]*" "$RES/step_call_${x}.log" |
-      awk '{n[$NF]++; s[$NF]+=$5} END {for (k in n) printf "  %s: %d updates, mean %.0f us\n", k, n[k], s[k]/n[k]}'
-    gzip -f "$RES/step_call_${x}.log"
-  done
+  # token bucket (bench/engine/step_call.py), and the step's command-buffer updates from XLA's
+  # log. (With XLA's temp buffers in their own memory space, the lead for fewer updates, the
+  # device step doubled: history/2026-12-06_decode_ab_qwen3-30b-a3b-q4_k_m_h100.md.)
+  local t=${1:-q4_k_m}
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+    python3 bench/engine/step_call.py --model "$M/$SHAPE-$t.gguf" --dtype quantized \
+    --phases 1:8 1:1 1:8 1:1 2:8 --compile-cache-dir /tmp/xc \
+    --title "host time of a decode step's call, random $SHAPE-shaped $t" \
+    --out "$RES/step_call_$SHAPE-$t.json" 2> "$RES/step_call.log" | grep "^|"
+  grep -o "Updated command buffer in [0-9]* .*num_commands=[0-9]*" "$RES/step_call.log" |
+    awk '{n[$NF]++; s[$NF]+=$5} END {for (k in n) printf "  %s: %d updates, mean %.0f us\n", k, n[k], s[k]/n[k]}'
+  gzip -f "$RES/step_call.log"
 }
 
 step_decode_ab() {  # $1 weight type, then configs ACTIVATIONS-XLA (float|int8 - plain|temp_color):
