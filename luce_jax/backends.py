@@ -17,6 +17,17 @@ def attention_fn(backend: str):
     return paged_attention_xla
 
 
+def sinkhorn_fn(backend: str):
+    """DeepSeek V4's hyper-connection Sinkhorn normalization: the kernel with the pallas
+    backend (one launch for what XLA ran as a loop of kernels a site), else None (its jnp
+    reference)."""
+    if backend == "pallas":
+        from pallas_kernels.sinkhorn import sinkhorn
+
+        return sinkhorn
+    return None
+
+
 def sink_attention_fn(backend: str):
     """Attention with sinks over keys gathered by row (DeepSeek V4): the kernel with the pallas
     backend, else None (its XLA reference)."""
@@ -133,4 +144,5 @@ def kernels(config):
         gated_delta=gated_delta_fn(config.attention_backend),
         moe_router=moe_router_fn(config.moe_backend),
         sink_attention=sink_attention_fn(config.attention_backend),
+        sinkhorn=sinkhorn_fn(config.attention_backend),
     )

@@ -21,6 +21,7 @@ from luce_jax.models.family import XLA, Kernels, family_of
 from luce_jax.sampling_params import SamplingParams
 from luce_jax.step_format import GroupShape, Row, lower
 from pallas_kernels.sink_attention import sink_attention
+from pallas_kernels.sinkhorn import sinkhorn
 
 P, T_BUCKET, MAX_CTX = 16, 256, 512
 GREEDY = SamplingParams(max_tokens=ds4.GREEDY, temperature=0, ignore_eos=True)
@@ -95,19 +96,20 @@ def test_the_file_describes_the_layers_it_holds(model, caplog):
     assert kinds == [("sliding", 1, 16), ("compressed", 4, 0), ("compressed", 128, 0)]
 
 
-SINK_KERNEL = Kernels(sink_attention=functools.partial(sink_attention, interpret=True))
+KERNELS = Kernels(sink_attention=functools.partial(sink_attention, interpret=True),
+                  sinkhorn=functools.partial(sinkhorn, interpret=True))  # fmt: skip
 
 
-@pytest.mark.parametrize("kernels", [XLA, SINK_KERNEL], ids=["xla", "sink-kernel"])
+@pytest.mark.parametrize("kernels", [XLA, KERNELS], ids=["xla", "kernels"])
 def test_logits_are_transformers_over_a_prompt_and_greedy_steps(model, kernels):
     """float32 logits at the prompt's last position and after each of 16 greedy tokens within
     1e-3 of transformers, the same greedy tokens; position 255 closes HCA entry 1 meanwhile.
-    With the sink attention kernel (interpret mode) as with its XLA reference."""
+    With the sink attention and Sinkhorn kernels (interpret mode) as with their references."""
     ref = ds4.reference()
     r = Runner(*model, kernels=kernels)
     prompt = ref["prompt"].tolist()
     out = [r.prompt(prompt, T_BUCKET)]
-    steps = ds4.GREEDY if kernels is XLA else 3  # the kernel: the prompt and 3 decode steps
+    steps = ds4.GREEDY if kernels is XLA else 3  # the kernels: the prompt and 3 decode steps
     for i in range(steps):
         tok = int(out[-1].argmax())
         out.append(r.step([Row(0, (tok,), len(prompt) + i, True)])[0])

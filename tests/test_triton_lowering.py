@@ -270,3 +270,13 @@ def test_sink_attention_lowers_to_a_valid_triton_module(verified, H, D):
     args = (jnp.zeros((T, H, D), jnp.bfloat16), caches, rows, jnp.zeros((H,), jnp.float32))
     lower_for_cuda(functools.partial(sink_attention, scale=D**-0.5, interpret=False), *args)
     assert len(verified) == 1
+
+
+@pytest.mark.parametrize("T, n", [(8, 4), (37, 3)])
+def test_sinkhorn_lowers_to_a_valid_triton_module(verified, T, n):
+    """DeepSeek V4's hyper-connection mixing matrices, every iteration in one kernel."""
+    from pallas_kernels.sinkhorn import sinkhorn
+
+    f = functools.partial(sinkhorn, iters=20, eps=1e-6, interpret=False)
+    lower_for_cuda(f, jnp.zeros((T, n, n), jnp.float32))
+    assert len(verified) == 1

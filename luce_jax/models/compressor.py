@@ -56,17 +56,24 @@ def compress(c, z, ring_c, ring_z, slot, pos, start, end, *, m: int, overlap: bo
     here = srcs >= start[:, None]  # in this step's run: row t - (pos - q); else the ring
     row = jnp.where(here, jnp.arange(T)[:, None] - (pos[:, None] - srcs), 0)
     ring_at = s[:, None] * R + jnp.mod(srcs, R)
-    idx = jnp.where(here, S * R + row, ring_at)
-    idx = jnp.clip(idx, 0, S * R + T - 1)
-    table_c = jnp.concatenate([ring_c.reshape(S * R, W), c], axis=0)
-    table_z = jnp.concatenate([ring_z.reshape(S * R, W), z], axis=0)
-    gc, gz = table_c[idx], table_z[idx]  # [T, n_src, W]
+    # two gathers and a select, not one gather from [ring; rows]: that concatenation copied
+    # every slot's ring, each step and layer
+    row = jnp.clip(row, 0, T - 1)
+    here = here[:, :, None]
+    gc = jnp.where(here, c[row], ring_c.reshape(S * R, W)[ring_at])  # [T, n_src, W]
+    gz = jnp.where(here, z[row], ring_z.reshape(S * R, W)[ring_at])
     if overlap:  # block i - 1's first halves, block i's second halves; block -1 weighs nothing
         gc = jnp.concatenate([gc[:, :m, :d], gc[:, m:, d:]], axis=1)
         gz = jnp.concatenate([gz[:, :m, :d], gz[:, m:, d:]], axis=1)
         none = (srcs < 0)[:, :, None]
         gc, gz = jnp.where(none, 0.0, gc), jnp.where(none, -jnp.inf, gz)
     entries = jnp.sum(jax.nn.softmax(gz, axis=1) * gc, axis=1)
+    # The rings' writes read a zero made from the entries, so they follow every read of the
+    # rings and XLA updates them in place: without the dependency it copied each ring twice
+    # (an optimization barrier was expanded before copy insertion and ordered nothing).
+    e = entries[0, 0]
+    zero = jnp.where(jnp.isfinite(e), e, 0.0) * 0.0
+    c, z = c + zero, z + zero
     # each run's last R positions go to its slot's ring (no two rows write one ring row)
     keep = real & (pos >= end - R)
     at = jnp.where(keep, s * R + jnp.mod(pos, R), S * R)  # S * R: dropped

@@ -97,9 +97,11 @@ def _groups(cfg: ModelConfig) -> dict[int, int]:
 
 
 def init_state(cfg: ModelConfig, max_slots: int) -> dict:
-    """Zeroed compressor rings (float32) [L_ratio, S_max, R, w]: values ("*_kv") and gate
-    scores with the position bias added ("*_score"), for CSA's main compressor (w = 2D) and
-    its indexer's (w = 2 dI), and HCA's (w = D)."""
+    """Zeroed compressor rings (float32): L_ratio arrays [S_max, R, w] (a layer's own, so
+    its compressor's scatter updates it in place; slices of one [L_ratio, ...] array were
+    copied out and back each step) of values ("*_kv") and gate scores with the position bias
+    added ("*_score"), for CSA's main compressor (w = 2D) and its indexer's (w = 2 dI), and
+    HCA's (w = D)."""
     own, D = cfg.own, cfg.head_dim
     shapes = {
         "csa": (own.layers(CSA), ring_rows(CSA, True), 2 * D),
@@ -107,7 +109,7 @@ def init_state(cfg: ModelConfig, max_slots: int) -> dict:
         "hca": (own.layers(HCA), ring_rows(HCA, False), D),
     }
     return {
-        f"{name}_{part}": jnp.zeros((n, max_slots, R, w), jnp.float32)
+        f"{name}_{part}": tuple(jnp.zeros((max_slots, R, w), jnp.float32) for _ in range(n))
         for name, (n, R, w) in shapes.items()
         for part in ("kv", "score")
     }
@@ -143,7 +145,7 @@ def layer(lp: dict, X, caches: dict, rings: dict, tok: StepTokens, batch: dict, 
     def proj(x, w):
         return linear(x, w, qmm, live)
 
-    hc = dict(eps=eps, hc_eps=own.hc_eps, iters=own.sinkhorn_iters)
+    hc = dict(eps=eps, hc_eps=own.hc_eps, iters=own.sinkhorn_iters, sinkhorn=kernels.sinkhorn)
     with jax.named_scope("hyper_connection"):
         y, post, comb = hc_pre(X, lp["hc_attn"], **hc)
         x = rms_norm(y, lp["attn_norm"], eps)
@@ -174,15 +176,14 @@ def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConf
     """
     own = cfg.own
     tok = StepTokens.of(batch)
-    slots = batch["slots"]
-    # a slot's first row starts from empty rings (what it reads of them is its own, written
-    # first; zeroing keeps a reused slot's state its own in every byte)
-    S_max = next(iter(state.values())).shape[1]
-    fresh = jnp.where((batch["fresh"] == 1) & (slots >= 0), slots, S_max)
-    state = {k: v.at[:, fresh].set(0.0, mode="drop") for k, v in state.items()}
+    # A reused slot's rings keep its last sequence's bytes: its new sequence reads none of
+    # them. Its first row starts at position 0 (this family has no prefix cache), and a ring
+    # is read only for positions before a row's run (compressor.py): HCA's sources are at or
+    # past 0, CSA's before 0 count for nothing.
     with jax.named_scope("embed"):
         X = jnp.repeat(embed(params["embed"], batch["tokens"])[:, None, :], own.streams, axis=1)
     caches = {k: list(v) for k, v in caches.items()}
+    state = {k: list(v) for k, v in state.items()}
     index = {CSA: 0, HCA: 0}  # a compressed layer's index among its ratio's
     routing = []
     for i, lp in enumerate(params["layers"]):
@@ -198,14 +199,14 @@ def forward(params: dict, caches: dict, state: dict, batch: dict, cfg: ModelConf
         for k, c in names.items():
             caches[c][j] = mine[k]
         for k, r in rings.items():
-            state[r] = state[r].at[j].set(ring[k])
+            state[r][j] = ring[k]
         if ratio:
             index[ratio] += 1
     with jax.named_scope("hyper_connection"):
         h = hc_head(X, params["hc_head"], eps=cfg.rms_eps, hc_eps=own.hc_eps)
     logits = head(params, h, batch, cfg, kernels.quant_matmul)
     stats = {"expert_counts": moe.expert_counts(jnp.stack(routing), cfg.n_experts)}
-    return logits, caches, state, stats
+    return logits, caches, {k: tuple(v) for k, v in state.items()}, stats
 
 
 class DeepSeek4Family:

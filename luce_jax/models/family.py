@@ -42,6 +42,8 @@ class Kernels(NamedTuple):
     moe_router: Callable | None = None  # MoE routing in one kernel (moe.route's decode buckets)
     # attention with sinks over keys gathered by row (pallas_kernels/sink_attention.py)
     sink_attention: Callable | None = None
+    # the hyper-connections' Sinkhorn normalization in one kernel (pallas_kernels/sinkhorn.py)
+    sinkhorn: Callable | None = None
     # (routed, lp, h, live, tokens) -> moe.routed's output, run where the experts' weights are
     # (device/sharded_kernels.py: each device its own experts); None: moe.routed here
     experts: Callable | None = None

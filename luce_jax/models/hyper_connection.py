@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.int8_rows import rms_norm
+from pallas_kernels.sinkhorn import sinkhorn_reference
 
 
 def _flat_normed(X, eps: float):
@@ -28,25 +29,13 @@ def _dot(v, fn):
     return jnp.dot(v, fn.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
 
 
-def sinkhorn(logits, iters: int, eps: float):
-    """[T, n, n] row softmax plus eps, then columns and rows normalized in turn (iters column
-    passes, iters - 1 row passes between them): comb[t, a, b], source stream a, target b."""
-    c = jax.nn.softmax(logits, axis=-1) + eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    def body(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    return jax.lax.fori_loop(0, iters - 1, body, c)
-
-
-def hc_pre(X, site: dict, *, eps: float, hc_eps: float, iters: int):
+def hc_pre(X, site: dict, *, eps: float, hc_eps: float, iters: int, sinkhorn=None):
     """The block's input and the site's mixing weights.
 
     Args:
       X: [T, n, D] streams; site: {"fn", "base", "scale"} of the site (attention or FFN);
-      eps: the norm's epsilon; hc_eps: the weights' epsilon; iters: Sinkhorn iterations.
+      eps: the norm's epsilon; hc_eps: the weights' epsilon; iters: Sinkhorn iterations;
+      sinkhorn: Kernels.sinkhorn, or None (pallas_kernels/sinkhorn.py's jnp reference).
     Returns:
       (y [T, D] float32: sum_i pre[i] X[i], post [T, n], comb [T, n, n]).
     """
@@ -56,7 +45,10 @@ def hc_pre(X, site: dict, *, eps: float, hc_eps: float, iters: int):
     pre = jax.nn.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * jax.nn.sigmoid(m[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (m[:, 2 * n :] * scale[2] + base[2 * n :]).reshape(-1, n, n)
-    comb = sinkhorn(comb_logits, iters, hc_eps)
+    if sinkhorn is None:
+        comb = sinkhorn_reference(comb_logits, iters, hc_eps)
+    else:
+        comb = sinkhorn(comb_logits, iters=iters, eps=hc_eps)
     y = jnp.sum(pre[..., None] * X.astype(jnp.float32), axis=1)
     return y, post, comb
 
