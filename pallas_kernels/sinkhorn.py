@@ -2,9 +2,10 @@
 kernel launch: a program normalizes the [n, n] matrices of BT tokens through every iteration
 in registers.
 
-As XLA ops (models/hyper_connection.py's reference, a fori_loop of iters - 1 column and row
-passes) each iteration of each site's loop was its own kernels on the GPU: a reduction, a
-division and the loop counter's add, with the loop state copied device to device. The 12-layer
+As XLA ops (the reference here, a fori_loop of iters - 1 column and row passes) each
+iteration of each site's loop was its own kernels on the GPU: a reduction, a division and the
+loop counter's add, with the loop state copied device to device, and XLA:GPU reads a while
+loop's predicate on the host each iteration (device/sampling.py says what that cost). The 12-layer
 DeepSeek-V4-Flash-shaped C1 decode step ran 2,643 kernels, about 1,600 of them these, two
 sites a layer (bench/results/profile_deepseek4-flash-q2_k.md: `input_reduce_fusion`,
 `loop_divide_fusion`, `loop_add_fusion`, `MemcpyD2D`).
