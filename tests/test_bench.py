@@ -602,3 +602,13 @@ def test_a_new_record_moves_the_one_it_replaces_into_history(tmp_path):
     meta.write_result({"rate": 4}, "x\n", str(tmp_path / "scratch.json"))
     meta.write_result({"rate": 5}, "y\n", str(tmp_path / "scratch.json"))
     assert not (tmp_path / "history").exists()
+
+
+def test_a_kernel_name_in_two_programs_keeps_the_first_programs_part():
+    """The forward pass's HLO comes first in a profile's text: a name the sampling program
+    reuses is attributed to the forward's part, not overwritten by sampling's."""
+    fwd = '  %input_reduce_fusion = f32[8] fusion(%p), metadata={op_name="jit(f)/mlp/reduce"}'
+    smp = '  %input_reduce_fusion = f32[8] fusion(%q), metadata={op_name="jit(s)/sampling/x"}'
+    cats = profile_step.hlo_categories("\n".join([fwd, smp]))
+    assert cats == {"input_reduce_fusion": "mlp"}
+    assert profile_step.hlo_categories(smp) == {"input_reduce_fusion": "sampling"}
