@@ -51,11 +51,8 @@ def _kernel(x_ref, o_ref, *, n: int, N: int, iters: int, eps: float):
     mask = (t < T)[:, None, None] & valid[None]
     at = (t[:, None, None], a[None, :, None], b[None, None, :])
     x = plgpu.load(x_ref.at[at], mask=mask, other=-jnp.inf).astype(jnp.float32)
-    x = jnp.where(valid[None], x, -jnp.inf)
-    e = jnp.exp(x - jnp.max(x, axis=2)[:, :, None])  # padding rows: all -inf
-    e = jnp.where(valid[None], e, 0.0)
-    c = e / jnp.maximum(jnp.sum(e, axis=2), 1e-30)[:, :, None]
-    c = jnp.where(valid[None], c + eps, 0.0)
+    e = jnp.exp(x - jnp.max(x, axis=2)[:, :, None])  # padding rows (all -inf): NaN, zeroed next
+    c = jnp.where(valid[None], e / jnp.sum(e, axis=2)[:, :, None] + eps, 0.0)
     c = c / (jnp.sum(c, axis=1)[:, None, :] + eps)
     for _ in range(iters - 1):  # unrolled: iters is small (20 in DeepSeek V4)
         c = c / (jnp.sum(c, axis=2)[:, :, None] + eps)

@@ -45,10 +45,7 @@ def hc_pre(X, site: dict, *, eps: float, hc_eps: float, iters: int, sinkhorn=Non
     pre = jax.nn.sigmoid(m[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * jax.nn.sigmoid(m[:, n : 2 * n] * scale[1] + base[n : 2 * n])
     comb_logits = (m[:, 2 * n :] * scale[2] + base[2 * n :]).reshape(-1, n, n)
-    if sinkhorn is None:
-        comb = sinkhorn_reference(comb_logits, iters, hc_eps)
-    else:
-        comb = sinkhorn(comb_logits, iters=iters, eps=hc_eps)
+    comb = (sinkhorn or sinkhorn_reference)(comb_logits, iters=iters, eps=hc_eps)
     y = jnp.sum(pre[..., None] * X.astype(jnp.float32), axis=1)
     return y, post, comb
 
