@@ -4,6 +4,7 @@ kernels, or their XLA / jnp counterparts."""
 from __future__ import annotations
 
 import functools
+import importlib
 
 
 def attention_fn(backend: str):
@@ -17,25 +18,12 @@ def attention_fn(backend: str):
     return paged_attention_xla
 
 
-def sinkhorn_fn(backend: str):
-    """DeepSeek V4's hyper-connection Sinkhorn normalization: the kernel with the pallas
-    backend (one launch for what XLA ran as a loop of kernels a site), else None (its jnp
-    reference)."""
-    if backend == "pallas":
-        from pallas_kernels.sinkhorn import sinkhorn
-
-        return sinkhorn
-    return None
-
-
-def sink_attention_fn(backend: str):
-    """Attention with sinks over keys gathered by row (DeepSeek V4): the kernel with the pallas
-    backend, else None (its XLA reference)."""
-    if backend == "pallas":
-        from pallas_kernels.sink_attention import sink_attention
-
-        return sink_attention
-    return None
+def pallas_only(backend: str, module: str, name: str):
+    """The kernel `name` of pallas_kernels.`module` with the pallas backend, else None: the
+    model then runs its XLA ops or the kernel's jnp reference in its place."""
+    if backend != "pallas":
+        return None
+    return getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
 
 
 def gated_delta_fn(backend: str):
@@ -51,16 +39,6 @@ def gated_delta_fn(backend: str):
     from pallas_kernels.gated_delta import gated_delta_in_place_reference
 
     return gated_delta_in_place_reference
-
-
-def rope_write_fn(backend: str):
-    """q and k's norms, rope and the KV write in one kernel with the Pallas attention backend
-    (pallas_kernels/rope_write.py), else None: XLA's ops."""
-    if backend == "pallas":
-        from pallas_kernels.rope_write import rope_write
-
-        return rope_write
-    return None
 
 
 def grouped_matmul_fn(backend: str):
@@ -140,9 +118,12 @@ def kernels(config):
         attention=attention_fn(config.attention_backend),
         grouped_matmul=grouped_matmul_fn(config.moe_backend),
         quant_matmul=quant_matmul_fn(config.quant_backend, config.quant_activations),
-        rope_write=rope_write_fn(config.attention_backend),
+        # q and k's norms, rope and the KV write in one kernel (pallas_kernels/rope_write.py)
+        rope_write=pallas_only(config.attention_backend, "rope_write", "rope_write"),
         gated_delta=gated_delta_fn(config.attention_backend),
         moe_router=moe_router_fn(config.moe_backend),
-        sink_attention=sink_attention_fn(config.attention_backend),
-        sinkhorn=sinkhorn_fn(config.attention_backend),
+        # DeepSeek V4's attention with sinks over keys gathered by row, and its
+        # hyper-connections' Sinkhorn normalization in one launch (XLA ran it as a loop)
+        sink_attention=pallas_only(config.attention_backend, "sink_attention", "sink_attention"),
+        sinkhorn=pallas_only(config.attention_backend, "sinkhorn", "sinkhorn"),
     )
